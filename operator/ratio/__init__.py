@@ -1,0 +1,6 @@
+"""P/D ratio planning (DOPD §IV-B–C, §V-D, Alg. 2): performance profiles, D-instance capacity, the P/D
+balance, TP choice, Kingman headroom for TTFT, and integer instance counts under a GPU budget.
+
+Pure: inputs in, a plan out. Nothing here performs I/O except loading profile files in ``profile.py``,
+and nothing imports Kubernetes, HTTP, NATS, etcd or vLLM (enforced by ``.importlinter``).
+"""

@@ -1,0 +1,455 @@
+"""Performance profiles: measured TTFT(ISL, TP) and TPOT(batch, context, TP) tables of one model on one GPU.
+
+Every latency the planner and the simulator need comes from a :class:`PerformanceProfile` (DESIGN,
+principle 4; DOPD §V-D "Initialize INTERP" in Alg. 2). A profile holds, per tensor-parallel size:
+
+- a **prefill table**: ISL (tokens) → single-request prefill latency (seconds, batch of one);
+- a **decode table**: a grid batch (concurrent requests) × context length (tokens) → time of one decode
+  step for the whole batch (seconds; the TPOT every request in the batch sees);
+
+plus the memory facts of eqs. (11)–(14): weight bytes, KV bytes per token, activation reserve M', GPU
+memory and HBM bandwidth, and the engine's CUDA-graph batch cap cc_g.
+
+Interpolation and extrapolation (documented contract):
+
+- prefill inside the table: piecewise-linear in ISL. Outside it: the table's end value plus the change
+  of a non-negative least-squares fit ``T(x) = τ + κ1·x + κ2·x²`` (DOPD eqs. 2–5: linear projections
+  plus quadratic attention), so the curve stays continuous and grows quadratically for long prompts.
+- decode inside the grid: bilinear in (batch, context). Outside it: linear extrapolation along each axis
+  through the two nearest grid lines, floored at the nearest measured value scaled down no further than
+  the table's own minimum (decode never gets faster than the fastest measured step).
+- TP not in the profile: :class:`~fulcrum.errors.ProfileError`. The planner only chooses measured TPs.
+
+Batched prefill (DOPD Alg. 1 groups short prompts): a batch of prompts costs the prefill time of its
+total tokens minus the attention cross-terms that separate sequences do not compute,
+``T(Σx) − κ2·((Σx)² − Σx²)``, and never less than its longest member alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from scipy.optimize import nnls
+
+from fulcrum.errors import ProfileError
+
+__all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict"]
+
+GiB = float(1 << 30)
+
+
+def _check_increasing(name: str, xs: Sequence[float]) -> None:
+    if len(xs) == 0:
+        raise ProfileError(f"{name}: no points")
+    for a, b in zip(xs, xs[1:]):
+        if not b > a:
+            raise ProfileError(f"{name}: axis must be strictly increasing, got {a} then {b}")
+
+
+def _check_finite_positive(name: str, values: Sequence[float]) -> None:
+    for v in values:
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ProfileError(f"{name}: every latency must be a finite positive number, got {v!r}")
+
+
+def _check_non_decreasing(name: str, xs: Sequence[float], ys: Sequence[float]) -> None:
+    for i in range(1, len(ys)):
+        if ys[i] < ys[i - 1] * (1 - 1e-9):
+            raise ProfileError(
+                f"{name}: latency must not decrease as load grows, but {xs[i - 1]} → {ys[i - 1]:.6g} s "
+                f"and {xs[i]} → {ys[i]:.6g} s"
+            )
+
+
+@dataclass(frozen=True)
+class PrefillTable:
+    """Prefill latency of one request vs its ISL, at one TP.
+
+    Attributes:
+        isl: prompt lengths in tokens, strictly increasing, shape (n,), n >= 1.
+        seconds: prefill latency in seconds (batch of one), non-decreasing, shape (n,).
+    """
+
+    isl: tuple[float, ...]
+    seconds: tuple[float, ...]
+    _fit: tuple[float, float, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.isl) != len(self.seconds):
+            raise ProfileError(f"prefill table: {len(self.isl)} ISL points but {len(self.seconds)} latencies")
+        _check_increasing("prefill table ISL", self.isl)
+        _check_finite_positive("prefill table", self.seconds)
+        _check_non_decreasing("prefill table", self.isl, self.seconds)
+        object.__setattr__(self, "_fit", self._fit_quadratic())
+
+    def _fit_quadratic(self) -> tuple[float, float, float]:
+        x = np.asarray(self.isl, dtype=float)
+        y = np.asarray(self.seconds, dtype=float)
+        if len(x) == 1:
+            return (0.0, y[0] / x[0], 0.0)
+        a = np.column_stack([np.ones_like(x), x, x * x])
+        coef, _ = nnls(a, y)
+        tau, k1, k2 = (float(c) for c in coef)
+        if k1 == 0.0 and k2 == 0.0:  # flat table: keep a linear slope so longer prompts never get cheaper
+            k1 = max(y[-1] - y[0], 0.0) / max(x[-1] - x[0], 1.0)
+        return (tau, k1, k2)
+
+    @property
+    def quadratic(self) -> tuple[float, float, float]:
+        """(τ s, κ1 s/token, κ2 s/token²) of the NNLS fit ``τ + κ1·x + κ2·x²`` (DOPD eq. 5)."""
+        return self._fit
+
+    def _q(self, x: float) -> float:
+        tau, k1, k2 = self._fit
+        return tau + k1 * x + k2 * x * x
+
+    def __call__(self, isl: float) -> float:
+        """Prefill latency in seconds of one prompt of ``isl`` tokens (see module doc for extrapolation)."""
+        x = max(float(isl), 0.0)
+        xs, ys = self.isl, self.seconds
+        if x >= xs[-1]:
+            return ys[-1] + (self._q(x) - self._q(xs[-1]))
+        if x <= xs[0]:
+            return max(ys[0] + (self._q(x) - self._q(xs[0])), ys[0] * 0.05, 1e-6)
+        j = bisect.bisect_right(xs, x)
+        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def batch(self, isls: Sequence[float]) -> float:
+        """Latency in seconds of one prefill batch holding prompts of the given lengths (tokens)."""
+        if not isls:
+            return 0.0
+        total = float(sum(isls))
+        k2 = self._fit[2]
+        cross = k2 * (total * total - sum(float(x) * float(x) for x in isls))
+        return max(self(total) - cross, max(self(x) for x in isls))
+
+
+@dataclass(frozen=True)
+class DecodeTable:
+    """Decode step latency vs (batch, context length), at one TP.
+
+    Attributes:
+        batch: concurrent requests in the step, strictly increasing, shape (nb,).
+        context: mean context length in tokens (prompt + generated so far), strictly increasing, shape (nc,).
+        seconds: step latency in seconds, shape (nb, nc) as nested tuples, non-decreasing along both axes.
+    """
+
+    batch: tuple[float, ...]
+    context: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        _check_increasing("decode table batch", self.batch)
+        _check_increasing("decode table context", self.context)
+        if len(self.seconds) != len(self.batch) or any(len(r) != len(self.context) for r in self.seconds):
+            raise ProfileError(
+                f"decode table: expected {len(self.batch)}×{len(self.context)} latencies (batch × context), "
+                f"got {len(self.seconds)} rows of {[len(r) for r in self.seconds]}"
+            )
+        for bi, row in enumerate(self.seconds):
+            _check_finite_positive("decode table", row)
+            _check_non_decreasing(f"decode table at batch {self.batch[bi]}", self.context, row)
+        for ci in range(len(self.context)):
+            col = [row[ci] for row in self.seconds]
+            _check_non_decreasing(f"decode table at context {self.context[ci]}", self.batch, col)
+
+    @staticmethod
+    def _axis(xs: Sequence[float], x: float) -> tuple[int, int, float]:
+        """Indices (i0, i1) and weight w so that value = (1-w)·v[i0] + w·v[i1] (w may leave [0,1] above)."""
+        n = len(xs)
+        if n == 1:
+            return 0, 0, 0.0
+        if x <= xs[0]:
+            return 0, 0, 0.0  # below the table: the first measured line (conservative)
+        if x >= xs[-1]:
+            i0, i1 = n - 2, n - 1  # above: linear extrapolation through the last two lines
+        else:
+            i1 = bisect.bisect_right(xs, x)
+            i0 = i1 - 1
+        return i0, i1, (x - xs[i0]) / (xs[i1] - xs[i0])
+
+    def __call__(self, batch: float, context: float) -> float:
+        """Time in seconds of one decode step of ``batch`` requests at mean ``context`` tokens."""
+        b = max(float(batch), 1.0)
+        c = max(float(context), 1.0)
+        b0, b1, wb = self._axis(self.batch, b)
+        c0, c1, wc = self._axis(self.context, c)
+        s = self.seconds
+
+        def at(bi: int) -> float:
+            return (1 - wc) * s[bi][c0] + wc * s[bi][c1]
+
+        value = (1 - wb) * at(b0) + wb * at(b1)
+        return max(value, s[0][0])
+
+
+@dataclass(frozen=True)
+class PerformanceProfile:
+    """Measured performance of one model on one GPU type, per tensor-parallel size.
+
+    Attributes:
+        name: profile id, e.g. ``dopd-llama70b-fp8-h100``.
+        model: model name.
+        gpu_type: GPU type, e.g. ``H100``.
+        gpu_memory_gib: memory per GPU, GiB (M_gpu of eq. 11).
+        hbm_bandwidth_gbps: HBM bandwidth per GPU, GB/s (BW of eq. 12).
+        weight_bytes: model weights, bytes, whole model (M_model of eq. 11).
+        kv_bytes_per_token: KV cache bytes per token, whole model across all layers (M_token of eq. 13).
+        activation_reserve_gib: per-GPU reserve for activations, CUDA graphs and runtime, GiB (M' of eq. 11).
+        cuda_graph_max_batch: largest decode batch the engine captures, cc_g of eq. 14.
+        prefill: TP → :class:`PrefillTable`.
+        decode: TP → :class:`DecodeTable`.
+        source: where the numbers come from (paper table, data file, profiling run).
+    """
+
+    name: str
+    model: str
+    gpu_type: str
+    gpu_memory_gib: float
+    hbm_bandwidth_gbps: float
+    weight_bytes: float
+    kv_bytes_per_token: float
+    activation_reserve_gib: float
+    cuda_graph_max_batch: int
+    prefill: dict[int, PrefillTable]
+    decode: dict[int, DecodeTable]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for attr in ("gpu_memory_gib", "hbm_bandwidth_gbps", "weight_bytes", "kv_bytes_per_token"):
+            v = getattr(self, attr)
+            if not (math.isfinite(v) and v > 0):
+                raise ProfileError(f"profile {self.name!r}: {attr} must be a finite positive number, got {v!r}")
+        if not (math.isfinite(self.activation_reserve_gib) and self.activation_reserve_gib >= 0):
+            raise ProfileError(f"profile {self.name!r}: activation_reserve_gib must be >= 0")
+        if self.cuda_graph_max_batch < 1:
+            raise ProfileError(f"profile {self.name!r}: cuda_graph_max_batch must be >= 1")
+        if not self.prefill:
+            raise ProfileError(f"profile {self.name!r}: no prefill table")
+        if not self.decode:
+            raise ProfileError(f"profile {self.name!r}: no decode table")
+
+    @property
+    def prefill_tps(self) -> tuple[int, ...]:
+        """Tensor-parallel sizes with a prefill table, ascending."""
+        return tuple(sorted(self.prefill))
+
+    @property
+    def decode_tps(self) -> tuple[int, ...]:
+        """Tensor-parallel sizes with a decode table, ascending."""
+        return tuple(sorted(self.decode))
+
+    def _prefill_table(self, tp: int) -> PrefillTable:
+        try:
+            return self.prefill[tp]
+        except KeyError:
+            raise ProfileError(f"profile {self.name!r} has no prefill table for TP={tp} (has {self.prefill_tps})") from None
+
+    def _decode_table(self, tp: int) -> DecodeTable:
+        try:
+            return self.decode[tp]
+        except KeyError:
+            raise ProfileError(f"profile {self.name!r} has no decode table for TP={tp} (has {self.decode_tps})") from None
+
+    def ttft(self, isl: float, tp: int) -> float:
+        """Prefill latency (s) of one prompt of ``isl`` tokens on a TP-``tp`` instance: TTFT without queueing."""
+        return self._prefill_table(tp)(isl)
+
+    def prefill_batch_time(self, isls: Sequence[float], tp: int) -> float:
+        """Latency (s) of one prefill batch of prompts with these lengths (tokens) on TP ``tp``."""
+        return self._prefill_table(tp).batch(isls)
+
+    def tpot(self, batch: float, context: float, tp: int) -> float:
+        """Decode step time (s) for ``batch`` requests at mean ``context`` tokens on TP ``tp``."""
+        return self._decode_table(tp)(batch, context)
+
+    def kv_capacity_tokens(self, tp: int) -> float:
+        """KV cache capacity in tokens of one TP-``tp`` instance: V_mem / M_token (eq. 11).
+
+        Returns 0 when the weights do not fit.
+        """
+        v_mem = (self.gpu_memory_gib - self.activation_reserve_gib) * tp * GiB - self.weight_bytes
+        return max(v_mem, 0.0) / self.kv_bytes_per_token
+
+    def kv_transfer_seconds(self, tokens: float, bandwidth_gbps: float) -> float:
+        """Time (s) to move the KV cache of ``tokens`` tokens over a link of ``bandwidth_gbps`` GB/s."""
+        return tokens * self.kv_bytes_per_token / (bandwidth_gbps * 1e9)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as the plain mapping :func:`profile_from_dict` reads (latencies in ms)."""
+        return {
+            "name": self.name,
+            "model": self.model,
+            "source": self.source,
+            "gpu": {"type": self.gpu_type, "memoryGiB": self.gpu_memory_gib, "hbmBandwidthGBps": self.hbm_bandwidth_gbps},
+            "weightBytes": self.weight_bytes,
+            "kvBytesPerToken": self.kv_bytes_per_token,
+            "activationReserveGiB": self.activation_reserve_gib,
+            "cudaGraphMaxBatch": self.cuda_graph_max_batch,
+            "prefill": [
+                {"tp": tp, "isl": list(t.isl), "ttftMs": [s * 1e3 for s in t.seconds]} for tp, t in sorted(self.prefill.items())
+            ],
+            "decode": [
+                {
+                    "tp": tp,
+                    "batch": list(t.batch),
+                    "context": list(t.context),
+                    "tpotMs": [[s * 1e3 for s in row] for row in t.seconds],
+                }
+                for tp, t in sorted(self.decode.items())
+            ],
+        }
+
+
+def _req(d: dict[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise ProfileError(f"{where}: missing field {key!r}")
+    return d[key]
+
+
+def _num(v: Any, where: str) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ProfileError(f"{where}: expected a number, got {v!r}") from None
+    if not math.isfinite(f):
+        raise ProfileError(f"{where}: expected a finite number, got {v!r}")
+    return f
+
+
+def _nums(vs: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(vs, (list, tuple)):
+        raise ProfileError(f"{where}: expected a list of numbers, got {type(vs).__name__}")
+    return tuple(_num(v, f"{where}[{i}]") for i, v in enumerate(vs))
+
+
+def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
+    """Build a profile from the mapping format (YAML/JSON). Latencies are in milliseconds.
+
+    Format::
+
+        name: str; model: str; source: str
+        gpu: {type: str, memoryGiB: float, hbmBandwidthGBps: float}
+        weightBytes: float; kvBytesPerToken: float; activationReserveGiB: float; cudaGraphMaxBatch: int
+        prefill: [{tp: int, isl: [tokens...], ttftMs: [ms...]}]
+        decode:  [{tp: int, batch: [n...], context: [tokens...], tpotMs: [[ms per context] per batch]}]
+
+    Raises:
+        ProfileError: a field is missing or of the wrong type, or a table is empty, non-monotone or ragged.
+    """
+    if not isinstance(d, dict):
+        raise ProfileError(f"{origin}: expected a mapping at the top level, got {type(d).__name__}")
+    gpu = _req(d, "gpu", origin)
+    if not isinstance(gpu, dict):
+        raise ProfileError(f"{origin}: gpu must be a mapping")
+    prefill: dict[int, PrefillTable] = {}
+    for i, entry in enumerate(_req(d, "prefill", origin) or []):
+        where = f"{origin}: prefill[{i}]"
+        tp = int(_num(_req(entry, "tp", where), f"{where}.tp"))
+        isl = _nums(_req(entry, "isl", where), f"{where}.isl")
+        ms = _nums(_req(entry, "ttftMs", where), f"{where}.ttftMs")
+        try:
+            prefill[tp] = PrefillTable(isl, tuple(v / 1e3 for v in ms))
+        except ProfileError as err:
+            raise ProfileError(f"{where} (TP={tp}): {err}") from None
+    decode: dict[int, DecodeTable] = {}
+    for i, entry in enumerate(_req(d, "decode", origin) or []):
+        where = f"{origin}: decode[{i}]"
+        tp = int(_num(_req(entry, "tp", where), f"{where}.tp"))
+        batch = _nums(_req(entry, "batch", where), f"{where}.batch")
+        context = _nums(_req(entry, "context", where), f"{where}.context")
+        rows = _req(entry, "tpotMs", where)
+        if not isinstance(rows, list):
+            raise ProfileError(f"{where}.tpotMs: expected a list of rows")
+        grid = tuple(tuple(v / 1e3 for v in _nums(r, f"{where}.tpotMs[{j}]")) for j, r in enumerate(rows))
+        try:
+            decode[tp] = DecodeTable(batch, context, grid)
+        except ProfileError as err:
+            raise ProfileError(f"{where} (TP={tp}): {err}") from None
+    return PerformanceProfile(
+        name=str(d.get("name", origin)),
+        model=str(d.get("model", "")),
+        gpu_type=str(gpu.get("type", "")),
+        gpu_memory_gib=_num(_req(gpu, "memoryGiB", f"{origin}: gpu"), f"{origin}: gpu.memoryGiB"),
+        hbm_bandwidth_gbps=_num(_req(gpu, "hbmBandwidthGBps", f"{origin}: gpu"), f"{origin}: gpu.hbmBandwidthGBps"),
+        weight_bytes=_num(_req(d, "weightBytes", origin), f"{origin}: weightBytes"),
+        kv_bytes_per_token=_num(_req(d, "kvBytesPerToken", origin), f"{origin}: kvBytesPerToken"),
+        activation_reserve_gib=_num(d.get("activationReserveGiB", 4.0), f"{origin}: activationReserveGiB"),
+        cuda_graph_max_batch=int(_num(d.get("cudaGraphMaxBatch", 512), f"{origin}: cudaGraphMaxBatch")),
+        prefill=prefill,
+        decode=decode,
+        source=str(d.get("source", "")),
+    )
+
+
+def _from_csv(path: Path, meta: dict[str, Any]) -> PerformanceProfile:
+    """CSV rows ``kind,tp,isl,batch,context,ms`` (kind = prefill|decode); metadata from a sibling YAML.
+
+    The CSV holds the tables; ``<name>.meta.yaml`` beside it (or ``meta``) holds the scalar fields.
+    """
+    pre: dict[int, dict[float, float]] = {}
+    dec: dict[int, dict[tuple[float, float], float]] = {}
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        need = {"kind", "tp", "isl", "batch", "context", "ms"}
+        if reader.fieldnames is None or not need <= set(reader.fieldnames):
+            raise ProfileError(f"{path}: CSV needs columns {sorted(need)}, got {reader.fieldnames}")
+        for n, row in enumerate(reader, start=2):
+            where = f"{path}:{n}"
+            tp = int(_num(row["tp"], f"{where} tp"))
+            ms = _num(row["ms"], f"{where} ms")
+            if row["kind"] == "prefill":
+                pre.setdefault(tp, {})[_num(row["isl"], f"{where} isl")] = ms
+            elif row["kind"] == "decode":
+                key = (_num(row["batch"], f"{where} batch"), _num(row["context"], f"{where} context"))
+                dec.setdefault(tp, {})[key] = ms
+            else:
+                raise ProfileError(f"{where}: kind must be prefill or decode, got {row['kind']!r}")
+    d = dict(meta)
+    d["prefill"] = [{"tp": tp, "isl": sorted(p), "ttftMs": [p[k] for k in sorted(p)]} for tp, p in sorted(pre.items())]
+    d["decode"] = []
+    for tp, cells in sorted(dec.items()):
+        batches = sorted({b for b, _ in cells})
+        contexts = sorted({c for _, c in cells})
+        missing = [(b, c) for b in batches for c in contexts if (b, c) not in cells]
+        if missing:
+            raise ProfileError(f"{path}: decode grid for TP={tp} is missing points (batch, context) {missing[:5]}")
+        d["decode"].append(
+            {"tp": tp, "batch": batches, "context": contexts, "tpotMs": [[cells[(b, c)] for c in contexts] for b in batches]}
+        )
+    return profile_from_dict(d, origin=str(path))
+
+
+def load_profile(path: str | Path) -> PerformanceProfile:
+    """Load a profile from YAML, JSON or CSV (CSV needs ``<stem>.meta.yaml`` beside it).
+
+    Raises:
+        ProfileError: unreadable file, unknown extension, or invalid content (the message names it).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"profile file not found: {p}")
+    suffix = p.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            return profile_from_dict(yaml.safe_load(p.read_text(encoding="utf-8")), origin=str(p))
+        if suffix == ".json":
+            return profile_from_dict(json.loads(p.read_text(encoding="utf-8")), origin=str(p))
+        if suffix == ".csv":
+            meta_path = p.with_name(p.stem + ".meta.yaml")
+            if not meta_path.is_file():
+                raise ProfileError(f"{p}: CSV profiles need their scalar fields in {meta_path.name} beside them")
+            return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")) or {})
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ProfileError(f"{p}: cannot parse: {err}") from err
+    raise ProfileError(f"{p}: unknown profile format {suffix!r} (use .yaml, .json or .csv)")

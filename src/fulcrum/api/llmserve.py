@@ -1,0 +1,266 @@
+"""The ``LLMServe`` resource: the one schema shared by the CRD, the operator and ``fulcrum replay``.
+
+A platform engineer writes one ``LLMServe`` (model, GPUs, SLOs, limits); the planner reads the same
+object whether it runs in the operator or in replay. Field names are camelCase on the wire (Kubernetes
+convention) and snake_case in Python; both are accepted when parsing.
+
+Invalid specs raise :class:`fulcrum.errors.SpecError` whose message names every offending field by its
+path (e.g. ``spec.scaling.maxGPUs``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from fulcrum.errors import SpecError
+
+__all__ = [
+    "API_VERSION",
+    "KIND",
+    "Mode",
+    "ForecasterMethod",
+    "RouterPolicy",
+    "ModelSpec",
+    "EngineSpec",
+    "GPUSpec",
+    "SLOSpec",
+    "ForecasterSpec",
+    "ScalingSpec",
+    "ProfileRef",
+    "RouterSpec",
+    "LLMServeSpec",
+    "ObjectMeta",
+    "LLMServe",
+    "load_llmserve",
+    "parse_llmserve",
+]
+
+API_VERSION = "fulcrum.dev/v1alpha1"
+KIND = "LLMServe"
+
+
+class _Model(BaseModel):
+    """Base: camelCase aliases, unknown fields rejected, immutable."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class Mode(str, Enum):
+    """How instances serve requests.
+
+    - ``Disaggregated``: separate prefill (P) and decode (D) pools, KV moved over NIXL (DOPD).
+    - ``Unified``: one pool of ``kv_both`` instances; the router splits each request into
+      micro-requests (Libra §4.1) and colocates ultra-short ones.
+    - ``Auto``: the planner picks whichever needs fewer GPUs for the forecast load.
+    """
+
+    DISAGGREGATED = "Disaggregated"
+    UNIFIED = "Unified"
+    AUTO = "Auto"
+
+
+class ForecasterMethod(str, Enum):
+    """Forecasting method for each load series (see ``fulcrum.forecast``)."""
+
+    ARIMA = "arima"
+    LAST_VALUE = "last_value"
+    MOVING_AVERAGE = "moving_average"
+    SEASONAL_NAIVE = "seasonal_naive"
+
+
+class RouterPolicy(str, Enum):
+    """Per-request policy of the router (``router/``)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    DISAGGREGATED = "disaggregated"
+    SPLIT = "split"
+    LOAD_AWARE = "load_aware"
+
+
+class ModelSpec(_Model):
+    """The served model."""
+
+    name: str = Field(min_length=1, description="Model id or path passed to vLLM (e.g. meta-llama/Llama-3.1-70B-Instruct).")
+    served_name: str | None = Field(default=None, description="Name clients use in the OpenAI API; defaults to `name`.")
+
+
+class EngineSpec(_Model):
+    """The inference engine of every worker."""
+
+    image: str = Field(default="ghcr.io/fulcrum-llm/worker:0.1.0", min_length=1, description="Worker image (vLLM with NIXL).")
+    extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments, appended verbatim.")
+    max_model_len: int = Field(default=8192, ge=16, le=2_097_152, description="Maximum context length in tokens (prompt + output).")
+    block_size: int = Field(default=16, ge=1, le=1024, description="KV cache block size in tokens.")
+
+
+class GPUSpec(_Model):
+    """The accelerator type of the pools. Defaults describe an NVIDIA H100 SXM 80 GB."""
+
+    type: str = Field(default="H100", min_length=1, description="GPU type; also the node-selector value.")
+    memory_gib: float = Field(default=80.0, gt=0, le=4096, alias="memoryGiB", description="Memory per GPU in GiB.")
+    hbm_bandwidth_gbps: float = Field(default=3350.0, gt=0, alias="hbmBandwidthGBps", description="HBM bandwidth per GPU in GB/s.")
+    gpus_per_node: int = Field(default=8, ge=1, le=64, alias="gpusPerNode", description="GPUs per node; bounds TP.")
+
+
+class SLOSpec(_Model):
+    """Latency SLOs at a percentile (DOPD §VI uses TTFT < 2 s and TPOT < 80 ms at P90)."""
+
+    ttft_ms: float = Field(default=2000.0, gt=0, description="Time-to-first-token target in ms.")
+    tpot_ms: float = Field(default=80.0, gt=0, description="Time-per-output-token target in ms.")
+    percentile: float = Field(default=90.0, gt=0, le=100, description="Percentile at which both targets must hold, e.g. 90.")
+
+
+class ForecasterSpec(_Model):
+    """Load forecaster settings (DOPD §V-D, Alg. 2 lines 5–9)."""
+
+    method: ForecasterMethod = Field(default=ForecasterMethod.ARIMA, description="Forecasting method per series.")
+    order: tuple[int, int, int] = Field(default=(2, 0, 1), description="ARIMA order (p, d, q).")
+    window: int = Field(default=64, ge=4, le=10_000, description="Intervals of history the model is fitted on (N of the O(N·(p+q)²) refit).")
+    refit_error: float = Field(default=0.25, gt=0, le=10, description="Refit when the recent mean absolute percentage error exceeds this (0.25 = 25%).")
+    prediction_level: float = Field(default=0.9, gt=0.5, lt=1.0, description="Level of the upper prediction bound used for proactive scaling.")
+    season_length: int = Field(default=144, ge=2, le=100_000, description="Season in intervals for seasonal-naive (144 × 10 min = 1 day).")
+
+
+class ScalingSpec(_Model):
+    """Limits and cadence of the planner loop."""
+
+    min_gpus: int = Field(default=1, ge=0, alias="minGPUs", description="Fewest GPUs the deployment may use.")
+    max_gpus: int = Field(default=64, ge=1, alias="maxGPUs", description="Most GPUs the deployment may use (the GPU budget).")
+    interval_seconds: float = Field(default=60.0, ge=1, le=86_400, description="Planner interval T in seconds.")
+    pod_startup_seconds: float = Field(default=120.0, ge=0, le=3_600, description="Time from scale-out to a ready instance; the forecast horizon adds it.")
+    cooldown_seconds: float = Field(default=300.0, ge=0, le=86_400, description="Minimum time between scale-ins of a pool.")
+    max_step: int = Field(default=8, ge=1, le=1024, description="Most instances added or removed per pool per interval.")
+    tp_prefill: int | None = Field(default=None, ge=1, le=64, description="Fixed TP of prefill instances; chosen by the planner (eq. 16 + memory) when unset.")
+    tp_decode: int | None = Field(default=None, ge=1, le=64, description="Fixed TP of decode instances; chosen by the planner (eqs. 11–14) when unset.")
+    tp_unified: int | None = Field(default=None, ge=1, le=64, description="Fixed TP of unified instances; chosen by the planner when unset.")
+    initial_prefill: int = Field(default=1, ge=0, description="Prefill instances at start (and for policy `static`).")
+    initial_decode: int = Field(default=1, ge=0, description="Decode instances at start (and for policy `static`).")
+    initial_unified: int = Field(default=1, ge=0, description="Unified instances at start in Unified mode (and for policy `static`).")
+    forecaster: ForecasterSpec = Field(default_factory=ForecasterSpec)
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "ScalingSpec":
+        if self.min_gpus > self.max_gpus:
+            raise ValueError(f"minGPUs ({self.min_gpus}) must be <= maxGPUs ({self.max_gpus})")
+        return self
+
+
+class ProfileRef(_Model):
+    """Where the performance profile comes from: a built-in name, a file, or a ConfigMap."""
+
+    name: str | None = Field(default=None, description="Built-in profile name (see `fulcrum.ratio.profiles`), e.g. dopd-llama70b-fp8-h100.")
+    path: str | None = Field(default=None, description="Path of a YAML/JSON/CSV profile file (replay and tests).")
+    config_map: str | None = Field(default=None, description="ConfigMap holding `profile.yaml` (in-cluster).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ProfileRef":
+        given = [k for k in ("name", "path", "config_map") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of name, path, configMap (got {given or 'none'})")
+        return self
+
+
+class RouterSpec(_Model):
+    """Router settings; the operator writes them into the router ConfigMap."""
+
+    policy: RouterPolicy = Field(default=RouterPolicy.DISAGGREGATED, description="Per-request routing policy.")
+    replicas: int = Field(default=1, ge=1, le=64, description="Router replicas.")
+    prefill_queue: Literal["direct", "nats"] = Field(default="direct", description="`nats` sends prefill jobs through a JetStream work queue (DOPD §V-C).")
+
+
+class LLMServeSpec(_Model):
+    """What to serve, on which GPUs, under which SLOs and limits."""
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    gpu: GPUSpec = Field(default_factory=GPUSpec)
+    slo: SLOSpec = Field(default_factory=SLOSpec)
+    mode: Mode = Field(default=Mode.DISAGGREGATED)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    profile: ProfileRef = Field(default_factory=lambda: ProfileRef(name="dopd-llama70b-fp8-h100"))
+    router: RouterSpec = Field(default_factory=RouterSpec)
+
+    @model_validator(mode="after")
+    def _tp_fits(self) -> "LLMServeSpec":
+        for field in ("tp_prefill", "tp_decode", "tp_unified"):
+            tp = getattr(self.scaling, field)
+            if tp is None:
+                continue
+            if tp > self.gpu.gpus_per_node:
+                raise ValueError(f"scaling.{to_camel(field)} ({tp}) exceeds gpu.gpusPerNode ({self.gpu.gpus_per_node})")
+            if tp > self.scaling.max_gpus:
+                raise ValueError(f"scaling.{to_camel(field)} ({tp}) exceeds scaling.maxGPUs ({self.scaling.max_gpus})")
+        return self
+
+
+class ObjectMeta(_Model):
+    """The subset of Kubernetes metadata Fulcrum reads."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow", frozen=True)
+
+    name: str = Field(default="llmserve", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str = Field(default="default", min_length=1, max_length=63)
+
+
+class LLMServe(_Model):
+    """The whole resource as written in ``llmserve.yaml``."""
+
+    api_version: Literal["fulcrum.dev/v1alpha1"] = Field(default=API_VERSION)
+    kind: Literal["LLMServe"] = Field(default=KIND)
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: LLMServeSpec
+
+
+def _format_validation_error(err: ValidationError, root: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        path = f"{root}.{loc}" if loc else root
+        lines.append(f"{path}: {e['msg']}")
+    return "invalid LLMServe: " + "; ".join(lines)
+
+
+def parse_llmserve(data: Any) -> LLMServe:
+    """Validate a mapping (a parsed YAML/JSON document) into an :class:`LLMServe`.
+
+    A bare spec (a mapping with ``model`` at the top) is accepted too.
+
+    Raises:
+        SpecError: the document is not a mapping, or any field is invalid; the message names each
+            offending field by its path, e.g. ``spec.slo.ttftMs: Input should be greater than 0``.
+    """
+    if not isinstance(data, dict):
+        raise SpecError(f"invalid LLMServe: expected a mapping, got {type(data).__name__}")
+    if "spec" not in data and "model" in data:
+        data = {"spec": data}
+    try:
+        return LLMServe.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err, root="")[:4000].replace(": .", ": ")) from err
+
+
+def load_llmserve(path: str | Path) -> LLMServe:
+    """Read and validate an ``LLMServe`` YAML or JSON file.
+
+    Raises:
+        SpecError: the file is missing, is not YAML/JSON, or the resource is invalid.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as err:
+        raise SpecError(f"cannot read LLMServe file {p}: {err.strerror or err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"{p}: not valid YAML: {err}") from err
+    return parse_llmserve(data)

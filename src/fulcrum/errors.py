@@ -1,0 +1,36 @@
+"""Fulcrum's exception hierarchy.
+
+::
+
+    FulcrumError                 every error Fulcrum raises on purpose
+    ├── SpecError                an LLMServe spec is invalid (field path in the message)
+    ├── ProfileError             a performance profile is missing points, non-monotone or unreadable
+    ├── TraceError               a request trace is empty, malformed or of an unknown format
+    └── PlanningError            no plan satisfies the constraints (e.g. the model does not fit the GPUs)
+
+Foreign errors (pydantic, yaml, json, csv, OS) are translated at the boundary with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError"]
+
+
+class FulcrumError(Exception):
+    """Base class of every error Fulcrum raises deliberately."""
+
+
+class SpecError(FulcrumError, ValueError):
+    """An ``LLMServe`` spec is invalid; the message names the offending field."""
+
+
+class ProfileError(FulcrumError, ValueError):
+    """A ``PerformanceProfile`` cannot be built: missing, non-monotone or unparsable points."""
+
+
+class TraceError(FulcrumError, ValueError):
+    """A request trace cannot be read: empty, malformed rows, or an unknown format."""
+
+
+class PlanningError(FulcrumError, ValueError):
+    """No deployment satisfies the constraints (memory, GPU budget, TP limits)."""
