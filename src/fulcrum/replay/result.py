@@ -5,20 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fulcrum.simulator.records import RequestRecord
+
 __all__ = ["RequestRecord", "TimelinePoint", "ForecastPoint", "PolicySummary", "PolicyRun"]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """One served request. Times in seconds since the start of the run; TTFT/TPOT in seconds."""
-
-    arrival_s: float
-    isl: int
-    osl: int
-    ttft_s: float
-    tpot_s: float
-    finish_s: float
-    path: str  # "disaggregated" | "local" (ultra-short, prefilled on the decode instance) | "unified"
 
 
 @dataclass(frozen=True, slots=True)
