@@ -1,0 +1,287 @@
+"""ARIMA load forecaster with DOPD's refit-on-error policy and multiplicative correction factor.
+
+Source: DOPD §II-A (correction factor), §V-D and Algorithm 2 lines 5–9. Each interval the planner adds the
+latest value (``PRED.ADD_DATA_POINT``) and takes the ARIMA one-step forecast
+
+    X̂_{t+1|t} = μ + Σ_{j=1..p} φ_j X_{t+1−j} + Σ_{k=1..q} θ_k ε̂_{t+1−k}            (Alg. 2 line 8)
+
+"After each prediction we compare the forecast to subsequently observed telemetry. If the prediction error is
+large we re-fit the ARIMA parameters, otherwise we retain the current model" (§V-D): a refit costs
+O(N·(p+q)²) for N points of history, a retained model O(p+q) per step.
+
+Here:
+
+- **Refit** (``statsmodels`` ``ARIMA(...).fit()`` on the last ``window`` non-gap values) when there is no model
+  yet, when the mean absolute percentage error of the last ``error_points`` issued one-step forecasts exceeds
+  ``refit_error``, or every ``window`` updates as a safety net.
+- **Cheap update** otherwise: ``results.extend([value])`` runs the Kalman filter one step from the current
+  state with the parameters kept (O((p+q)²) per point, no re-estimation).
+- **Correction factor** c (DOPD §II-A, §V-D): an exponentially weighted mean of actual/forecast ratios of the
+  model's one-step forecasts, each ratio and c clipped to ``[0.5, 2]``; the mean and both bounds are multiplied
+  by c. It is reset to 1 at every refit (the new parameters already absorb the old bias).
+- **Bounds**: one-sided, ``mean ± z(level)·se`` with ``se`` the model's forecast standard error.
+
+Percentage errors are taken relative to ``max(|actual|, 0.1 × the fitted window's mean level)`` so that an
+interval near zero does not count as an infinite error. The model is fitted on the values divided by the
+window's mean level (better-conditioned likelihood for series in the thousands of tokens); forecasts are
+scaled back.
+
+Robustness: before ``min_points`` values (cold start), on a constant window, when a fit or an update fails
+(``LinAlgError``, ``ValueError``, convergence trouble) or yields a non-finite or implausible forecast (more than
+10× the largest value in the window), the forecaster answers like :class:`~fulcrum.forecast.baselines.LastValue`.
+It never raises on data and never returns NaN. ``statsmodels`` warnings are silenced locally.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from typing import Any
+
+import numpy as np
+from statsmodels.tsa.arima.model import ARIMA  # type: ignore[import-untyped]
+
+from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forecast, z_value
+from fulcrum.forecast.baselines import LastValue
+
+__all__ = ["ArimaForecaster"]
+
+#: Errors a statsmodels fit, filter step or forecast may raise on degenerate data; all mean "fall back".
+_MODEL_ERRORS: tuple[type[BaseException], ...] = (
+    np.linalg.LinAlgError,
+    ValueError,
+    IndexError,
+    RuntimeError,
+    OverflowError,
+    ZeroDivisionError,
+    FloatingPointError,
+)
+
+#: Denominator floor of a percentage error, as a share of the fitted window's mean level.
+_APE_FLOOR = 0.1
+#: A single percentage error counts at most this much (one zero interval must not dominate the mean).
+_APE_CAP = 10.0
+#: A raw forecast beyond this multiple of the window's largest |value| is treated as a failed model.
+_PLAUSIBLE_MULTIPLE = 10.0
+
+
+class ArimaForecaster:
+    """ARIMA(p, d, q) one-step/h-step forecaster with refit-on-error and a correction factor (DOPD Alg. 2).
+
+    Args:
+        order: ARIMA order (p, d, q), non-negative integers. A constant term is fitted when d = 0.
+        window: N, the number of most recent non-gap values a refit uses (≥ 2). Also the safety-net period:
+            the model is refitted after ``window`` cheap updates in a row.
+        refit_error: refit when the mean absolute percentage error of the last ``error_points`` one-step
+            forecasts exceeds this (0.25 = 25 %). Must be > 0.
+        min_points: non-gap values needed before the first fit (raised to p + d + q + 2, capped at ``window``);
+            until then the forecaster answers like last value.
+        correction: apply DOPD's multiplicative correction factor.
+        error_points: how many recent one-step errors the refit test averages (≥ 1).
+        correction_alpha: weight of the newest actual/forecast ratio in the correction factor's EWMA, (0, 1].
+        correction_clip: (low, high) bounds of each ratio and of the factor.
+
+    Attributes (counters, for tests and benchmarks):
+        refits: successful parameter estimations.
+        cheap_updates: values absorbed by a filter step with the parameters kept.
+        fit_failures: fits or updates that raised or gave a non-finite model (each followed by a fallback).
+
+    Raises:
+        ValueError: for an invalid argument (never for data).
+    """
+
+    name = "arima"
+
+    def __init__(
+        self,
+        order: tuple[int, int, int] = (2, 0, 1),
+        window: int = 64,
+        refit_error: float = 0.25,
+        min_points: int = 8,
+        correction: bool = True,
+        error_points: int = 3,
+        correction_alpha: float = 0.3,
+        correction_clip: tuple[float, float] = (0.5, 2.0),
+        log: bool = False,
+    ) -> None:
+        self.log = log
+        p, d, q = (int(x) for x in order)
+        if min(p, d, q) < 0 or (p, d, q) != tuple(order):
+            raise ValueError(f"order must be three non-negative integers, got {order!r}")
+        if window < 2:
+            raise ValueError(f"window must be >= 2, got {window}")
+        if not refit_error > 0:
+            raise ValueError(f"refit_error must be > 0, got {refit_error}")
+        if error_points < 1:
+            raise ValueError(f"error_points must be >= 1, got {error_points}")
+        if not 0 < correction_alpha <= 1:
+            raise ValueError(f"correction_alpha must be in (0, 1], got {correction_alpha}")
+        lo, hi = correction_clip
+        if not 0 < lo <= 1 <= hi:
+            raise ValueError(f"correction_clip must satisfy 0 < low <= 1 <= high, got {correction_clip!r}")
+        self.order = (p, d, q)
+        self.window = int(window)
+        self.refit_error = float(refit_error)
+        self.min_points = min(max(int(min_points), p + d + q + 2), self.window)
+        self.correction = bool(correction)
+        self.error_points = int(error_points)
+        self.correction_alpha = float(correction_alpha)
+        self.correction_clip = (float(lo), float(hi))
+
+        self.refits = 0
+        self.cheap_updates = 0
+        self.fit_failures = 0
+
+        self._history: deque[float] = deque(maxlen=self.window)  # non-gap values, original units
+        self._fallback = LastValue()
+        self._results: Any = None  # statsmodels ARIMAResults, or None when no usable model
+        self._scale = 1.0  # the fitted window's mean |value|; the model sees values / scale
+        self._since_refit = 0
+        self._errors: deque[float] = deque(maxlen=self.error_points)
+        self._factor = 1.0
+        self._cache: dict[int, tuple[float, float] | None] = {}  # steps -> raw (mean, se), original units
+
+    # ----------------------------------------------------------------------------------------- properties
+    @property
+    def points(self) -> int:
+        """Non-gap values observed so far."""
+        return self._fallback.points
+
+    @property
+    def ready(self) -> bool:
+        """True once a model is fitted, or the window is constant (forecast exact without a model)."""
+        return self._results is not None or len(self._history) >= self.min_points
+
+    @property
+    def correction_factor(self) -> float:
+        """Current multiplicative correction factor c (1.0 when ``correction`` is off)."""
+        return self._factor if self.correction else 1.0
+
+    @property
+    def has_model(self) -> bool:
+        """Whether a fitted ARIMA model currently produces the forecasts (False: last-value fallback)."""
+        return self._results is not None
+
+    # ----------------------------------------------------------------------------------------------- API
+    def observe(self, value: float) -> None:
+        """Add the value of the latest interval (NaN/±inf = gap, skipped); refit or cheap-update. Never raises."""
+        v = float(value)
+        if not math.isfinite(v):
+            self._fallback.observe(math.nan)
+            return
+        if self._results is not None:
+            self._score(v)
+        self._fallback.observe(v)
+        self._history.append(v)
+        self._cache.clear()
+        if self._needs_refit():
+            self._refit()
+        else:
+            self._cheap_update(v)
+
+    def forecast(self, steps: int = 1, level: float = 0.9) -> Forecast:
+        """Forecast of the interval ``steps`` ahead: c·(m, m − z·se, m + z·se), clipped at 0.
+
+        Falls back to last value when no usable model exists. Raises ``ValueError`` only for ``steps < 1`` or
+        ``level`` outside ``[0.5, 1)``.
+        """
+        check_steps(steps)
+        check_level(level)
+        raw = self._raw(int(steps))
+        if raw is None:
+            return self._fallback.forecast(steps, level)
+        mean, se = raw
+        spread = z_value(level) * se
+        c = self.correction_factor
+        return make_forecast(c * mean, c * (mean - spread), c * (mean + spread))
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _score(self, actual: float) -> None:
+        """Record the error of the one-step forecast issued for this value and update the correction factor."""
+        raw = self._raw(1)
+        if raw is None:
+            self._results = None  # the model gives no usable forecast: refit on this value
+            return
+        mean = raw[0]
+        issued = mean * self.correction_factor
+        denom = max(abs(actual), _APE_FLOOR * self._scale, 1e-12)
+        self._errors.append(min(abs(actual - issued) / denom, _APE_CAP))
+        if self.correction and mean > _APE_FLOOR * self._scale and actual >= 0:
+            lo, hi = self.correction_clip
+            ratio = min(max(actual / mean, lo), hi)
+            a = self.correction_alpha
+            self._factor = min(max((1 - a) * self._factor + a * ratio, lo), hi)
+
+    def _needs_refit(self) -> bool:
+        if len(self._history) < self.min_points:
+            return False
+        if self._results is None or self._since_refit >= self.window:
+            return True
+        return len(self._errors) == self.error_points and float(np.mean(self._errors)) > self.refit_error
+
+    def _refit(self) -> None:
+        """Estimate the parameters on the window; on failure or a constant window leave no model."""
+        y = np.fromiter(self._history, dtype=float)
+        level = float(np.mean(np.abs(y)))
+        self._results = None
+        self._since_refit = 0
+        self._errors.clear()
+        self._factor = 1.0
+        if float(np.ptp(y)) <= 1e-12 * max(level, 1.0):
+            return  # constant window: last value is exact; ARIMA's likelihood is degenerate
+        scale = level if level > 0 else 1.0
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            try:
+                self._logged = self.log and bool(np.all(y > 0))
+                results = ARIMA(np.log(y) if self._logged else y / scale, order=self.order).fit()
+            except _MODEL_ERRORS:
+                self.fit_failures += 1
+                return
+        if not np.all(np.isfinite(np.asarray(results.params, dtype=float))):
+            self.fit_failures += 1
+            return
+        self._results = results
+        self._scale = scale
+        self.refits += 1
+
+    def _cheap_update(self, value: float) -> None:
+        """Filter one step with the parameters kept; refit instead if the update fails."""
+        if self._results is None:
+            return
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            try:
+                self._results = self._results.extend(np.array([(math.log(value) if value > 0 else math.nan) if self._logged else value / self._scale]))
+            except _MODEL_ERRORS:
+                self.fit_failures += 1
+                self._refit()
+                return
+        self.cheap_updates += 1
+        self._since_refit += 1
+
+    def _raw(self, steps: int) -> tuple[float, float] | None:
+        """Model forecast (mean, se) ``steps`` ahead in original units, cached until the next value."""
+        if self._results is None:
+            return None
+        if steps in self._cache:
+            return self._cache[steps]
+        out: tuple[float, float] | None = None
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            try:
+                pred = self._results.get_forecast(steps)
+                mean = float(np.asarray(pred.predicted_mean)[-1]) * self._scale
+                se = float(np.asarray(pred.se_mean)[-1]) * self._scale
+                if self._logged:
+                    m0 = float(np.asarray(pred.predicted_mean)[-1]); s0=float(np.asarray(pred.se_mean)[-1])
+                    mean = math.exp(m0); se = (math.exp(m0 + 1.2816*s0) - mean)/1.2816
+            except _MODEL_ERRORS:
+                self.fit_failures += 1
+                mean, se = math.nan, math.nan
+        limit = _PLAUSIBLE_MULTIPLE * max((abs(x) for x in self._history), default=0.0)
+        if math.isfinite(mean) and math.isfinite(se) and se >= 0 and abs(mean) <= limit:
+            out = (mean, se)
+        self._cache[steps] = out
+        return out

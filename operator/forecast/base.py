@@ -1,0 +1,93 @@
+"""The forecaster contract: a :class:`Forecast` value and the :class:`SeriesForecaster` protocol.
+
+A series forecaster sees one number per planner interval (mean ISL, mean OSL, request rate, concurrency;
+DOPD §II-A, Alg. 2 line 7 ``PRED.ADD_DATA_POINT``) and predicts the value of a later interval with a
+prediction interval (DOPD Alg. 2 lines 8–9). Fulcrum scales for the *upper* bound (DESIGN, principle 3),
+so ``upper`` is a one-sided bound at ``level``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Forecast", "SeriesForecaster", "check_level", "check_steps", "finite_or", "make_forecast", "z_value"]
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Forecast of one series for the interval ``steps`` ahead.
+
+    Attributes:
+        mean: point forecast, in the series' unit (tokens, requests/s, requests); finite, ≥ 0.
+        lower: one-sided lower prediction bound at the forecast's level: P(actual ≥ lower) ≈ level; ≤ mean.
+        upper: one-sided upper prediction bound at the forecast's level: P(actual ≤ upper) ≈ level; ≥ mean.
+
+    All three are clipped at 0 and are never NaN or infinite (build with :func:`make_forecast`).
+    """
+
+    mean: float
+    lower: float
+    upper: float
+
+
+@runtime_checkable
+class SeriesForecaster(Protocol):
+    """One-step/h-step forecaster of one scalar series sampled once per planner interval.
+
+    Contract:
+        - ``observe`` is called once per interval, in time order, with the value of the interval that just
+          ended; ``math.nan`` marks a gap (no data, e.g. mean ISL of an interval without arrivals). It never
+          raises on any float, including NaN, ±inf (treated as a gap), zeros and constant series.
+        - ``forecast(steps, level)`` returns the forecast of the interval ``steps`` ahead of the last observed
+          one (``steps=1``: the next interval). It is side-effect free as far as the caller can tell (it may
+          cache), never raises on any history (cold start included) and never returns NaN. It raises
+          ``ValueError`` only for ``steps < 1`` or ``level`` outside ``[0.5, 1)``.
+    """
+
+    name: str
+
+    def observe(self, value: float) -> None:
+        """Add the value of the latest interval (NaN = gap)."""
+        ...
+
+    def forecast(self, steps: int = 1, level: float = 0.9) -> Forecast:
+        """Forecast of the interval ``steps`` ahead with one-sided bounds at ``level``."""
+        ...
+
+
+def check_steps(steps: int) -> None:
+    """Raise ``ValueError`` unless ``steps`` is an integer ≥ 1."""
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+
+
+def check_level(level: float) -> None:
+    """Raise ``ValueError`` unless 0.5 ≤ ``level`` < 1 (a one-sided bound below the median makes no sense)."""
+    if not (0.5 <= level < 1.0):
+        raise ValueError(f"level must be in [0.5, 1), got {level!r}")
+
+
+def z_value(level: float) -> float:
+    """Standard-normal quantile z(level), e.g. 1.2816 for 0.9 (one-sided bound)."""
+    check_level(level)
+    return NormalDist().inv_cdf(level)
+
+
+def finite_or(value: float, default: float) -> float:
+    """``value`` as a float if finite, else ``default``."""
+    v = float(value)
+    return v if math.isfinite(v) else float(default)
+
+
+def make_forecast(mean: float, lower: float, upper: float) -> Forecast:
+    """Build a valid :class:`Forecast`: non-finite parts replaced, all clipped at ≥ 0, lower ≤ mean ≤ upper.
+
+    A non-finite ``mean`` becomes 0; a non-finite bound becomes the mean.
+    """
+    m = max(finite_or(mean, 0.0), 0.0)
+    lo = min(max(finite_or(lower, m), 0.0), m)
+    hi = max(finite_or(upper, m), m)
+    return Forecast(mean=m, lower=lo, upper=hi)

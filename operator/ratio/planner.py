@@ -1,0 +1,565 @@
+"""The P/D plan: instance counts, TP and split-policy parameters for a forecast workload.
+
+Disaggregated mode follows DOPD Alg. 2 (lines 10–14) and §IV-B–C, made robust for production:
+
+1. D-instance TP and concurrency cc_d from memory, bandwidth, the CUDA-graph cap and the profiled TPOT
+   (eqs. 11–14, :mod:`fulcrum.ratio.capacity`, :mod:`fulcrum.ratio.tp`).
+2. Ultra-short prompts (DOPD §II-C, §V-E) are prefilled locally on D-instances: those whose marginal prefill
+   time κ1·x + κ2·x² (the fixed cost τ is shared with the decode step) is below the KV transfer time it
+   saves, and small enough to keep the decode step within the TPOT SLO.
+3. P-instance TP by eq. (16) plus memory; prefill service time from the *distribution* of ISL (eqs. 6–8), not
+   its mean; P count = the fewest instances whose TTFT at the SLO percentile (queueing by eqs. 10, 17 in
+   G/G/c form, plus the prompt's own prefill and KV transfer) meets the TTFT SLO (:mod:`fulcrum.ratio.queueing`).
+4. D count = decode concurrency demand λ·E[OSL]·t_d (Little's law) over cc_d at a target utilisation.
+5. The balanced ratio of eq. (15), n_p/n_d = cc_d·t_p/(t_d·OSL), is reported beside the planned integer ratio.
+6. Integer counts under min/max GPUs: over budget, both pools shrink in proportion to their need; under the
+   minimum, instances are added where utilisation is highest.
+7. Split-policy parameters for the router (DOPD Alg. 1): the long-request threshold i_next (forecast mean ISL)
+   and the batching timeout by eq. (18).
+
+Unified mode sizes one pool of ``kv_both`` instances doing chunked prefill and decode (Libra/DynaServe §3):
+per instance, the largest arrival rate whose decode step stretched by the prefill work still meets the TPOT
+SLO and whose prefill at the percentile still meets the TTFT SLO. Auto picks the mode with fewer GPUs.
+
+Every :class:`Plan` carries the numbers it came from (``inputs``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulcrum.api.llmserve import LLMServeSpec, Mode, SLOSpec
+from fulcrum.errors import PlanningError
+from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity
+from fulcrum.ratio.lengths import LengthDistribution
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.queueing import batching_timeout, mean_wait, min_servers_for_ttft, wait_quantile
+from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
+from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+
+__all__ = [
+    "PlannerSettings",
+    "WorkloadEstimate",
+    "Plan",
+    "RatioPlan",
+    "plan",
+    "plan_disaggregated",
+    "plan_unified",
+    "plan_ratio",
+    "ultra_short_threshold",
+]
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """Tunables of the planner, each with the reason for its default.
+
+    Attributes:
+        bandwidth_utilisation: α of eq. (12); DOPD: "α = 0.6 is considered excellent".
+        graph_headroom: usable share of the CUDA-graph cap, eq. (14); DOPD suggests 0.9 for bursts.
+        prefill_target_utilisation: highest planned ρ of the prefill pool (queueing explodes as ρ → 1, eq. 10).
+        decode_target_utilisation: highest planned share of cc_d in use, headroom for bursts within an interval.
+        kv_link_gbps: KV transfer bandwidth between instances, GB/s (NIXL over RDMA; 25 GB/s = 200 Gb/s NIC).
+        kv_transfer_overhead_s: fixed cost of one KV transfer; DOPD §II-C measures 15–80 ms with NIXL.
+        batching_alpha: α of eq. (18), the share of the expected wait a short prompt may spend being grouped.
+        max_model_len: longest context, tokens; a P-instance must hold one such prompt's KV.
+        max_tp: largest TP considered (GPUs per node).
+    """
+
+    bandwidth_utilisation: float = 0.6
+    graph_headroom: float = 0.9
+    prefill_target_utilisation: float = 0.9
+    decode_target_utilisation: float = 0.9
+    kv_link_gbps: float = 25.0
+    kv_transfer_overhead_s: float = 0.015
+    batching_alpha: float = 0.5
+    max_model_len: int = 8192
+    max_tp: int = 8
+
+    @classmethod
+    def from_spec(cls, spec: LLMServeSpec) -> "PlannerSettings":
+        """Settings implied by an ``LLMServe`` spec (max model length, GPUs per node)."""
+        return cls(max_model_len=spec.engine.max_model_len, max_tp=spec.gpu.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class WorkloadEstimate:
+    """The load a plan is made for (a forecast or an observation).
+
+    Attributes:
+        rate_rps: arrival rate λ, requests/s (≥ 0).
+        isl: prompt length distribution, tokens.
+        osl: output length distribution, tokens.
+        arrival_cv2: squared coefficient of variation of inter-arrival times c_a² (1 = Poisson).
+    """
+
+    rate_rps: float
+    isl: LengthDistribution
+    osl: LengthDistribution
+    arrival_cv2: float = 1.0
+
+    @classmethod
+    def from_means(cls, rate_rps: float, mean_isl: float, mean_osl: float, arrival_cv2: float = 1.0) -> "WorkloadEstimate":
+        """A workload known only by its means (DOPD Alg. 2's view)."""
+        return cls(rate_rps, LengthDistribution.point(mean_isl), LengthDistribution.point(mean_osl), arrival_cv2)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One planning decision: what to run, and the numbers behind it.
+
+    Attributes:
+        mode: "Disaggregated" or "Unified".
+        prefill / decode / unified: pool sizes (replicas, TP).
+        routing: split-policy parameters for the router.
+        ratio: planned n_p / n_d (integers); NaN in Unified mode or with no D-instances.
+        balanced_ratio: eq. (15) n_p/n_d = cc_d·t_p/(t_d·OSL) (continuous); NaN in Unified mode.
+        decode_concurrency: cc_d per D-instance (or per unified instance), requests.
+        t_p_s: mean prefill time per remote request E[T_prefill] (eqs. 6, 16), seconds.
+        t_d_s: decode step time at the planned batch, seconds (the expected TPOT).
+        expected_ttft_s: TTFT at the SLO percentile the plan expects (queue + prefill + transfer), seconds.
+        gpus: GPUs the plan uses.
+        feasible: False when the budget or the hardware cannot meet the SLOs for this load.
+        notes: why a plan is infeasible or was adjusted, one line each.
+        inputs: every number the plan came from, for status, events and reports.
+    """
+
+    mode: str
+    prefill: PoolSize
+    decode: PoolSize
+    unified: PoolSize
+    routing: RoutingParams
+    ratio: float
+    balanced_ratio: float
+    decode_concurrency: int
+    t_p_s: float
+    t_d_s: float
+    expected_ttft_s: float
+    gpus: int
+    feasible: bool = True
+    notes: tuple[str, ...] = ()
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    def target(self) -> ClusterTarget:
+        """The cluster target this plan asks for."""
+        return ClusterTarget(prefill=self.prefill, decode=self.decode, unified=self.unified, routing=self.routing)
+
+
+@dataclass(frozen=True)
+class RatioPlan:
+    """The static P/D ratio for fixed lengths (``fulcrum plan`` with a concurrency; DOPD §IV-B, Alg. 2 l.10–14).
+
+    Attributes:
+        ratio: n_p/n_d by eq. (15).
+        prefill_replicas: ⌈ratio · n_d⌉.
+        decode_replicas: n_d = ⌈concurrency / cc_d⌉ (1 when the D capacity is given).
+        decode_concurrency: cc_d used, requests per D-instance.
+        t_p_s: prefill time of one ISL-token prompt at TP_p, seconds.
+        t_d_s: decode step time at batch cc_d and context ISL + OSL/2 at TP_d, seconds.
+        capacity: the eq. (11)–(14) breakdown for TP_d.
+    """
+
+    ratio: float
+    prefill_replicas: int
+    decode_replicas: int
+    decode_concurrency: int
+    t_p_s: float
+    t_d_s: float
+    tp_prefill: int
+    tp_decode: int
+    capacity: DecodeCapacity
+
+
+def _q(slo: SLOSpec) -> float:
+    return min(max(slo.percentile / 100.0, 0.5), 0.999)
+
+
+def ultra_short_threshold(
+    profile: PerformanceProfile, tp_prefill: int, tp_decode: int, t_d: float, tpot_slo_s: float, settings: PlannerSettings
+) -> int:
+    """Largest prompt (tokens) worth prefilling locally on a D-instance instead of remotely (DOPD §II-C, §V-E).
+
+    Local prefill adds its marginal compute κ1·x + κ2·x² (the profile's eq.-5 fit at TP_d if measured, else at
+    TP_p scaled by TP_p/TP_d) to one decode step; remote prefill adds the KV transfer (overhead + bytes/bandwidth)
+    to the request's TTFT. The threshold is the largest x where the local cost is no larger than the transfer
+    and the stretched decode step still meets the TPOT SLO. 0 when no prompt qualifies.
+    """
+    table_tp = tp_decode if tp_decode in profile.prefill else tp_prefill
+    _, k1, k2 = profile.prefill[table_tp].quadratic
+    scale = table_tp / tp_decode if table_tp != tp_decode else 1.0
+    k1, k2 = k1 * scale, k2 * scale
+
+    def ok(x: int) -> bool:
+        marginal = k1 * x + k2 * x * x
+        transfer = settings.kv_transfer_overhead_s + profile.kv_transfer_seconds(x, settings.kv_link_gbps)
+        return marginal <= transfer and t_d + marginal <= tpot_slo_s
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 1 << 20
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _remote_part(isl: LengthDistribution, threshold: int) -> tuple[float, LengthDistribution]:
+    """Share of requests longer than ``threshold`` and their length distribution."""
+    pts = [(x, w) for x, w in zip(isl.points, isl.weights) if x > threshold]
+    share = sum(w for _, w in pts)
+    if share <= 0:
+        return 0.0, isl
+    return share, LengthDistribution(tuple(x for x, _ in pts), tuple(w / share for _, w in pts))
+
+
+def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, int], min_gpus: int, max_gpus: int) -> tuple[dict[str, int], list[str]]:
+    """Adjust integer counts to min/max GPUs. ``needs`` are the continuous instance needs per pool."""
+    notes: list[str] = []
+    gpus = sum(counts[k] * tps[k] for k in counts)
+    if gpus > max_gpus:
+        total_need = sum(needs[k] * tps[k] for k in counts) or 1.0
+        share = {k: needs[k] * tps[k] / total_need for k in counts}
+        new = {k: max(int(math.floor(max_gpus * share[k] / tps[k])), 1 if counts[k] > 0 else 0) for k in counts}
+        while sum(new[k] * tps[k] for k in new) > max_gpus and any(new[k] > 1 for k in new):
+            k = max((k for k in new if new[k] > 1), key=lambda k: new[k] / max(needs[k], 1e-9))
+            new[k] -= 1
+        # use what the floors left over, where utilisation would be highest
+        while True:
+            room = max_gpus - sum(new[k] * tps[k] for k in new)
+            cands = [k for k in new if counts[k] > 0 and tps[k] <= room]
+            if not cands:
+                break
+            k = max(cands, key=lambda k: needs[k] / max(new[k], 1e-9))
+            new[k] += 1
+        notes.append(f"GPU budget: {gpus} GPUs needed, capped at maxGPUs={max_gpus}")
+        counts = new
+    gpus = sum(counts[k] * tps[k] for k in counts)
+    while gpus < min_gpus:
+        k = max(counts, key=lambda k: (needs[k] / max(counts[k], 1e-9)) if needs[k] > 0 else -1.0)
+        counts[k] += 1
+        gpus += tps[k]
+    return counts, notes
+
+
+def plan_disaggregated(
+    workload: WorkloadEstimate,
+    profile: PerformanceProfile,
+    slo: SLOSpec,
+    *,
+    min_gpus: int = 0,
+    max_gpus: int = 1 << 30,
+    tp_prefill: int | None = None,
+    tp_decode: int | None = None,
+    settings: PlannerSettings = PlannerSettings(),
+) -> Plan:
+    """Plan P and D pools for ``workload`` (see module doc, steps 1–7).
+
+    Raises:
+        PlanningError: no TP of the profile holds the model, or a fixed TP is not in the profile.
+    """
+    q = _q(slo)
+    ttft_slo, tpot_slo = slo.ttft_ms / 1e3, slo.tpot_ms / 1e3
+    lam = max(float(workload.rate_rps), 0.0) if math.isfinite(workload.rate_rps) else 0.0
+    mean_isl, mean_osl = workload.isl.mean(), workload.osl.mean()
+    cap = choose_decode_tp(
+        profile, mean_isl, mean_osl, tpot_slo, fixed=tp_decode, max_tp=settings.max_tp,
+        bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
+    )
+    tp_p = choose_prefill_tp(
+        profile, workload.isl, ttft_slo, q, fixed=tp_prefill, max_tp=settings.max_tp, max_model_len=settings.max_model_len
+    )
+    notes: list[str] = []
+    if cap.cc_slo < 1:
+        notes.append(f"TPOT SLO {slo.tpot_ms} ms is below the profiled single-request step at TP={cap.tp}")
+    u = ultra_short_threshold(profile, tp_p, cap.tp, cap.step_s, tpot_slo, settings)
+    share_remote, remote_isl = _remote_part(workload.isl, u)
+    lam_p = lam * share_remote
+    es = remote_isl.expect(lambda x: profile.ttft(x, tp_p))
+    es2 = remote_isl.expect(lambda x: profile.ttft(x, tp_p) ** 2)
+    cs2 = max(es2 / (es * es) - 1.0, 0.0) if es > 0 else 0.0
+    isl_q = remote_isl.quantile(q)
+    s_q = profile.ttft(isl_q, tp_p)
+    transfer_q = settings.kv_transfer_overhead_s + profile.kv_transfer_seconds(isl_q, settings.kv_link_gbps)
+    ca2 = max(float(workload.arrival_cv2), 0.0) if math.isfinite(workload.arrival_cv2) else 1.0
+    n_p_need = lam_p * es / settings.prefill_target_utilisation
+    n_p = min_servers_for_ttft(
+        lam_p, es, s_q + transfer_q, ca2, cs2, ttft_slo, q, target_utilisation=settings.prefill_target_utilisation
+    )
+    # decode: Little's law with the step time at the batch the pool will actually run
+    t_d = cap.step_s
+    n_d_need = 0.0
+    for _ in range(3):
+        demand = lam * mean_osl * t_d
+        n_d_need = demand / (cap.cc * settings.decode_target_utilisation)
+        n_d = max(math.ceil(n_d_need - 1e-9), 0)
+        batch = demand / n_d if n_d else 0.0
+        t_d = profile.tpot(max(batch, 1.0), cap.context_tokens, cap.tp)
+    n_d = max(math.ceil(n_d_need - 1e-9), 0)
+    if lam > 0:
+        n_d = max(n_d, 1)
+        n_p = max(n_p, 1) if lam_p > 0 else n_p
+    counts, budget_notes = _fit_budget(
+        {"p": n_p_need, "d": n_d_need}, {"p": tp_p, "d": cap.tp}, {"p": n_p, "d": n_d}, min_gpus, max_gpus
+    )
+    notes += budget_notes
+    n_p, n_d = counts["p"], counts["d"]
+    wq_q = wait_quantile(lam_p, es, ca2, cs2, n_p, q) if n_p > 0 else (math.inf if lam_p > 0 else 0.0)
+    wq_mean = mean_wait(lam_p, es, ca2, cs2, n_p) if n_p > 0 else (math.inf if lam_p > 0 else 0.0)
+    expected_ttft = wq_q + s_q + transfer_q
+    feasible = not budget_notes and expected_ttft <= ttft_slo and cap.cc_slo >= 1
+    if expected_ttft > ttft_slo:
+        notes.append(f"expected P{slo.percentile:g} TTFT {expected_ttft:.3f}s exceeds the {ttft_slo:.3f}s SLO")
+    balanced = cap.cc * es / (cap.step_s * mean_osl) if es > 0 else math.nan
+    slack = ttft_slo - (wq_q + s_q + transfer_q)
+    routing = RoutingParams(
+        ultra_short_tokens=u,
+        long_request_tokens=max(int(round(mean_isl)), 1),
+        batch_timeout_s=batching_timeout(wq_mean, slack, settings.batching_alpha),
+        length_aware_batching=True,
+        max_prefill_batch_tokens=max(int(round(mean_isl)), settings.max_model_len),
+    )
+    inputs: dict[str, Any] = {
+        "rate_rps": lam, "mean_isl": mean_isl, "mean_osl": mean_osl, "isl_q": isl_q, "percentile": slo.percentile,
+        "arrival_cv2": ca2, "service_cv2": cs2, "remote_share": share_remote, "ultra_short_tokens": u,
+        "tp_prefill": tp_p, "tp_decode": cap.tp, "cc_d": cap.cc, "cc_mem": cap.cc_mem, "cc_bw": cap.cc_bw,
+        "cc_graph": cap.cc_graph, "cc_slo": cap.cc_slo, "cc_limited_by": cap.limited_by,
+        "t_p_s": es, "t_p_q_s": s_q, "t_d_full_s": cap.step_s, "t_d_s": t_d, "kv_transfer_q_s": transfer_q,
+        "prefill_need": n_p_need, "decode_need": n_d_need, "wait_q_s": wq_q, "wait_mean_s": wq_mean,
+        "prefill_utilisation": lam_p * es / n_p if n_p else 0.0,
+        "decode_utilisation": lam * mean_osl * t_d / (n_d * cap.cc) if n_d else 0.0,
+    }
+    return Plan(
+        mode=Mode.DISAGGREGATED.value,
+        prefill=PoolSize(n_p, tp_p),
+        decode=PoolSize(n_d, cap.tp),
+        unified=PoolSize(0, 1),
+        routing=routing,
+        ratio=n_p / n_d if n_d else math.nan,
+        balanced_ratio=balanced,
+        decode_concurrency=cap.cc,
+        t_p_s=es,
+        t_d_s=t_d,
+        expected_ttft_s=expected_ttft,
+        gpus=n_p * tp_p + n_d * cap.tp,
+        feasible=feasible,
+        notes=tuple(notes),
+        inputs=inputs,
+    )
+
+
+def _unified_rate_per_instance(
+    profile: PerformanceProfile, tp: int, workload: WorkloadEstimate, cap: DecodeCapacity, slo: SLOSpec, q: float
+) -> tuple[float, float]:
+    """Largest arrival rate (req/s) one unified instance sustains within both SLOs, and its step time there.
+
+    Per second the instance spends ρ_p = λ·E[T_prefill] on prefill chunks; decode steps stretch by 1/(1 − ρ_p):
+    step = t_d(B, ctx)/(1 − ρ_p) with B = λ·E[OSL]·step (Little). TTFT at the percentile ≈ T_prefill(ISL_q)/(1 − ρ_d)
+    where ρ_d is the decode share of time. Bisection on λ.
+    """
+    ttft_slo, tpot_slo = slo.ttft_ms / 1e3, slo.tpot_ms / 1e3
+    es = workload.isl.expect(lambda x: profile.ttft(x, tp))
+    s_q = profile.ttft(workload.isl.quantile(q), tp)
+    osl = workload.osl.mean()
+
+    def step_at(lam: float) -> tuple[float, float] | None:
+        rho_p = lam * es
+        if rho_p >= 0.95:
+            return None
+        b, step = 1.0, profile.tpot(1, cap.context_tokens, tp)
+        for _ in range(20):
+            step = profile.tpot(max(b, 1.0), cap.context_tokens, tp) / (1.0 - rho_p)
+            b_new = lam * osl * step
+            if abs(b_new - b) < 1e-3:
+                b = b_new
+                break
+            b = b_new
+        if b > cap.cc or step > tpot_slo:
+            return None
+        rho_d = 1.0 - rho_p
+        ttft = s_q / max(1.0 - min(rho_d * 0.5, 0.9), 0.1)  # half of decode time interleaves with prefill chunks
+        if ttft > ttft_slo:
+            return None
+        return step, b
+
+    lo, hi = 0.0, 1.0
+    while step_at(hi) is not None and hi < 1e6:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if step_at(mid) is not None:
+            lo = mid
+        else:
+            hi = mid
+    res = step_at(lo)
+    return lo, (res[0] if res else profile.tpot(1, cap.context_tokens, tp))
+
+
+def plan_unified(
+    workload: WorkloadEstimate,
+    profile: PerformanceProfile,
+    slo: SLOSpec,
+    *,
+    min_gpus: int = 0,
+    max_gpus: int = 1 << 30,
+    tp_unified: int | None = None,
+    settings: PlannerSettings = PlannerSettings(),
+) -> Plan:
+    """Plan one pool of unified (``kv_both``) instances (see module doc).
+
+    Raises:
+        PlanningError: the profile has no TP measured for both prefill and decode, or none holds the model.
+    """
+    q = _q(slo)
+    tpot_slo = slo.tpot_ms / 1e3
+    common = sorted(set(profile.prefill) & set(profile.decode))
+    if tp_unified is not None:
+        common = [tp for tp in common if tp == tp_unified]
+    common = [tp for tp in common if tp <= settings.max_tp or tp == tp_unified]
+    if not common:
+        raise PlanningError(
+            f"profile {profile.name!r} has no TP measured for both prefill {profile.prefill_tps} and decode "
+            f"{profile.decode_tps}{f' equal to {tp_unified}' if tp_unified else ''}: Unified mode needs one"
+        )
+    lam = max(float(workload.rate_rps), 0.0) if math.isfinite(workload.rate_rps) else 0.0
+    best: tuple[float, int, DecodeCapacity, float, float] | None = None
+    for tp in common:
+        cap = decode_capacity(
+            profile, tp, workload.isl.mean(), workload.osl.mean(), tpot_slo,
+            bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
+        )
+        if cap.cc < 1:
+            continue
+        mu, step = _unified_rate_per_instance(profile, tp, workload, cap, slo, q)
+        per_gpu = mu / tp
+        if best is None or per_gpu > best[0] * 1.000001:
+            best = (per_gpu, tp, cap, mu, step)
+    if best is None:
+        raise PlanningError(f"profile {profile.name!r}: no unified TP holds the model weights")
+    _, tp, cap, mu, step = best
+    notes: list[str] = []
+    if mu <= 0:
+        notes.append("no arrival rate meets both SLOs on one unified instance")
+        need = lam * 1e3
+    else:
+        need = lam / (mu * settings.decode_target_utilisation)
+    n = max(math.ceil(need - 1e-9), 1 if lam > 0 else 0)
+    counts, budget_notes = _fit_budget({"u": need}, {"u": tp}, {"u": n}, min_gpus, max_gpus)
+    notes += budget_notes
+    n = counts["u"]
+    u = ultra_short_threshold(profile, tp, tp, step, tpot_slo, settings)
+    inputs: dict[str, Any] = {
+        "rate_rps": lam, "mean_isl": workload.isl.mean(), "mean_osl": workload.osl.mean(), "tp_unified": tp,
+        "rate_per_instance": mu, "cc": cap.cc, "step_s": step, "unified_need": need, "ultra_short_tokens": u,
+    }
+    return Plan(
+        mode=Mode.UNIFIED.value,
+        prefill=PoolSize(0, 1),
+        decode=PoolSize(0, 1),
+        unified=PoolSize(n, tp),
+        routing=RoutingParams(
+            ultra_short_tokens=u,
+            long_request_tokens=max(int(round(workload.isl.mean())), 1),
+            batch_timeout_s=0.0,
+            length_aware_batching=False,
+            max_prefill_batch_tokens=settings.max_model_len,
+        ),
+        ratio=math.nan,
+        balanced_ratio=math.nan,
+        decode_concurrency=cap.cc,
+        t_p_s=workload.isl.expect(lambda x: profile.ttft(x, tp)),
+        t_d_s=step,
+        expected_ttft_s=profile.ttft(workload.isl.quantile(q), tp),
+        gpus=n * tp,
+        feasible=not notes,
+        notes=tuple(notes),
+        inputs=inputs,
+    )
+
+
+def plan(
+    workload: WorkloadEstimate, profile: PerformanceProfile, spec: LLMServeSpec, settings: PlannerSettings | None = None
+) -> Plan:
+    """Plan for an ``LLMServe`` spec: its mode, SLOs, TP pins and GPU limits.
+
+    In ``Auto`` mode both modes are planned and the one with fewer GPUs wins (feasible plans first; ties go to
+    Disaggregated, whose pools scale independently). Unified is skipped when the profile cannot plan it.
+
+    Raises:
+        PlanningError: the requested mode cannot be planned with this profile.
+    """
+    s = settings or PlannerSettings.from_spec(spec)
+    sc = spec.scaling
+    kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": s}
+    if spec.mode == Mode.DISAGGREGATED:
+        return plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
+    if spec.mode == Mode.UNIFIED:
+        return plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, **kw)
+    dis = plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
+    try:
+        uni = plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, **kw)
+    except PlanningError:
+        return dis
+    return min((dis, uni), key=lambda p: (not p.feasible, p.gpus, p.mode != Mode.DISAGGREGATED.value))
+
+
+def plan_ratio(
+    profile: PerformanceProfile,
+    isl: float,
+    osl: float,
+    *,
+    tp_prefill: int | None = None,
+    tp_decode: int | None = None,
+    tpot_slo_s: float = 0.08,
+    decode_concurrency: float | None = None,
+    concurrency: float | None = None,
+    settings: PlannerSettings = PlannerSettings(),
+) -> RatioPlan:
+    """The optimal P/D ratio for fixed lengths, DOPD eq. (15) and Alg. 2 lines 10–14.
+
+    t_p = TTFT(ISL, TP_p); t_d = TPOT(cc_d, ISL + OSL/2, TP_d) (the decode step at full batch and the mean
+    context of eq. 13); ratio = cc_d·t_p/(t_d·OSL); n_d = ⌈concurrency / cc_d⌉; n_p = ⌈ratio·n_d⌉.
+
+    Args:
+        decode_concurrency: a given D-instance capacity cc_d (e.g. DOPD §VI-A3's 235); computed by
+            eqs. (11)–(14) when None.
+        concurrency: total concurrent requests to serve; one D-instance when None.
+
+    Raises:
+        PlanningError: a fixed TP is not in the profile, or no TP holds the model.
+    """
+    isl_d = LengthDistribution.point(isl)
+    tp_p = choose_prefill_tp(
+        profile, isl_d, math.inf, 0.9, fixed=tp_prefill, max_tp=settings.max_tp, max_model_len=settings.max_model_len
+    )
+    if tp_decode is not None:
+        cap = decode_capacity(
+            profile, tp_decode, isl, osl, tpot_slo_s, bandwidth_utilisation=settings.bandwidth_utilisation,
+            graph_headroom=settings.graph_headroom, override_cc=decode_concurrency,
+        )
+    else:
+        cap = choose_decode_tp(profile, isl, osl, tpot_slo_s, max_tp=settings.max_tp,
+                               bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom)
+        if decode_concurrency is not None:
+            cap = decode_capacity(profile, cap.tp, isl, osl, tpot_slo_s, override_cc=decode_concurrency,
+                                  bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom)
+    if cap.cc < 1:
+        raise PlanningError(f"profile {profile.name!r}: the weights leave no KV memory at TP={cap.tp}")
+    t_p = profile.ttft(isl, tp_p)
+    ratio = cap.cc * t_p / (cap.step_s * max(osl, 1.0))
+    n_d = max(math.ceil(concurrency / cap.cc - 1e-9), 1) if concurrency is not None else 1
+    return RatioPlan(
+        ratio=ratio,
+        prefill_replicas=max(math.ceil(ratio * n_d - 1e-9), 1),
+        decode_replicas=n_d,
+        decode_concurrency=cap.cc,
+        t_p_s=t_p,
+        t_d_s=cap.step_s,
+        tp_prefill=tp_p,
+        tp_decode=cap.tp,
+        capacity=cap,
+    )

@@ -1,0 +1,167 @@
+"""Scaling policy: turn a planned target into the next target without oscillating (DESIGN principle 3).
+
+Per pool (prefill, decode, unified), given the plan for this tick and the target in force:
+
+- **scale-out** at once, at most ``max_step`` instances per tick;
+- **reactive guard**: when the SLO attainment observed over the last tick is below the SLO percentile and work
+  is queueing, the pool behind the miss grows now (TTFT → prefill, TPOT or a decode queue → decode, either →
+  unified), whatever the forecast says;
+- **scale-in** only when every plan of the last ``hysteresis_ticks`` ticks asked for fewer instances, the
+  pool's cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
+  still leave the remaining N−1 instances under ``scale_in_utilisation`` (Dynamo's load planner uses the same
+  check); the pool then steps down to the highest of those recent plans, by at most ``max_step``;
+- a TP change replaces the pool at once (new instances start, old ones drain);
+- the GPU budget (maxGPUs) is never exceeded.
+
+A steady load therefore never oscillates: a pool only shrinks after ``hysteresis_ticks`` consecutive plans
+agree, and never below what any of them asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from fulcrum.observation import Observation
+from fulcrum.target import ClusterTarget, PoolSize
+
+__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "POOLS"]
+
+POOLS: tuple[str, ...] = ("prefill", "decode", "unified")
+
+
+@dataclass(frozen=True)
+class ScalingSettings:
+    """Tunables of the scaling policy.
+
+    Attributes:
+        max_step: most instances added or removed per pool per tick (``spec.scaling.maxStep``).
+        cooldown_s: least time between two scale-ins of one pool, seconds (``spec.scaling.cooldownSeconds``).
+        hysteresis_ticks: consecutive plans that must ask for fewer instances before a scale-in.
+        scale_in_utilisation: the N/(N−1) check's bound on the utilisation left after removing one instance.
+        slo_target: SLO attainment below which the reactive guard acts (the SLO percentile as a fraction).
+        reactive_min_samples: completions needed in a tick before attainment is trusted.
+        reactive_growth: share of the pool added by one reactive step (at least one instance).
+        max_gpus: GPU budget.
+    """
+
+    max_step: int = 8
+    cooldown_s: float = 300.0
+    hysteresis_ticks: int = 3
+    scale_in_utilisation: float = 0.8
+    slo_target: float = 0.9
+    reactive_min_samples: int = 20
+    reactive_growth: float = 0.25
+    max_gpus: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class ScalingState:
+    """What the policy remembers between ticks (per pool): recent planned counts and the last scale-in time."""
+
+    recent: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    last_scale_in_s: dict[str, float] = field(default_factory=dict)
+
+
+def _reactive_pools(obs: Observation, s: ScalingSettings) -> set[str]:
+    pools: set[str] = set()
+    enough = obs.completed >= s.reactive_min_samples
+    ttft_bad = enough and math.isfinite(obs.ttft_attainment) and obs.ttft_attainment < s.slo_target
+    tpot_bad = enough and math.isfinite(obs.tpot_attainment) and obs.tpot_attainment < s.slo_target
+    if (ttft_bad and obs.prefill_queue > 0) or obs.prefill_queue > max(obs.arrivals, 1):
+        pools |= {"prefill", "unified"}
+    if (tpot_bad or obs.decode_queue > 0) and (tpot_bad or obs.kv_utilisation > 0.9):
+        pools |= {"decode", "unified"}
+    if ttft_bad and not pools:
+        pools |= {"unified"}
+    return pools
+
+
+def apply_scaling_policy(
+    planned: ClusterTarget,
+    current: ClusterTarget,
+    *,
+    now_s: float,
+    obs: Observation,
+    state: ScalingState,
+    settings: ScalingSettings,
+    utilisation: dict[str, float] | None = None,
+) -> tuple[ClusterTarget, ScalingState, list[str]]:
+    """The next target from this tick's plan (see module doc).
+
+    Args:
+        planned: what the planner computed for the forecast load.
+        current: the target in force.
+        now_s: time of this tick, seconds.
+        obs: what was measured over the last tick (for the reactive guard).
+        state: the policy's memory; a new one is returned.
+        settings: the policy's tunables.
+        utilisation: per pool, the continuous instance need of the plan (e.g. 2.4 instances), for the
+            N/(N−1) check; planned replicas are used when missing.
+
+    Returns:
+        (next target, next state, reasons — one line per pool that changed).
+    """
+    util = utilisation or {}
+    reactive = _reactive_pools(obs, settings)
+    recent = dict(state.recent)
+    last_in = dict(state.last_scale_in_s)
+    pools: dict[str, PoolSize] = {}
+    reasons: list[str] = []
+    for name in POOLS:
+        want: PoolSize = getattr(planned, name)
+        have: PoolSize = getattr(current, name)
+        hist = (recent.get(name, ()) + (want.replicas,))[-settings.hysteresis_ticks :]
+        recent[name] = hist
+        if want.tp != have.tp and (want.replicas > 0 or have.replicas > 0):
+            pools[name] = want
+            if want.replicas or have.replicas:
+                reasons.append(f"{name}: TP {have.tp}→{want.tp}, {have.replicas}→{want.replicas} instances")
+            continue
+        n = have.replicas
+        if name in reactive and n > 0:
+            grow = max(1, math.ceil(settings.reactive_growth * n))
+            target_n = max(want.replicas, n + min(grow, settings.max_step))
+            if target_n > n:
+                reasons.append(f"{name}: {n}→{target_n} (reactive: SLO attainment below {settings.slo_target:.0%} with queued work)")
+            pools[name] = PoolSize(target_n, have.tp)
+            recent[name] = (target_n,)
+            continue
+        if want.replicas > n:
+            target_n = min(want.replicas, n + settings.max_step)
+            reasons.append(f"{name}: {n}→{target_n} (forecast needs {want.replicas})")
+            pools[name] = PoolSize(target_n, have.tp)
+            continue
+        if want.replicas < n:
+            agreed = len(hist) >= settings.hysteresis_ticks and max(hist) < n
+            cooled = now_s - last_in.get(name, -math.inf) >= settings.cooldown_s
+            # Without a continuous need, the integer plans already fit in N−1 (max(hist) < n).
+            need = util.get(name)
+            n_minus_1_ok = need is None or n <= 1 or max(hist) == 0 or need <= (n - 1) * settings.scale_in_utilisation
+            if agreed and cooled and n_minus_1_ok:
+                target_n = max(max(hist), n - settings.max_step)
+                reasons.append(f"{name}: {n}→{target_n} (plans of the last {len(hist)} ticks need ≤ {max(hist)})")
+                pools[name] = PoolSize(target_n, have.tp)
+                last_in[name] = now_s
+                continue
+        pools[name] = have
+    nxt = ClusterTarget(prefill=pools["prefill"], decode=pools["decode"], unified=pools["unified"], routing=planned.routing)
+    nxt = _within_budget(nxt, current, settings.max_gpus)
+    return nxt, ScalingState(recent=recent, last_scale_in_s=last_in), reasons
+
+
+def _within_budget(nxt: ClusterTarget, current: ClusterTarget, max_gpus: int) -> ClusterTarget:
+    """Trim growth (largest grower first) until the target fits ``max_gpus``; never below current counts."""
+    while nxt.gpus > max_gpus:
+        growers = [
+            n for n in POOLS
+            if getattr(nxt, n).replicas > (getattr(current, n).replicas if getattr(current, n).tp == getattr(nxt, n).tp else 0)
+            or (getattr(nxt, n).replicas > 1 and nxt.gpus > max_gpus and all(
+                getattr(nxt, m).replicas <= getattr(current, m).replicas for m in POOLS))
+        ]
+        if not growers:
+            break
+        name = max(growers, key=lambda n: getattr(nxt, n).gpus)
+        pool: PoolSize = getattr(nxt, name)
+        nxt = replace(nxt, **{name: PoolSize(pool.replicas - 1, pool.tp)})
+    return nxt

@@ -1,0 +1,48 @@
+"""The ``static`` reference policy: the counts written in the spec, never changed (a fixed P/D deployment)."""
+
+from __future__ import annotations
+
+from fulcrum.api.llmserve import LLMServeSpec, Mode
+from fulcrum.observation import Observation
+from fulcrum.ratio.lengths import LengthDistribution
+from fulcrum.ratio.planner import PlannerSettings, ultra_short_threshold
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
+from fulcrum.scaling.planner import Decision
+from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+
+__all__ = ["StaticPlanner"]
+
+
+class StaticPlanner:
+    """Fixed pools from ``spec.scaling.initialPrefill/initialDecode/initialUnified`` (TP from the spec, else the
+    smallest TP of the profile that holds the model). Implements :class:`fulcrum.scaling.planner.Planner`."""
+
+    name = "static"
+
+    def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile) -> None:
+        self.spec = spec
+        self.tick_s = float(spec.scaling.interval_seconds)
+        sc = spec.scaling
+        s = PlannerSettings.from_spec(spec)
+        tpot = spec.slo.tpot_ms / 1e3
+        if spec.mode == Mode.UNIFIED:
+            common = sorted(set(profile.prefill) & set(profile.decode))
+            tp_u = sc.tp_unified or (common[0] if common else min(profile.decode_tps))
+            self._target = ClusterTarget(unified=PoolSize(sc.initial_unified, tp_u))
+            return
+        cap = choose_decode_tp(profile, 1024, 256, tpot, fixed=sc.tp_decode, max_tp=s.max_tp)
+        tp_p = choose_prefill_tp(profile, LengthDistribution.point(1024), spec.slo.ttft_ms / 1e3, 0.9,
+                                 fixed=sc.tp_prefill, max_tp=s.max_tp, max_model_len=s.max_model_len)
+        u = ultra_short_threshold(profile, tp_p, cap.tp, cap.step_s, tpot, s)
+        self._target = ClusterTarget(
+            prefill=PoolSize(sc.initial_prefill, tp_p),
+            decode=PoolSize(sc.initial_decode, cap.tp),
+            routing=RoutingParams(ultra_short_tokens=u, long_request_tokens=1024, length_aware_batching=False),
+        )
+
+    def initial(self) -> ClusterTarget:
+        return self._target
+
+    def step(self, obs: Observation, current: ClusterTarget) -> Decision:
+        return Decision(time_s=obs.time_s, target=self._target, reason="static: counts from the spec")

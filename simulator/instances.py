@@ -1,0 +1,560 @@
+"""Instance models: a prefill (P) instance and a decode-capable engine (D or unified), timed by a profile.
+
+Prefill instance (:class:`PrefillInstance`)
+    Runs one prefill batch at a time, pulled from the cluster's shared prefill queue (DOPD §V-C: P instances
+    pull, so the pool is elastic by construction). A batch of prompts of lengths ``isls`` takes
+    ``profile.prefill_batch_time(isls, tp)`` seconds; the first token of every member is produced at its end.
+
+Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
+    A vLLM-style engine with continuous batching and chunked prefill:
+
+    - **Batch.** At most ``max_batch`` requests run (vLLM ``max_num_seqs``; default the profile's CUDA-graph
+      cap cc_g, DOPD eq. 14). Every running request that has its KV cache decodes one token per step.
+    - **Step time.** ``profile.tpot(n, mean context, tp)`` for the ``n`` decoding requests, plus, when some
+      requests are being prefilled on the instance (unified requests, DOPD's ultra-short "local" requests,
+      recomputation after preemption), the prefill time of this step's chunk. The chunk holds at most
+      ``prefill_chunk_tokens`` prompt tokens taken FCFS (vLLM chunked prefill, Sarathi-style mixing of
+      prefill and decode). Prompt pieces that start at token 0 cost ``prefill_batch_time`` of their lengths
+      (batched prefill); a continuation of a prompt from token ``o`` to ``o + c`` costs the marginal
+      ``ttft(o + c) − ttft(o)``, so the chunks of one prompt add up to exactly ``ttft(isl)`` and the
+      quadratic attention term lands on the later chunks.
+    - **First token.** A request prefilled here gets its first token at the end of the step that completes
+      its prefill; it decodes from the next step. A request whose KV came from a P instance already has its
+      first token (produced by the prefill) and decodes from the step boundary after it was admitted.
+    - **KV memory (grow, then preempt by recompute, like vLLM).** A request's KV footprint is its context,
+      ``isl + generated`` tokens, and grows by one token per step; a request being prefilled reserves its
+      whole prompt. A waiting request is admitted only when its current context fits next to the contexts
+      of the running ones (an empty instance admits its head regardless, so a request larger than the
+      cache still runs rather than hanging). When the contexts of the running requests outgrow
+      ``profile.kv_capacity_tokens(tp)``, the most recently admitted request is preempted (vLLM
+      ``Scheduler._preempt_request``: the last of the running list), its KV is dropped and it goes back to
+      the front of the waiting queue; when readmitted it recomputes ``isl + generated`` tokens as a prefill.
+      This is the waiting decode queue the planner observes.
+    - **Spans (speed).** Between two changes of the running set, the batch is constant, so the instance
+      does not schedule one event per step: it keeps a step counter, the time and step index at the start
+      of the current span, the step time of the span (from the batch size and the mean context at the
+      span's start, Σcontext tracked incrementally as ``Σ(ctx_i − join_step_i) + n·step``), and a heap of
+      per-request finish step indices. Its next event is the earliest of: the next finish, the step at
+      which Σcontext overflows the KV cache, the step boundary after a new request arrived (if it can be
+      admitted), or ``max_span_steps`` steps. A step with prefill work is always a span of one step.
+      Decoding thus costs O(log n) per request joining or leaving, not O(batch) per step.
+
+Tables of a TP the profile lacks: the pool's own role must be measured at its TP (a P pool needs a prefill
+table, a D/unified pool a decode table — :class:`~fulcrum.errors.ProfileError` otherwise, raised by the
+cluster at scale-out); the auxiliary prefill on a decode-capable instance (local and recomputed prompts, the
+prefill side of unified instances) uses the prefill table of the nearest measured TP (ties: the smaller,
+slower one), unscaled, i.e. conservatively. DOPD's profile, for instance, has prefill only at TP=1 and decode
+only at TP=2.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Protocol
+
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.simulator.kernel import Kernel, Priority
+
+__all__ = [
+    "InstanceState",
+    "Phase",
+    "SimRequest",
+    "InstanceHost",
+    "Instance",
+    "PrefillInstance",
+    "EngineInstance",
+    "nearest_tp",
+]
+
+
+class InstanceState(IntEnum):
+    """Life cycle of an instance (a pod)."""
+
+    STARTING = 0  #: provisioned (GPUs counted), not serving yet
+    READY = 1  #: serving and accepting new work
+    DRAINING = 2  #: serving its in-flight requests only; removed when empty or at the drain timeout
+    REMOVED = 3  #: gone (GPUs released)
+
+
+class Phase(IntEnum):
+    """Where a request is inside an engine instance."""
+
+    OUTSIDE = 0  #: not on an engine (queued at the router, prefilling on a P instance, in transfer)
+    WAITING = 1  #: in an engine's waiting queue
+    PREFILLING = 2  #: admitted, prompt (or recomputation) being prefilled in chunks
+    DECODING = 3  #: admitted, decoding one token per step
+
+
+class SimRequest:
+    """Mutable state of one request during a run (internal; :class:`RequestRecord` is the result).
+
+    Attributes:
+        idx: position in arrival order.
+        arrival: arrival time, s. isl / osl: prompt and output tokens.
+        path: "disaggregated" | "local" | "unified".
+        first_token / finish: times, s (``nan`` until they happen).
+        generated: output tokens produced, as of the last time the request was settled.
+        kv_ready: its KV cache is on the engine it was offered to (True after a KV transfer); False means it
+            must be prefilled there (``isl + generated`` tokens).
+        phase: :class:`Phase`. pf_total / pf_done: tokens of the prefill in progress, and done.
+        join_step / gen_join / base: decode bookkeeping (step index and tokens at joining; ``ctx − join_step``).
+        token: bumps whenever the request leaves a decode batch (stale finish-heap entries are skipped).
+        qseq / enq: order and time of entry into the prefill queue. dest: engine a KV transfer heads to.
+        preemptions: times it was preempted.
+    """
+
+    __slots__ = (
+        "idx",
+        "arrival",
+        "isl",
+        "osl",
+        "path",
+        "first_token",
+        "finish",
+        "generated",
+        "kv_ready",
+        "phase",
+        "pf_total",
+        "pf_done",
+        "join_step",
+        "gen_join",
+        "base",
+        "token",
+        "qseq",
+        "enq",
+        "dest",
+        "preemptions",
+    )
+
+    def __init__(self, idx: int, arrival: float, isl: int, osl: int) -> None:
+        self.idx = idx
+        self.arrival = arrival
+        self.isl = isl
+        self.osl = osl
+        self.path = ""
+        self.first_token = math.nan
+        self.finish = math.nan
+        self.generated = 0
+        self.kv_ready = False
+        self.phase = Phase.OUTSIDE
+        self.pf_total = 0
+        self.pf_done = 0
+        self.join_step = 0
+        self.gen_join = 0
+        self.base = 0
+        self.token = 0
+        self.qseq = 0
+        self.enq = 0.0
+        self.dest: EngineInstance | None = None
+        self.preemptions = 0
+
+
+class InstanceHost(Protocol):
+    """What an instance reports to the cluster (implemented by :class:`~fulcrum.simulator.cluster.Simulation`)."""
+
+    def on_first_token(self, r: SimRequest, t: float) -> None:
+        """``r`` produced its first token at ``t`` seconds (called once per request)."""
+
+    def on_finish(self, r: SimRequest, t: float) -> None:
+        """``r`` produced its last token at ``t`` seconds."""
+
+    def on_prefill_done(self, inst: PrefillInstance, batch: list[SimRequest]) -> None:
+        """``inst`` finished prefilling ``batch`` at the kernel's ``now`` (first tokens not yet reported)."""
+
+    def on_instance_drained(self, inst: Instance) -> None:
+        """A draining ``inst`` has no work left."""
+
+
+def nearest_tp(available: Sequence[int], tp: int) -> int:
+    """``tp`` if measured, else the nearest measured TP (ties: the smaller one). ``available`` non-empty."""
+    if tp in available:
+        return tp
+    return min(available, key=lambda a: (abs(a - tp), a))
+
+
+class Instance:
+    """Common life-cycle fields of an instance.
+
+    Attributes:
+        iid: instance id, unique in the run, increasing in creation order.
+        role: "prefill" | "decode" | "unified".
+        tp: tensor-parallel size (GPUs of the instance).
+        state: :class:`InstanceState`. provisioned_at / ready_at: seconds.
+        drain_handle: kernel handle of the pending drain timeout, if any.
+    """
+
+    role: str = ""
+
+    def __init__(self, iid: int, tp: int, provisioned_at: float, ready_at: float) -> None:
+        self.iid = iid
+        self.tp = tp
+        self.state = InstanceState.STARTING
+        self.provisioned_at = provisioned_at
+        self.ready_at = ready_at
+        self.drain_handle: int | None = None
+
+    @property
+    def accepting(self) -> bool:
+        """Ready and not draining: may be given new work."""
+        return self.state == InstanceState.READY
+
+    @property
+    def load(self) -> int:
+        """Requests on the instance (the least-loaded choices compare this)."""
+        raise NotImplementedError
+
+    def is_empty(self) -> bool:
+        """No in-flight work (a draining instance is removed when this holds)."""
+        return self.load == 0
+
+
+class PrefillInstance(Instance):
+    """A P instance: one prefill batch at a time (DOPD §V-C; Alg. 1 decides the batches).
+
+    The batch time is ``profile.prefill_batch_time(isls, tp)`` seconds. The KV transfer that follows does not
+    occupy the instance (NIXL transfers are pulled by the decode side asynchronously).
+    """
+
+    role = "prefill"
+
+    def __init__(
+        self, host: InstanceHost, kernel: Kernel, iid: int, tp: int, profile: PerformanceProfile, provisioned_at: float, ready_at: float
+    ) -> None:
+        super().__init__(iid, tp, provisioned_at, ready_at)
+        self._host = host
+        self._kernel = kernel
+        self._profile = profile
+        self.batch: list[SimRequest] | None = None
+        self._event: int | None = None
+
+    @property
+    def load(self) -> int:
+        return len(self.batch) if self.batch else 0
+
+    @property
+    def idle(self) -> bool:
+        """No batch running."""
+        return self.batch is None
+
+    def start(self, batch: list[SimRequest]) -> float:
+        """Begin prefilling ``batch`` (non-empty) at ``kernel.now``. Returns the batch time, seconds."""
+        assert self.batch is None and batch
+        duration = self._profile.prefill_batch_time([r.isl for r in batch], self.tp)
+        self.batch = batch
+        self._event = self._kernel.schedule(self._kernel.now + duration, Priority.PREFILL_DONE, self._on_done)
+        return duration
+
+    def _on_done(self, _: int) -> None:
+        batch = self.batch
+        assert batch is not None
+        self.batch = None
+        self._event = None
+        self._host.on_prefill_done(self, batch)
+
+    def evict_all(self) -> list[SimRequest]:
+        """Abort the running batch (forced removal); returns its requests, to be prefilled again."""
+        if self._event is not None:
+            self._kernel.cancel(self._event)
+            self._event = None
+        batch, self.batch = self.batch or [], None
+        return batch
+
+
+class EngineInstance(Instance):
+    """A decode (``role="decode"``) or unified (``role="unified"``) instance; see the module docstring.
+
+    Args:
+        host: receives first tokens, finishes and the drained signal.
+        kernel: the simulation's event loop.
+        iid, role, tp: identity; ``tp`` must have a decode table in ``profile``.
+        profile: latencies and KV capacity.
+        max_batch: most running requests (>= 1).
+        chunk_tokens: prefill tokens per step (>= 1).
+        max_span_steps: longest span in steps (None: unbounded; 1: one event per step, recomputing the step
+            time from the current mean context each step).
+    """
+
+    def __init__(
+        self,
+        host: InstanceHost,
+        kernel: Kernel,
+        iid: int,
+        role: str,
+        tp: int,
+        profile: PerformanceProfile,
+        max_batch: int,
+        chunk_tokens: int,
+        max_span_steps: int | None,
+        provisioned_at: float,
+        ready_at: float,
+    ) -> None:
+        super().__init__(iid, tp, provisioned_at, ready_at)
+        self.role = role
+        self._host = host
+        self._kernel = kernel
+        self._profile = profile
+        self._ptp = nearest_tp(profile.prefill_tps, tp)
+        self._max_batch = max_batch
+        self._chunk = chunk_tokens
+        self._max_span = max_span_steps
+        self.capacity = profile.kv_capacity_tokens(tp)  #: KV cache capacity, tokens
+        self.running: dict[int, SimRequest] = {}  # admission order (vLLM's running list)
+        self.prefilling: deque[SimRequest] = deque()
+        self.waiting: deque[SimRequest] = deque()
+        self.incoming = 0  #: KV transfers on their way here
+        self._fin: list[tuple[int, int, int, SimRequest]] = []  # (finish step, seq, token, request)
+        self._seq = 0
+        self.n_dec = 0  #: decoding requests
+        self._sum_base = 0  # Σ(ctx_i − join_step_i) over decoding requests
+        self._reserved = 0  # prompt tokens reserved by prefilling requests
+        self._s0 = 0  # step index at the start of the current span
+        self._t0 = 0.0  # time at the start of the current span, s
+        self._dt = 0.0  # step time in the current span, s
+        self._span_end = 0  # step index of the scheduled event
+        self._pieces: list[tuple[SimRequest, int]] | None = None  # prefill chunk of the single step in progress
+        self._event: int | None = None
+
+    # ---- views -------------------------------------------------------------------------------------------
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting) + self.incoming
+
+    def _steps_done(self, t: float) -> int:
+        """Steps completed by time ``t`` (never past the pending event's step)."""
+        if self._event is None or self._pieces is not None or self._dt <= 0.0:
+            return self._s0
+        k = self._s0 + int((t - self._t0) / self._dt)
+        return min(max(k, self._s0), self._span_end)
+
+    def kv_used(self, t: float) -> float:
+        """KV tokens held at time ``t`` (contexts of decoding requests plus reserved prompts)."""
+        return float(self._sum_base + self.n_dec * self._steps_done(t) + self._reserved)
+
+    def projected_tokens(self, t: float) -> float:
+        """KV tokens held now plus those of waiting requests (the room check of the decode choice)."""
+        return self.kv_used(t) + sum(r.isl + r.generated for r in self.waiting)
+
+    def waiting_counts(self) -> tuple[int, int]:
+        """(waiting requests that still need their first token, waiting requests that already have it)."""
+        fresh = sum(1 for r in self.waiting if r.generated == 0)
+        return fresh, len(self.waiting) - fresh
+
+    # ---- entry -------------------------------------------------------------------------------------------
+
+    def offer(self, r: SimRequest) -> None:
+        """Queue ``r`` here at ``kernel.now``; it joins at the next step boundary where it fits."""
+        r.phase = Phase.WAITING
+        self.waiting.append(r)
+        if len(self.waiting) > 1:
+            return  # the head is blocked; ``r`` queues behind it
+        now = self._kernel.now
+        if self._event is None:  # idle: start now
+            self._admit(self._s0)
+            self._plan(self._s0, now)
+            return
+        if self._pieces is not None:
+            return  # a single step is running; its end admits
+        nb = self._steps_done(now) + 1  # boundary at the end of the step in progress
+        if nb >= self._span_end or not self._fits(r, nb):
+            return
+        self._kernel.cancel(self._event)
+        self._span_end = nb
+        self._event = self._kernel.schedule(self._t0 + (nb - self._s0) * self._dt, Priority.STEP, self._on_step, nb)
+
+    def _fits(self, r: SimRequest, s: int) -> bool:
+        cnt = len(self.running)
+        if cnt >= self._max_batch:
+            return False
+        used = self._sum_base + self.n_dec * s + self._reserved
+        return cnt == 0 or used + r.isl + r.generated <= self.capacity
+
+    # ---- a step boundary ---------------------------------------------------------------------------------
+
+    def _on_step(self, s: int) -> None:
+        t = self._kernel.now
+        self._event = None
+        host = self._host
+        fin = self._fin
+        while fin and fin[0][0] <= s:
+            f, _, tok, r = heapq.heappop(fin)
+            if tok != r.token:
+                continue  # left the batch earlier (preempted)
+            self._leave_decode(r)
+            del self.running[r.idx]
+            r.generated = r.osl
+            r.phase = Phase.OUTSIDE
+            host.on_finish(r, self._t0 + (f - self._s0) * self._dt)
+        if self._pieces is not None:
+            self._finish_pieces(s, t)
+        self._preempt(s)
+        self._admit(s)
+        self._plan(s, t)
+        if self.state == InstanceState.DRAINING and self.is_empty():
+            host.on_instance_drained(self)
+
+    def _finish_pieces(self, s: int, t: float) -> None:
+        pieces = self._pieces
+        assert pieces is not None
+        self._pieces = None
+        for r, c in pieces:
+            r.pf_done += c
+            if r.pf_done < r.pf_total:
+                continue
+            popped = self.prefilling.popleft()
+            assert popped is r
+            self._reserved -= r.pf_total
+            r.generated += 1
+            r.kv_ready = True
+            if math.isnan(r.first_token):
+                self._host.on_first_token(r, t)
+            if r.generated >= r.osl:
+                del self.running[r.idx]
+                r.phase = Phase.OUTSIDE
+                self._host.on_finish(r, t)
+            else:
+                self._join_decode(r, s)
+
+    def _join_decode(self, r: SimRequest, s: int) -> None:
+        r.phase = Phase.DECODING
+        r.join_step = s
+        r.gen_join = r.generated
+        r.base = r.isl + r.generated - s
+        self.n_dec += 1
+        self._sum_base += r.base
+        self._seq += 1
+        heapq.heappush(self._fin, (s + r.osl - r.generated, self._seq, r.token, r))
+
+    def _leave_decode(self, r: SimRequest) -> None:
+        r.token += 1
+        self.n_dec -= 1
+        self._sum_base -= r.base
+
+    def _preempt(self, s: int) -> None:
+        """Preempt the latest-admitted requests while the contexts overflow the KV cache (vLLM recompute)."""
+        running = self.running
+        used = self._sum_base + self.n_dec * s + self._reserved
+        while used > self.capacity and len(running) > 1:
+            _, r = running.popitem()  # the most recently admitted
+            if r.phase == Phase.PREFILLING:
+                self.prefilling.remove(r)
+                self._reserved -= r.pf_total
+                used -= r.pf_total
+            else:
+                r.generated = r.gen_join + (s - r.join_step)
+                self._leave_decode(r)
+                used -= r.isl + r.generated
+            r.kv_ready = False
+            r.phase = Phase.WAITING
+            r.preemptions += 1
+            self.waiting.appendleft(r)
+
+    def _admit(self, s: int) -> None:
+        waiting = self.waiting
+        if not waiting:
+            return
+        running = self.running
+        used = self._sum_base + self.n_dec * s + self._reserved
+        cnt = len(running)
+        while waiting and cnt < self._max_batch:
+            r = waiting[0]
+            need = r.isl + r.generated
+            if cnt and used + need > self.capacity:
+                break
+            waiting.popleft()
+            cnt += 1
+            used += need
+            running[r.idx] = r
+            if r.kv_ready:
+                self._join_decode(r, s)
+            else:
+                r.phase = Phase.PREFILLING
+                r.pf_total = need
+                r.pf_done = 0
+                self._reserved += need
+                self.prefilling.append(r)
+
+    def _prefill_time(self, pieces: list[tuple[SimRequest, int]]) -> float:
+        fresh: list[int] = []
+        extra = 0.0
+        ttft = self._profile.ttft
+        for r, c in pieces:
+            if r.pf_done == 0:
+                fresh.append(c)
+            else:
+                extra += ttft(r.pf_done + c, self._ptp) - ttft(r.pf_done, self._ptp)
+        if fresh:
+            extra += self._profile.prefill_batch_time(fresh, self._ptp)
+        return extra
+
+    def _plan(self, s: int, t: float) -> None:
+        """Start the next span at step ``s``, time ``t``: set its step time and schedule its end."""
+        self._s0 = s
+        self._t0 = t
+        n = self.n_dec
+        if self.prefilling:
+            budget = self._chunk
+            pieces: list[tuple[SimRequest, int]] = []
+            for r in self.prefilling:
+                c = min(r.pf_total - r.pf_done, budget)
+                pieces.append((r, c))
+                budget -= c
+                if budget <= 0:
+                    break
+            dt = self._prefill_time(pieces)
+            if n:
+                dt += self._profile.tpot(n, (self._sum_base + n * s) / n, self.tp)
+            self._pieces = pieces
+            target = s + 1
+        elif n:
+            dt = self._profile.tpot(n, (self._sum_base + n * s) / n, self.tp)
+            fin = self._fin
+            while fin[0][2] != fin[0][3].token:
+                heapq.heappop(fin)
+            target = fin[0][0]
+            if len(self.running) > 1:
+                over = math.floor((self.capacity - self._reserved - self._sum_base) / n) + 1
+                if over < target:
+                    target = max(over, s + 1)
+            if self._max_span is not None and target - s > self._max_span:
+                target = s + self._max_span
+        else:
+            self._event = None
+            self._dt = 0.0
+            return
+        self._dt = dt
+        self._span_end = target
+        self._event = self._kernel.schedule(t + (target - s) * dt, Priority.STEP, self._on_step, target)
+
+    # ---- forced removal ----------------------------------------------------------------------------------
+
+    def evict_all(self) -> list[SimRequest]:
+        """Drop everything at ``kernel.now`` (drain timeout): returns the requests, KV lost, admission order
+        first, then the waiting queue. Each keeps the tokens it generated."""
+        k = self._steps_done(self._kernel.now)
+        if self._event is not None:
+            self._kernel.cancel(self._event)
+            self._event = None
+        out: list[SimRequest] = []
+        for r in self.running.values():
+            if r.phase == Phase.DECODING:
+                r.generated = min(r.gen_join + (k - r.join_step), r.osl - 1)
+                r.token += 1
+            out.append(r)
+        out.extend(self.waiting)
+        for r in out:
+            r.kv_ready = False
+            r.phase = Phase.OUTSIDE
+        self.running.clear()
+        self.prefilling.clear()
+        self.waiting.clear()
+        self._fin.clear()
+        self.n_dec = 0
+        self._sum_base = 0
+        self._reserved = 0
+        self._pieces = None
+        return out

@@ -1,0 +1,334 @@
+"""The ``LLMServe`` CustomResourceDefinition, generated from the pydantic model.
+
+The CRD is never written by hand: :func:`build_crd` converts ``LLMServe``'s pydantic JSON schema (by
+alias, camelCase) into a Kubernetes ``apiextensions.k8s.io/v1`` CustomResourceDefinition, and
+``crds/llmserve.yaml`` is its output (``fulcrum crd --output crds/llmserve.yaml``); a unit test keeps the
+file equal to the model.
+
+Conversion to a *structural* schema (what Kubernetes requires of a CRD):
+
+- every ``$ref`` is inlined from ``$defs``; the field's own ``description``/``default`` win over the
+  referenced definition's;
+- ``title`` and ``additionalProperties: false`` are dropped (the API server prunes unknown fields;
+  ``kubectl``'s field validation reports them);
+- ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true``; any other union is an error;
+- ``prefixItems`` (tuples) becomes ``type: array`` with one ``items`` schema (all positions must share
+  it) and ``minItems``/``maxItems``;
+- ``exclusiveMinimum: x`` (JSON Schema 2020-12) becomes ``minimum: x, exclusiveMinimum: true``
+  (OpenAPI v3.0, which Kubernetes speaks), likewise for the maximum;
+- defaults: pydantic leaves out the defaults of ``default_factory`` fields; they are added here (the
+  factory's value, dumped by alias without ``null`` members), so that the API server fills nested
+  objects (``spec.gpu``, ``spec.scaling``…) exactly as pydantic does and the CEL rules below always see
+  their fields. ``default: null`` is dropped (absent and null mean the same to the model).
+
+Cross-field rules of the model become CEL ``x-kubernetes-validations``: ``minGPUs <= maxGPUs`` on
+``spec.scaling``; exactly one non-empty source on ``spec.profile``; each fixed TP at most
+``gpu.gpusPerNode`` and ``scaling.maxGPUs`` on ``spec``. The rules rely on the object defaults above
+(defaulting runs before validation, so ``spec.scaling`` and ``spec.gpu`` and their limits are always
+present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use ``fieldPath``,
+so the CRD needs Kubernetes 1.28 or newer (CEL validation itself is on by default since 1.25).
+
+``status`` is an open object (``x-kubernetes-preserve-unknown-fields``) written by the operator.
+Subresources: ``status`` only. There is deliberately no ``scale`` subresource: an ``LLMServe`` runs
+several pools (prefill, decode, unified; one per GPU type × TP) whose sizes the planner sets, so no
+single ``spec`` integer is "the replica count" (``spec.scaling.maxGPUs`` is a budget in GPUs, not
+replicas). Exposing one would invite an HPA or KEDA to fight the planner over it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema, NoDefault
+from pydantic_core import core_schema
+
+from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe
+
+__all__ = [
+    "GROUP",
+    "VERSION",
+    "PLURAL",
+    "SINGULAR",
+    "SHORT_NAMES",
+    "CRD_NAME",
+    "PRINTER_COLUMNS",
+    "build_crd",
+    "spec_schema",
+    "render_crd_yaml",
+]
+
+GROUP, VERSION = API_VERSION.split("/")
+PLURAL = "llmserves"
+SINGULAR = "llmserve"
+SHORT_NAMES = ("llms",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+PRINTER_COLUMNS: tuple[dict[str, str], ...] = (
+    {"name": "Mode", "type": "string", "jsonPath": ".spec.mode", "description": "Serving mode."},
+    {
+        "name": "Prefill",
+        "type": "integer",
+        "jsonPath": ".status.pools.prefill.ready",
+        "description": "Ready prefill instances.",
+    },
+    {
+        "name": "Decode",
+        "type": "integer",
+        "jsonPath": ".status.pools.decode.ready",
+        "description": "Ready decode instances.",
+    },
+    {
+        "name": "Ratio",
+        "type": "number",
+        "jsonPath": ".status.plan.ratio",
+        "description": "Planned prefill instances per decode instance (DOPD eq. 15).",
+    },
+    {
+        "name": "Forecast RPS",
+        "type": "number",
+        "jsonPath": ".status.forecast.rate",
+        "description": "Forecast request rate for the next interval, requests/s.",
+    },
+    {
+        "name": "SLO",
+        "type": "number",
+        "jsonPath": ".status.sloAttainment",
+        "description": "Fraction of recent requests meeting both TTFT and TPOT targets.",
+    },
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+)
+"""``additionalPrinterColumns`` of ``kubectl get llmserves``; the operator writes the status fields."""
+
+# Keys a structural schema node may carry after conversion (anything else from pydantic is an error,
+# so that a model change producing an unsupported construct fails the tests instead of the cluster).
+_KEPT_KEYS = frozenset(
+    {
+        "type", "description", "default", "enum", "format", "pattern", "minLength", "maxLength",
+        "minimum", "maximum", "minItems", "maxItems", "properties", "required", "items",
+    }
+)
+_DROPPED_KEYS = frozenset({"title", "additionalProperties"})
+
+
+def _tp_rule(field: str) -> dict[str, str]:
+    tp = f"self.scaling.{field}"
+    return {
+        "rule": f"!has({tp}) || ({tp} <= self.gpu.gpusPerNode && {tp} <= self.scaling.maxGPUs)",
+        "message": f"scaling.{field} must be <= gpu.gpusPerNode and <= scaling.maxGPUs",
+        "fieldPath": f".scaling.{field}",
+    }
+
+
+def _given(field: str) -> str:
+    """CEL: 1 if ``field`` is a non-empty string, else 0 ("" counts as unset, as in pydantic; Kubernetes
+    treats null-valued fields as absent in CEL, so ``has`` is false for them)."""
+    return f"(has(self.{field}) && size(self.{field}) > 0 ? 1 : 0)"
+
+
+# CEL rules by the property path of the spec node they are attached to (() = spec itself). They
+# mirror the model validators ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits.
+_VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
+    (): [_tp_rule("tpPrefill"), _tp_rule("tpDecode"), _tp_rule("tpUnified")],
+    ("scaling",): [
+        {"rule": "self.minGPUs <= self.maxGPUs", "message": "minGPUs must be <= maxGPUs", "fieldPath": ".minGPUs"}
+    ],
+    ("profile",): [
+        {
+            "rule": " + ".join(_given(f) for f in ("name", "path", "configMap")) + " == 1",
+            "message": "set exactly one of name, path, configMap",
+        }
+    ],
+}
+
+
+class _FactoryDefaults(GenerateJsonSchema):
+    """JSON schema generator that also reports the defaults of ``default_factory`` fields."""
+
+    def get_default_value(self, schema: core_schema.WithDefaultSchema) -> Any:
+        factory = schema.get("default_factory")
+        if factory is None or schema.get("default_factory_takes_data"):
+            return schema.get("default", NoDefault)
+        value = factory()  # type: ignore[call-arg]
+        if isinstance(value, BaseModel):
+            return value.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return value
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Inline one level of ``$ref``: the referenced definition, overlaid with the node's own keys."""
+    if "$ref" not in node:
+        return node
+    ref = node["$ref"]
+    prefix = "#/$defs/"
+    if not ref.startswith(prefix) or ref[len(prefix):] not in defs:
+        raise ValueError(f"unresolvable $ref {ref!r}")
+    merged = dict(defs[ref[len(prefix):]])
+    merged.update({k: v for k, v in node.items() if k != "$ref"})
+    return merged
+
+
+def _unwrap_nullable(node: dict[str, Any], path: str) -> tuple[dict[str, Any], bool]:
+    """``anyOf: [X, {type: null}]`` → (X overlaid with the node's other keys, True)."""
+    if "anyOf" not in node:
+        return node, False
+    branches = node["anyOf"]
+    non_null = [b for b in branches if b != {"type": "null"}]
+    if len(non_null) != 1 or len(branches) != 2:
+        raise ValueError(f"{path}: only `X | None` unions can be expressed in a structural schema")
+    merged = dict(non_null[0])
+    merged.update({k: v for k, v in node.items() if k != "anyOf"})
+    return merged, True
+
+
+def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    """Convert one pydantic JSON-schema node (and its children) to a structural OpenAPI v3.0 node."""
+    where = "spec" + "".join(f".{p}" for p in path)
+    node = _resolve(node, defs)
+    node, nullable = _unwrap_nullable(node, where)
+    node = _resolve(node, defs)  # a nullable $ref: anyOf [{$ref}, null]
+    for key in ("allOf", "oneOf", "not", "const"):
+        if key in node:
+            raise ValueError(f"{where}: `{key}` cannot be expressed in a structural schema")
+    out: dict[str, Any] = {}
+    if "type" not in node:
+        raise ValueError(f"{where}: schema node without a type")
+    out["type"] = node["type"]
+    if "description" in node:
+        out["description"] = node["description"]
+    for key, value in node.items():
+        if key in _DROPPED_KEYS or key in ("type", "description", "properties", "items", "prefixItems"):
+            continue
+        if key in ("exclusiveMinimum", "exclusiveMaximum"):
+            bound = "minimum" if key == "exclusiveMinimum" else "maximum"
+            if bound in node:
+                raise ValueError(f"{where}: both {bound} and {key} are set")
+            out[bound] = value
+            out[key] = True
+        elif key == "default":
+            if value is not None:
+                out["default"] = value
+        elif key in _KEPT_KEYS:
+            out[key] = value
+        else:
+            raise ValueError(f"{where}: unsupported JSON-schema keyword {key!r}")
+    if nullable:
+        out["nullable"] = True
+    if node["type"] == "object":
+        out["properties"] = {
+            name: _structural(child, defs, (*path, name)) for name, child in node.get("properties", {}).items()
+        }
+    if node["type"] == "array":
+        out["items"] = _array_items(node, defs, path, where)
+    rules = _VALIDATIONS.get(path)
+    if rules:
+        out["x-kubernetes-validations"] = copy.deepcopy(rules)
+    return out
+
+
+def _array_items(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...], where: str) -> dict[str, Any]:
+    if "prefixItems" in node:
+        items = [_structural(i, defs, path) for i in node["prefixItems"]]
+        if any(i != items[0] for i in items):
+            raise ValueError(f"{where}: a tuple with different item types cannot be expressed structurally")
+        return items[0]
+    if "items" not in node:
+        raise ValueError(f"{where}: array without items")
+    return _structural(node["items"], defs, path)
+
+
+def spec_schema() -> dict[str, Any]:
+    """The structural OpenAPI v3.0 schema of ``LLMServe.spec`` (camelCase), with CEL rules.
+
+    Raises:
+        ValueError: the model uses a construct a structural schema cannot express, or a CEL rule is
+            attached to a path the model no longer has (a programming error caught by the tests).
+    """
+    schema = LLMServe.model_json_schema(by_alias=True, mode="validation", schema_generator=_FactoryDefaults)
+    defs = schema.get("$defs", {})
+    spec = _structural(schema["properties"]["spec"], defs, ())
+    for path in _VALIDATIONS:
+        node = spec
+        for name in path:
+            node = node.get("properties", {}).get(name, {})
+        if "x-kubernetes-validations" not in node:
+            raise ValueError(f"CEL rules target spec.{'.'.join(path)}, which the model does not have")
+    return spec
+
+
+def _metadata_schema() -> dict[str, Any]:
+    """``metadata`` may only restrict ``name``/``generateName``; take the name rules from ``ObjectMeta``."""
+    meta = LLMServe.model_json_schema(by_alias=True)["$defs"]["ObjectMeta"]["properties"]["name"]
+    name = {k: meta[k] for k in ("type", "minLength", "maxLength", "pattern") if k in meta}
+    return {"type": "object", "properties": {"name": name}}
+
+
+def build_crd() -> dict[str, Any]:
+    """Build the ``llmserves.fulcrum.dev`` CustomResourceDefinition (``apiextensions.k8s.io/v1``).
+
+    Returns:
+        the CRD as a plain mapping, ready for ``yaml.safe_dump`` or ``kubectl apply``: group
+        ``fulcrum.dev``, one version ``v1alpha1`` (served, storage), namespaced, kind ``LLMServe``
+        (plural ``llmserves``, singular ``llmserve``, short name ``llms``), structural schema of the
+        spec with CEL rules, an open status, the status subresource and the printer columns
+        :data:`PRINTER_COLUMNS`. Deterministic: the same model gives the same mapping.
+    """
+    root_doc = (LLMServe.__doc__ or "").strip()
+    schema = {
+        "type": "object",
+        "description": root_doc,
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string", "description": f"Always {API_VERSION}."},
+            "kind": {"type": "string", "description": f"Always {KIND}."},
+            "metadata": _metadata_schema(),
+            "spec": spec_schema(),
+            "status": {
+                "type": "object",
+                "description": "Observed state, written by the operator: conditions, forecast, plan, pools, SLO attainment.",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
+                }
+            ],
+        },
+    }
+
+
+_HEADER = (
+    "# Generated from the LLMServe model (src/fulcrum/api/llmserve.py) by `fulcrum crd`. Do not edit:\n"
+    "# run `fulcrum crd --output crds/llmserve.yaml` after changing the model.\n"
+)
+
+
+def render_crd_yaml(crd: dict[str, Any] | None = None) -> str:
+    """Render ``crd`` (default: :func:`build_crd`) as the YAML text of ``crds/llmserve.yaml``."""
+    body = yaml.safe_dump(
+        build_crd() if crd is None else crd, sort_keys=False, allow_unicode=True, width=100
+    )
+    return _HEADER + body

@@ -1,0 +1,53 @@
+"""The ``fulcrum`` command line.
+
+Subcommands: ``replay`` (the planner against a simulated cluster on a real trace), ``plan`` (one P/D plan from
+a profile), ``forecast`` (backtest every forecaster on a trace), ``crd`` (print the CRD generated from the
+``LLMServe`` model). Environment variables are read here and nowhere else.
+
+Exit codes: 0 success, 1 a run that failed its own check, 2 bad input (a clear one-line error on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fulcrum import __version__
+from fulcrum.errors import FulcrumError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand registered."""
+    from fulcrum.commands import crd, forecast, plan, replay
+
+    parser = argparse.ArgumentParser(
+        prog="fulcrum",
+        description="Elastic prefill/decode serving of LLMs: forecast, plan, split, reconcile.",
+    )
+    parser.add_argument("--version", action="version", version=f"fulcrum {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in (replay, plan, forecast, crd):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (FulcrumError, ValueError, OSError) as err:
+        print(f"fulcrum {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""``fulcrum forecast``: backtest every forecaster on a trace (DOPD §V-D: ARIMA against simple baselines).
+
+Walk-forward one-step forecasts of the per-interval series — ``rate`` (requests/s, counted at arrival),
+``isl`` and ``osl`` (mean tokens of the interval's arrivals) — by ARIMA and the baselines (last value, moving
+average, seasonal naive). Prints the one-step MAPE per series and forecaster, and fit/forecast times.
+
+Accepts request traces (Azure CSV, Mooncake JSONL, bundled names) and ServeGen's aggregate rate series
+(``window_start_s,total_rate_rps,...`` at 10-minute resolution; only ``rate`` exists there, and ``--interval``
+must be a multiple of the file's resolution).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fulcrum.api.llmserve import ForecasterSpec
+from fulcrum.errors import TraceError
+from fulcrum.forecast.backtest import backtest, default_factories
+from fulcrum.traces import interval_series, load_rate_series, load_trace
+
+__all__ = ["add_parser", "run", "load_series"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("forecast", help="backtest the forecasters on a trace", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="request trace, bundled trace name, or ServeGen *_aggregate_10min.csv")
+    p.add_argument("--interval", type=float, required=True, help="planner interval, seconds")
+    p.add_argument("--warmup", type=int, default=8, help="intervals before scoring starts (default 8)")
+    p.add_argument("--order", type=int, nargs=3, metavar=("P", "D", "Q"), help="ARIMA order (default 2 0 1)")
+    p.add_argument("--window", type=int, help="ARIMA fitting window, intervals (default 64)")
+    p.add_argument("--season", type=int, help="season length for seasonal naive, intervals (default: 1 day)")
+    p.add_argument("--json", action="store_true", help='print {"series": {SERIES: {FORECASTER: {"mape": ...}}}}')
+    p.set_defaults(func=run)
+
+
+def _is_rate_series(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as fb:
+        magic = fb.read(2)
+    opener: Any = gzip.open if magic == b"\x1f\x8b" else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        head = f.readline()
+    return "total_rate_rps" in head
+
+
+def load_series(trace: str, interval_s: float) -> tuple[str, dict[str, list[float]], float]:
+    """(name, series by name, interval in seconds) for a request trace or a ServeGen rate file.
+
+    Raises:
+        TraceError: unreadable trace, or an interval that is not a multiple of a rate file's resolution.
+    """
+    path = Path(trace)
+    if _is_rate_series(path):
+        rs = load_rate_series(path)
+        k = interval_s / rs.interval_s
+        if k < 1 or abs(k - round(k)) > 1e-9:
+            raise TraceError(f"{path}: --interval {interval_s:g} s must be a multiple of the file's {rs.interval_s:g} s")
+        k = int(round(k))
+        vals = list(rs.values)
+        rate = []
+        for i in range(0, len(vals) - k + 1, k):
+            chunk = [v for v in vals[i : i + k] if not math.isnan(v)]
+            rate.append(sum(chunk) / len(chunk) if chunk else math.nan)
+        return rs.name, {"rate": rate}, interval_s
+    tr = load_trace(trace)
+    return tr.name, interval_series(tr.requests, interval_s), interval_s
+
+
+def _spec(args: argparse.Namespace, interval_s: float) -> ForecasterSpec:
+    kw: dict[str, Any] = {}
+    if args.order:
+        kw["order"] = tuple(args.order)
+    if args.window:
+        kw["window"] = args.window
+    kw["season_length"] = args.season or max(2, int(round(86_400 / interval_s)))
+    return ForecasterSpec(**kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.interval) and args.interval > 0):
+        raise ValueError(f"--interval must be a positive number of seconds, got {args.interval}")
+    name, series, interval = load_series(args.trace, args.interval)
+    spec = _spec(args, interval)
+    results: dict[str, dict[str, Any]] = {}
+    for sname, values in series.items():
+        scores = backtest(values, default_factories(spec), warmup=args.warmup)
+        results[sname] = {
+            f: {"mape": s.mape, "points": s.points, "fit_seconds": s.fit_seconds,
+                "forecast_ms_p50": s.forecast_ms_p50, "forecast_ms_p99": s.forecast_ms_p99}
+            for f, s in scores.items()
+        }
+    if args.json:
+        clean = {s: {f: {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+                     for f, d in fs.items()} for s, fs in results.items()}
+        print(json.dumps({"trace": name, "interval_s": interval, "series": clean}, indent=2, allow_nan=False))
+        return 0
+    n = max((len(v) for v in series.values()), default=0)
+    print(f"trace {name}: {n} intervals of {interval:g} s; one-step MAPE (lower is better)")
+    forecasters = list(next(iter(results.values())).keys()) if results else []
+    print(f"{'series':<8}" + "".join(f"{f:>16}" for f in forecasters))
+    for sname, fs in results.items():
+        cells = "".join(f"{fs[f]['mape'] * 100:>15.1f}%" if math.isfinite(fs[f]["mape"]) else f"{'n/a':>16}" for f in forecasters)
+        print(f"{sname:<8}{cells}")
+    print()
+    print(f"{'times':<8}" + "".join(f"{f:>16}" for f in forecasters))
+    for sname, fs in results.items():
+        cells = "".join(f"{fs[f]['fit_seconds']:>7.2f}s {fs[f]['forecast_ms_p99']:>5.1f}ms" for f in forecasters)
+        print(f"{sname:<8}{cells}   (total fit time, p99 per step)")
+    return 0

@@ -1,0 +1,102 @@
+"""``fulcrum plan``: one P/D plan from a performance profile and a load (DOPD §IV-B, Alg. 2).
+
+- ``--decode-concurrency C``: one D-instance of capacity C; prints the eq. (15) ratio (DOPD §VI-A3's check).
+- ``--concurrency C``: C concurrent requests in decode; n_d = ⌈C/cc_d⌉ (cc_d by eqs. 11–14), n_p = ⌈ratio·n_d⌉.
+- ``--rate R``: the full planner for R requests/s (TP choice, Kingman headroom, ultra-short threshold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from fulcrum.api.llmserve import SLOSpec
+from fulcrum.ratio.planner import WorkloadEstimate, plan_disaggregated, plan_ratio
+from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_profile
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="compute a P/D plan from a profile", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True, help=f"profile file (YAML/JSON/CSV) or built-in name ({', '.join(BUILTIN_PROFILES)})")
+    p.add_argument("--isl", type=float, required=True, help="mean input length, tokens")
+    p.add_argument("--osl", type=float, required=True, help="mean output length, tokens")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=float, help="request rate, requests/s")
+    load.add_argument("--concurrency", type=float, help="concurrent requests in decode")
+    load.add_argument("--decode-concurrency", type=float, help="capacity of one D-instance (cc_d), requests")
+    p.add_argument("--tp-prefill", type=int, help="TP of P-instances (chosen by eq. 16 when omitted)")
+    p.add_argument("--tp-decode", type=int, help="TP of D-instances (chosen by eqs. 11-14 when omitted)")
+    p.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT SLO, ms (default 2000)")
+    p.add_argument("--tpot-ms", type=float, default=80.0, help="TPOT SLO, ms (default 80)")
+    p.add_argument("--percentile", type=float, default=90.0, help="SLO percentile (default 90)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("isl", "osl", "rate", "concurrency", "decode_concurrency", "ttft_ms", "tpot_ms"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+    if not 0 < args.percentile <= 100:
+        raise ValueError(f"--percentile must be in (0, 100], got {args.percentile}")
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    profile = resolve_profile(args.profile)
+    slo = SLOSpec(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, percentile=args.percentile)
+    if args.rate is not None:
+        p = plan_disaggregated(WorkloadEstimate.from_means(args.rate, args.isl, args.osl), profile, slo,
+                               tp_prefill=args.tp_prefill, tp_decode=args.tp_decode)
+        out: dict[str, Any] = {
+            "ratio": p.ratio, "balanced_ratio": p.balanced_ratio, "prefill_replicas": p.prefill.replicas,
+            "decode_replicas": p.decode.replicas, "decode_concurrency": p.decode_concurrency,
+            "tp_prefill": p.prefill.tp, "tp_decode": p.decode.tp, "gpus": p.gpus, "feasible": p.feasible,
+            "expected_ttft_s": p.expected_ttft_s, "t_p_s": p.t_p_s, "t_d_s": p.t_d_s,
+            "ultra_short_tokens": p.routing.ultra_short_tokens, "long_request_tokens": p.routing.long_request_tokens,
+            "batch_timeout_s": p.routing.batch_timeout_s, "notes": list(p.notes),
+            "inputs": _clean({**p.inputs, "profile": profile.name}),
+        }
+    else:
+        r = plan_ratio(profile, args.isl, args.osl, tp_prefill=args.tp_prefill, tp_decode=args.tp_decode,
+                       tpot_slo_s=args.tpot_ms / 1e3, decode_concurrency=args.decode_concurrency,
+                       concurrency=args.concurrency)
+        c = r.capacity
+        out = {
+            "ratio": r.ratio, "prefill_replicas": r.prefill_replicas, "decode_replicas": r.decode_replicas,
+            "decode_concurrency": r.decode_concurrency, "tp_prefill": r.tp_prefill, "tp_decode": r.tp_decode,
+            "gpus": r.prefill_replicas * r.tp_prefill + r.decode_replicas * r.tp_decode,
+            "t_p_s": r.t_p_s, "t_d_s": r.t_d_s,
+            "inputs": _clean({
+                "profile": profile.name, "isl": args.isl, "osl": args.osl, "concurrency": args.concurrency,
+                "decode_concurrency_given": args.decode_concurrency, "context_tokens": c.context_tokens,
+                "v_mem_bytes": c.v_mem_bytes, "v_bw_bytes": c.v_bw_bytes, "cc_mem": c.cc_mem, "cc_bw": c.cc_bw,
+                "cc_graph": c.cc_graph, "cc_slo": c.cc_slo, "cc_limited_by": c.limited_by,
+            }),
+        }
+    out = _clean(out)
+    if args.json:
+        print(json.dumps(out, indent=2, allow_nan=False))
+        return 0
+    print(f"profile {profile.name}: ISL {args.isl:g} / OSL {args.osl:g} tokens")
+    ratio = out["ratio"]
+    print(f"  P/D ratio          {ratio:.3f}" if ratio is not None else "  P/D ratio          n/a")
+    print(f"  prefill instances  {out['prefill_replicas']} × TP{out['tp_prefill']}")
+    print(f"  decode instances   {out['decode_replicas']} × TP{out['tp_decode']}  (cc_d = {out['decode_concurrency']} requests each)")
+    print(f"  GPUs               {out['gpus']}")
+    print(f"  t_p = {out['t_p_s'] * 1e3:.1f} ms per prefill, t_d = {out['t_d_s'] * 1e3:.1f} ms per decode step")
+    for k, v in out["inputs"].items():
+        print(f"    {k:<24} {v:.4g}" if isinstance(v, float) else f"    {k:<24} {v}")
+    for note in out.get("notes", []):
+        print(f"  note: {note}")
+    return 0

@@ -1,0 +1,175 @@
+"""``fulcrum replay``: the planner loop against the simulated cluster on a real trace.
+
+The loop is the operator's, with the simulator as the cluster: every ``planner.tick_s`` seconds of simulated
+time, ``observe`` (the simulator's measurements over the last tick) → ``planner.step`` (forecast, plan) →
+``apply`` (the simulator resizes its pools, with start-up delay and drain). After the last arrival the cluster
+drains and the run is scored per request (TTFT, TPOT) and overall (SLO attainment, goodput, GPU-hours).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from fulcrum.api.llmserve import LLMServeSpec
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.replay.result import ForecastPoint, PolicyRun, PolicySummary, TimelinePoint
+from fulcrum.scaling.dopd import DopdPlanner
+from fulcrum.scaling.dynamo_load import DynamoLoadPlanner
+from fulcrum.scaling.dynamo_sla import DynamoSlaPlanner
+from fulcrum.scaling.fulcrum import FulcrumPlanner
+from fulcrum.scaling.planner import Planner
+from fulcrum.scaling.static import StaticPlanner
+from fulcrum.simulator import SimConfig, Simulation
+from fulcrum.target import ClusterTarget
+from fulcrum.workload import Request
+
+__all__ = ["POLICIES", "make_planner", "run_policy", "scale_arrivals", "ReplayOptions"]
+
+#: Policy name → planner factory. ``fulcrum`` first: it is the one the others are compared against.
+POLICIES: dict[str, Callable[[LLMServeSpec, PerformanceProfile], Planner]] = {
+    "fulcrum": FulcrumPlanner,
+    "dopd": DopdPlanner,
+    "static": StaticPlanner,
+    "dynamo-sla": DynamoSlaPlanner,
+    "dynamo-load": DynamoLoadPlanner,
+}
+
+
+def make_planner(name: str, spec: LLMServeSpec, profile: PerformanceProfile) -> Planner:
+    """Build the planner called ``name``.
+
+    Raises:
+        ValueError: unknown policy name (the message lists the known ones).
+    """
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return factory(spec, profile)
+
+
+def scale_arrivals(requests: Sequence[Request], time_scale: float) -> list[Request]:
+    """Multiply every arrival time by ``time_scale`` (< 1 compresses the trace: a higher request rate).
+
+    Raises:
+        ValueError: ``time_scale`` is not a finite positive number.
+    """
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time scale must be a finite positive number, got {time_scale}")
+    if time_scale == 1.0:
+        return list(requests)
+    return [replace(r, arrival_s=r.arrival_s * time_scale) for r in requests]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How a replay runs.
+
+    Attributes:
+        sim: simulator settings (start-up delay defaults to the spec's ``podStartupSeconds``).
+        progress: show a progress bar (tqdm, on stderr) per policy.
+    """
+
+    sim: SimConfig | None = None
+    progress: bool = False
+
+
+def _changed(a: ClusterTarget, b: ClusterTarget) -> bool:
+    return (a.prefill, a.decode, a.unified) != (b.prefill, b.decode, b.unified)
+
+
+def run_policy(
+    name: str,
+    requests: Sequence[Request],
+    spec: LLMServeSpec,
+    profile: PerformanceProfile,
+    options: ReplayOptions = ReplayOptions(),
+) -> PolicyRun:
+    """Replay ``requests`` under policy ``name`` and score it.
+
+    Args:
+        name: a key of :data:`POLICIES`.
+        requests: the trace, sorted by arrival (seconds from 0).
+        spec: the ``LLMServe`` spec (SLOs, limits, interval, start-up time).
+        profile: the performance profile timing the simulated instances.
+
+    Raises:
+        ValueError: unknown policy or an empty trace.
+        PlanningError: the profile cannot hold the model under the spec's TP and GPU limits.
+    """
+    if not requests:
+        raise ValueError("the trace has no requests")
+    wall0 = time.perf_counter()
+    planner = make_planner(name, spec, profile)
+    sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds)
+    current = planner.initial()
+    sim = Simulation(requests, profile, spec.slo, current, sim_cfg)
+    tick = planner.tick_s
+    end = requests[-1].arrival_s
+    n_ticks = int(math.ceil(end / tick)) + 1
+    horizon = int(getattr(planner, "horizon_steps", 1))
+    timeline: list[TimelinePoint] = []
+    forecasts: list[ForecastPoint] = []
+    pending: dict[int, list[tuple[float, str, dict[str, float]]]] = {}
+    decisions = []
+    scale_events = 0
+    bar = None
+    if options.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_ticks, desc=f"{name:>11}", unit="tick", leave=False, mininterval=0.5)
+    for k in range(1, n_ticks + 1):
+        t = k * tick
+        sim.run_until(t)
+        obs = sim.observe(tick)
+        actual = {"rate": obs.rate_rps, "isl": obs.mean_isl, "osl": obs.mean_osl}
+        for made_at, series, fc in pending.pop(k, []):
+            if obs.arrivals > 0 or series == "rate":
+                forecasts.append(ForecastPoint(t, made_at, series, fc["mean"], fc["lower"], fc["upper"], actual[series]))
+        decision = planner.step(obs, current)
+        for series in ("rate", "isl", "osl"):
+            if series in decision.forecast:
+                pending.setdefault(k + horizon, []).append((t, series, decision.forecast[series]))
+        if _changed(decision.target, current):
+            scale_events += 1
+            decisions.append({"time_s": t, "reason": decision.reason, "prefill": decision.target.prefill.replicas,
+                              "decode": decision.target.decode.replicas, "unified": decision.target.unified.replicas})
+        if _changed(decision.target, current) or decision.target.routing != current.routing:
+            sim.apply(decision.target)
+        current = decision.target
+        timeline.append(TimelinePoint(
+            time_s=t, rate_rps=obs.rate_rps, prefill=current.prefill.replicas, decode=current.decode.replicas,
+            unified=current.unified.replicas, gpus=current.gpus,
+            ready_gpus=obs.ready.prefill * current.prefill.tp + obs.ready.decode * current.decode.tp
+            + obs.ready.unified * current.unified.tp,
+        ))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    result = sim.finish()
+    s = result.summary(spec.slo)
+    summary = PolicySummary(
+        slo_attainment=s["slo_attainment"],
+        goodput_tokens_per_s=s["goodput_tokens_per_s"],
+        throughput_tokens_per_s=s["throughput_tokens_per_s"],
+        gpu_hours=s["gpu_hours"],
+        ttft_p_s=s["ttft_p_s"],
+        tpot_p_s=s["tpot_p_s"],
+        ttft_attainment=s["ttft_attainment"],
+        tpot_attainment=s["tpot_attainment"],
+        requests=int(s["requests"]),
+        scale_events=scale_events,
+    )
+    return PolicyRun(
+        policy=name,
+        summary=summary,
+        records=list(result.records),
+        timeline=timeline,
+        forecasts=forecasts,
+        decisions=decisions,
+        wall_s=time.perf_counter() - wall0,
+    )

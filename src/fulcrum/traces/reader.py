@@ -1,0 +1,458 @@
+"""Readers of request traces (Azure 2023 CSV, Mooncake JSONL) and of ServeGen rate series.
+
+A trace file becomes a :class:`Trace`: an immutable, arrival-sorted tuple of
+:class:`fulcrum.workload.Request` whose first request arrives at 0 s. Files may be gzip-compressed
+(detected by the gzip magic bytes ``1f 8b``, whatever the file name); the format is detected from the
+content unless given.
+
+Formats:
+
+- ``azure`` — CSV with the header ``TIMESTAMP,ContextTokens,GeneratedTokens`` (extra columns are
+  ignored): arrival as a wall-clock date-time ``YYYY-MM-DD HH:MM:SS[.fffffff]`` (any number of
+  fractional digits, ``T`` or a space between date and time, optional ``Z``/``±HH:MM`` offset;
+  naive times are taken as UTC), prompt tokens, output tokens. Source: the Azure LLM inference
+  traces 2023 (Patel et al., Splitwise, ISCA 2024).
+- ``mooncake`` — JSON lines with ``timestamp`` (ms from the trace start), ``input_length``,
+  ``output_length`` and optionally ``hash_ids`` (ids of the prompt's 512-token KV blocks). Source:
+  Qin et al., Mooncake, FAST 2025.
+
+Zero-length requests: a row whose input or output length is 0 is kept (its arrival is real load)
+and its length is clamped to 1 token, because a request has at least one prompt and one output token
+(``Request`` invariants). The number of such rows in the returned trace is ``Trace.clamped`` and is
+stated in ``Trace.source``. Negative or non-integer lengths are errors.
+
+Every malformed input raises :class:`fulcrum.errors.TraceError` naming the file and, for a bad row,
+its line number (1-based, the header being line 1 of a CSV).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import math
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import IO, Any
+
+from fulcrum.data import BUNDLED_TRACES, bundled_trace_path
+from fulcrum.errors import TraceError
+from fulcrum.workload import Request
+
+__all__ = ["TRACE_FORMATS", "Trace", "RateSeries", "load_trace", "load_rate_series", "detect_format"]
+
+TRACE_FORMATS: tuple[str, ...] = ("azure", "mooncake")
+"""Names accepted by ``load_trace(..., fmt=...)``."""
+
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+_SERVEGEN_COLUMNS = ("window_start_s", "total_rate_rps")
+_GZIP_MAGIC = b"\x1f\x8b"
+_TIMESTAMP_RE = re.compile(
+    r"^(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})(?:[.,](\d+))?\s*(Z|[+-]\d{2}:?\d{2})?$"
+)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A request trace, ready for replay.
+
+    Attributes:
+        name: short name: the bundled name (``azure-conv-2023``) or the file name without its
+            ``.csv``/``.jsonl``/``.gz`` suffixes.
+        requests: requests sorted by ``arrival_s`` (seconds); the first arrives at 0.0. Never empty.
+        fmt: the format the file was read as, one of :data:`TRACE_FORMATS`.
+        source: where the requests came from, for reports: file, window, limit, clamped rows.
+        clamped: requests whose input or output length was 0 in the file and was clamped to 1 token.
+    """
+
+    name: str
+    requests: tuple[Request, ...]
+    fmt: str
+    source: str
+    clamped: int = 0
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first to the last arrival (0.0 for a single request)."""
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(frozen=True)
+class RateSeries:
+    """A request-rate time series at a fixed interval (ServeGen aggregates).
+
+    Attributes:
+        name: file name without its ``.csv``/``.gz`` suffixes.
+        interval_s: length of each window, seconds (600 for the ServeGen 10-min aggregates).
+        values: mean request rate of each window, requests/s, in time order from the first window.
+            ``nan`` marks a window with zero total rate: in ServeGen those are collection gaps (whole
+            windows where no client reported), not idle periods, so forecasters must mask them.
+    """
+
+    name: str
+    interval_s: float
+    values: tuple[float, ...]
+
+    @property
+    def gaps(self) -> int:
+        """Number of windows that are collection gaps (``nan``)."""
+        return sum(1 for v in self.values if math.isnan(v))
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One parsed row before windowing: arrival in seconds relative to the file's first row."""
+
+    arrival_s: float
+    isl: int
+    osl: int
+    prefix_ids: tuple[int, ...]
+
+
+def load_trace(
+    path: str | Path,
+    fmt: str | None = None,
+    *,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    limit: int | None = None,
+) -> Trace:
+    """Read a request trace file (or a bundled trace by name) into a :class:`Trace`.
+
+    Args:
+        path: a file path, or the name of a bundled trace (a key of ``fulcrum.data.BUNDLED_TRACES``,
+            used when no file of that name exists).
+        fmt: ``"azure"`` or ``"mooncake"``; detected from the content when ``None``.
+        start_s: keep requests arriving at or after this offset, seconds from the first request of
+            the file.
+        duration_s: keep requests arriving before ``start_s + duration_s``; ``None`` = to the end.
+        limit: keep at most this many requests (the earliest ones of the window).
+
+    Returns:
+        the windowed requests, sorted by arrival and re-based so the first arrives at 0.0 s.
+
+    Raises:
+        TraceError: the file is missing, unreadable, empty, has no requests, or a row is malformed
+            (the message names the file and line); the format is unknown or cannot be detected; the
+            window arguments are invalid or the window holds no request.
+    """
+    if start_s < 0 or not math.isfinite(start_s):
+        raise TraceError(f"start_s must be a finite number >= 0, got {start_s}")
+    if duration_s is not None and not duration_s > 0:
+        raise TraceError(f"duration_s must be > 0, got {duration_s}")
+    if limit is not None and limit < 1:
+        raise TraceError(f"limit must be >= 1, got {limit}")
+    file, name, origin = _resolve(path)
+    fmt = _check_format(fmt) if fmt is not None else detect_format(file)
+    rows = _read_azure(file) if fmt == "azure" else _read_mooncake(file)
+    if not rows:
+        raise TraceError(f"{file}: no requests (empty file or header only)")
+    total = len(rows)
+    rows.sort(key=lambda r: r.arrival_s)
+    t0 = rows[0].arrival_s
+    end_s = math.inf if duration_s is None else start_s + duration_s
+    window = [r for r in rows if start_s <= r.arrival_s - t0 < end_s]
+    if limit is not None:
+        window = window[:limit]
+    if not window:
+        raise TraceError(
+            f"{file}: no request in the window [{start_s:g}, {end_s:g}) s "
+            f"(the trace spans {rows[-1].arrival_s - t0:.1f} s)"
+        )
+    base = window[0].arrival_s
+    clamped = sum(1 for r in window if r.isl == 0 or r.osl == 0)
+    requests = tuple(
+        Request(arrival_s=r.arrival_s - base, isl=max(r.isl, 1), osl=max(r.osl, 1), prefix_ids=r.prefix_ids)
+        for r in window
+    )
+    notes = [origin, f"{len(requests)} of {total} requests"]
+    if start_s > 0 or duration_s is not None:
+        notes.append(f"window [{start_s:g}, {end_s:g}) s")
+    if limit is not None:
+        notes.append(f"limit {limit}")
+    if clamped:
+        notes.append(f"{clamped} requests with 0 input or output tokens clamped to 1")
+    return Trace(name=name, requests=requests, fmt=fmt, source="; ".join(notes), clamped=clamped)
+
+
+def detect_format(path: str | Path) -> str:
+    """Detect a trace file's format from its first non-blank line.
+
+    A JSON object with ``timestamp``, ``input_length`` and ``output_length`` is ``mooncake``; a CSV
+    header holding ``TIMESTAMP``, ``ContextTokens`` and ``GeneratedTokens`` is ``azure``.
+
+    Raises:
+        TraceError: the file is unreadable or empty, or its first line matches neither format (the
+            message lists the known formats).
+    """
+    file = Path(path)
+    with _open_text(file) as fh:
+        first = next((line for line in _guard(fh, file) if line.strip()), None)
+    if first is None:
+        raise TraceError(f"{file}: empty file")
+    line = first.strip()
+    if line.startswith("{"):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and all(k in obj for k in _MOONCAKE_KEYS):
+            return "mooncake"
+    else:
+        header = {c.strip() for c in next(csv.reader([line]))}
+        if all(c in header for c in _AZURE_COLUMNS):
+            return "azure"
+    raise TraceError(
+        f"{file}: unknown trace format (first line {line[:80]!r}); known formats: "
+        f"azure (CSV header {','.join(_AZURE_COLUMNS)}), mooncake (JSON lines with "
+        f"{', '.join(_MOONCAKE_KEYS)}, hash_ids)"
+    )
+
+
+def load_rate_series(path: str | Path) -> RateSeries:
+    """Read a ServeGen aggregate rate CSV (``window_start_s,total_rate_rps,active_clients``).
+
+    The interval is the (constant) step between consecutive ``window_start_s``. Windows whose total
+    rate is 0 become ``nan``: in ServeGen they are collection gaps, not idle time (see
+    ``/work/shared/data/README.md``: m-mid has 84 such windows, m-small 37).
+
+    Raises:
+        TraceError: the file is missing, unreadable or empty; a column is missing; a value is
+            non-numeric or negative; there are fewer than 2 windows; or the windows are not evenly
+            spaced (the message names file and line).
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise TraceError(f"no such rate-series file: {file}")
+    starts: list[float] = []
+    values: list[float] = []
+    with _open_text(file) as fh:
+        reader = csv.reader(_guard(fh, file))
+        index = _csv_header(reader, file, _SERVEGEN_COLUMNS)
+        for record in reader:
+            if not record or all(not c.strip() for c in record):
+                continue
+            line = reader.line_num
+            start = _float_field(record, index["window_start_s"], "window_start_s", file, line)
+            rate = _float_field(record, index["total_rate_rps"], "total_rate_rps", file, line)
+            if rate < 0:
+                raise TraceError(f"{file}:{line}: total_rate_rps must be >= 0, got {rate:g}")
+            starts.append(start)
+            values.append(rate if rate > 0 else math.nan)
+    if len(values) < 2:
+        raise TraceError(f"{file}: a rate series needs at least 2 windows, found {len(values)}")
+    interval = starts[1] - starts[0]
+    if not interval > 0:
+        raise TraceError(f"{file}: window_start_s must increase, got {starts[0]:g} then {starts[1]:g}")
+    for k in range(1, len(starts)):
+        if not math.isclose(starts[k] - starts[k - 1], interval, rel_tol=1e-9, abs_tol=1e-6):
+            raise TraceError(
+                f"{file}: windows are not evenly spaced: step {starts[k] - starts[k - 1]:g} s after "
+                f"window {k - 1}, expected {interval:g} s"
+            )
+    return RateSeries(name=_stem(file), interval_s=interval, values=tuple(values))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Opening files
+
+
+def _resolve(path: str | Path) -> tuple[Path, str, str]:
+    """Return (file, trace name, origin text) for a path or a bundled trace name."""
+    file = Path(path)
+    if file.is_file():
+        return file, _stem(file), str(file)
+    if isinstance(path, str) and path in BUNDLED_TRACES:
+        bundled = bundled_trace_path(path)
+        return bundled, path, f"bundled trace {path} ({bundled.name})"
+    names = ", ".join(sorted(BUNDLED_TRACES))
+    raise TraceError(f"no such trace file: {file} (bundled traces: {names})")
+
+
+def _stem(file: Path) -> str:
+    name = file.name
+    for suffix in (".gz", ".csv", ".jsonl", ".json"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name or file.name
+
+
+def _open_text(file: Path) -> IO[str]:
+    """Open ``file`` as UTF-8 text, decompressing when it starts with the gzip magic bytes."""
+    try:
+        with open(file, "rb") as raw:
+            magic = raw.read(2)
+        if magic == _GZIP_MAGIC:
+            return io.TextIOWrapper(gzip.open(file, "rb"), encoding="utf-8-sig", newline="")
+        return open(file, encoding="utf-8-sig", newline="")
+    except OSError as err:
+        raise TraceError(f"cannot read trace file {file}: {err.strerror or err}") from err
+
+
+def _guard(lines: IO[str], file: Path) -> Iterator[str]:
+    """Yield the lines of ``lines``, turning decompression and decoding failures into TraceError."""
+    try:
+        yield from lines
+    except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+        raise TraceError(f"{file}: corrupt or truncated gzip data: {err}") from err
+    except UnicodeDecodeError as err:
+        raise TraceError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Azure CSV
+
+
+def _read_azure(file: Path) -> list[_Row]:
+    rows: list[_Row] = []
+    first_time: datetime | None = None
+    with _open_text(file) as fh:
+        reader = csv.reader(_guard(fh, file))
+        index = _csv_header(reader, file, _AZURE_COLUMNS)
+        for record in reader:
+            if not record or all(not c.strip() for c in record):
+                continue
+            line = reader.line_num
+            when = _parse_timestamp(_field(record, index["TIMESTAMP"], "TIMESTAMP", file, line), file, line)
+            if first_time is None:
+                first_time = when
+            isl = _token_field(record, index["ContextTokens"], "ContextTokens", file, line)
+            osl = _token_field(record, index["GeneratedTokens"], "GeneratedTokens", file, line)
+            rows.append(_Row((when - first_time) / timedelta(seconds=1), isl, osl, ()))
+    return rows
+
+
+def _csv_header(reader: Any, file: Path, required: tuple[str, ...]) -> dict[str, int]:
+    """Read the header row; return column name → index for the required columns."""
+    header = next((r for r in reader if r and any(c.strip() for c in r)), None)
+    if header is None:
+        raise TraceError(f"{file}: empty file")
+    names = [c.strip() for c in header]
+    missing = [c for c in required if c not in names]
+    if missing:
+        raise TraceError(
+            f"{file}:{reader.line_num}: missing column(s) {', '.join(missing)} "
+            f"(header has {', '.join(names)})"
+        )
+    return {c: names.index(c) for c in required}
+
+
+def _field(record: list[str], i: int, column: str, file: Path, line: int) -> str:
+    if i >= len(record) or not record[i].strip():
+        raise TraceError(f"{file}:{line}: missing value for {column}")
+    return record[i].strip()
+
+
+def _token_field(record: list[str], i: int, column: str, file: Path, line: int) -> int:
+    text = _field(record, i, column, file, line)
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            number = float(text)
+        except ValueError:
+            raise TraceError(f"{file}:{line}: {column} is not a number: {text!r}") from None
+        if not number.is_integer():
+            raise TraceError(f"{file}:{line}: {column} must be a whole number of tokens, got {text!r}") from None
+        value = int(number)
+    if value < 0:
+        raise TraceError(f"{file}:{line}: {column} must be >= 0 tokens, got {value}")
+    return value
+
+
+def _float_field(record: list[str], i: int, column: str, file: Path, line: int) -> float:
+    text = _field(record, i, column, file, line)
+    try:
+        value = float(text)
+    except ValueError:
+        raise TraceError(f"{file}:{line}: {column} is not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise TraceError(f"{file}:{line}: {column} must be finite, got {text!r}")
+    return value
+
+
+def _parse_timestamp(text: str, file: Path, line: int) -> datetime:
+    """Parse ``YYYY-MM-DD HH:MM:SS[.f…]`` with any number of fractional digits (Azure writes 7)."""
+    match = _TIMESTAMP_RE.match(text)
+    if match is None:
+        raise TraceError(f"{file}:{line}: unparsable TIMESTAMP {text!r} (expected YYYY-MM-DD HH:MM:SS.fffffff)")
+    year, month, day, hour, minute, second = (int(g) for g in match.groups()[:6])
+    fraction, offset = match.group(7), match.group(8)
+    tz = timezone.utc
+    if offset and offset != "Z":
+        sign = 1 if offset[0] == "+" else -1
+        digits = offset[1:].replace(":", "")
+        tz = timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:])))
+    try:
+        when = datetime(year, month, day, hour, minute, second, tzinfo=tz)
+    except ValueError as err:
+        raise TraceError(f"{file}:{line}: invalid TIMESTAMP {text!r}: {err}") from None
+    if fraction:
+        # Microseconds hold 6 digits; keep the 7th (100 ns) as a rounded microsecond.
+        when += timedelta(microseconds=round(int(fraction) / 10 ** (len(fraction) - 6)))
+    return when
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mooncake JSONL
+
+
+def _read_mooncake(file: Path) -> list[_Row]:
+    rows: list[_Row] = []
+    with _open_text(file) as fh:
+        for line, text in enumerate(_guard(fh, file), start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise TraceError(f"{file}:{line}: broken JSON line: {err.msg} (column {err.colno})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{file}:{line}: expected a JSON object, got {type(obj).__name__}")
+            missing = [k for k in _MOONCAKE_KEYS if k not in obj]
+            if missing:
+                raise TraceError(f"{file}:{line}: missing key(s) {', '.join(missing)}")
+            stamp = obj["timestamp"]
+            if not _is_number(stamp) or not math.isfinite(stamp) or stamp < 0:
+                raise TraceError(f"{file}:{line}: timestamp must be a number of ms >= 0, got {stamp!r}")
+            isl = _json_tokens(obj, "input_length", file, line)
+            osl = _json_tokens(obj, "output_length", file, line)
+            rows.append(_Row(float(stamp) / 1000.0, isl, osl, _json_hash_ids(obj, file, line)))
+    return rows
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json_tokens(obj: dict[str, Any], key: str, file: Path, line: int) -> int:
+    value = obj[key]
+    if not _is_number(value) or not math.isfinite(value) or not float(value).is_integer():
+        raise TraceError(f"{file}:{line}: {key} must be a whole number of tokens, got {value!r}")
+    if value < 0:
+        raise TraceError(f"{file}:{line}: {key} must be >= 0 tokens, got {value!r}")
+    return int(value)
+
+
+def _json_hash_ids(obj: dict[str, Any], file: Path, line: int) -> tuple[int, ...]:
+    ids = obj.get("hash_ids", [])
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TraceError(f"{file}:{line}: hash_ids must be a list of integers")
+    return tuple(ids)
+
+
+def _check_format(fmt: str) -> str:
+    if fmt not in TRACE_FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r}; known formats: {', '.join(TRACE_FORMATS)}")
+    return fmt

@@ -1,0 +1,34 @@
+"""Shared test fixtures. Data from ../shared/data is read where present; tests that need it skip with the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The shared real-data folder (traces, profiles); skips the test when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture
+def table_i():
+    """DOPD Table I profile (shipped)."""
+    from fulcrum.ratio.profiles import builtin_profile
+
+    return builtin_profile("dopd-llama70b-fp8-h100")
+
+
+@pytest.fixture
+def splitwise():
+    """Splitwise Llama-2-70B H100 profile (shipped)."""
+    from fulcrum.ratio.profiles import builtin_profile
+
+    return builtin_profile("splitwise-llama2-70b-h100")

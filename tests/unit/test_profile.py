@@ -1,0 +1,146 @@
+"""PerformanceProfile: interpolation, extrapolation, loading and clear errors for bad tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from fulcrum.errors import ProfileError
+from fulcrum.ratio.profile import DecodeTable, PrefillTable, load_profile, profile_from_dict
+from fulcrum.ratio.profiles import BUILTIN_PROFILES, builtin_profile, resolve_profile
+
+
+def small_profile_dict() -> dict:
+    return {
+        "name": "tiny",
+        "model": "m",
+        "gpu": {"type": "X", "memoryGiB": 80, "hbmBandwidthGBps": 2000},
+        "weightBytes": 20e9,
+        "kvBytesPerToken": 100_000,
+        "activationReserveGiB": 4,
+        "cudaGraphMaxBatch": 128,
+        "prefill": [{"tp": 1, "isl": [100, 1000, 2000], "ttftMs": [20, 110, 250]}],
+        "decode": [{"tp": 1, "batch": [1, 64], "context": [100, 2000], "tpotMs": [[10, 12], [20, 40]]}],
+    }
+
+
+def test_table_i_prefill_is_interpolated_linearly_between_published_points(table_i):
+    # 1000 tokens lies 3/5 of the way from 700 (125 ms) to 1200 (193 ms)
+    assert table_i.ttft(1000, 1) == pytest.approx(0.125 + 0.6 * 0.068)
+    assert table_i.ttft(1200, 1) == pytest.approx(0.193)
+
+
+def test_table_i_decode_is_bilinear_in_batch_and_context(table_i):
+    # batch 224 is halfway between 200 and 248; context 950 halfway between 700 and 1200
+    expected = 0.5 * (0.5 * (47 + 50) + 0.5 * (53 + 57)) / 1e3
+    assert table_i.tpot(224, 950, 2) == pytest.approx(expected)
+
+
+def test_prefill_extrapolation_is_continuous_and_grows_past_the_table(table_i):
+    t = table_i.prefill[1]
+    assert t(1700) == pytest.approx(0.269)
+    assert t(1700.001) == pytest.approx(0.269, rel=1e-4)
+    assert t(4000) > t(3000) > t(1700)
+
+
+def test_decode_extrapolates_linearly_above_and_holds_the_first_line_below(table_i):
+    # above the largest batch: the slope of the last two batch lines continues
+    at_248, at_200 = table_i.tpot(248, 1200, 2), table_i.tpot(200, 1200, 2)
+    assert table_i.tpot(296, 1200, 2) == pytest.approx(at_248 + (at_248 - at_200))
+    # below the smallest batch: never faster than the first measured line
+    assert table_i.tpot(10, 1200, 2) == pytest.approx(table_i.tpot(104, 1200, 2))
+
+
+def test_batched_prefill_costs_less_than_the_sum_and_no_less_than_the_longest():
+    t = PrefillTable((100, 1000, 2000), (0.02, 0.11, 0.25))
+    batch = t.batch([300, 300, 300])
+    assert t(300) <= batch <= 3 * t(300)
+    assert t.batch([]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["prefill"][0].update(ttftMs=[20, 10, 250]), "must not decrease"),
+        (lambda d: d["prefill"][0].update(isl=[100, 100, 2000]), "strictly increasing"),
+        (lambda d: d["prefill"][0].update(ttftMs=[20, 110]), "3 ISL points but 2"),
+        (lambda d: d["decode"][0].update(tpotMs=[[10, 12], [20]]), "expected 2×2"),
+        (lambda d: d["decode"][0].update(tpotMs=[[10, 12], [5, 40]]), "must not decrease"),
+        (lambda d: d.pop("kvBytesPerToken"), "missing field 'kvBytesPerToken'"),
+        (lambda d: d["prefill"][0].update(isl=["a", 2, 3]), "expected a number"),
+        (lambda d: d["prefill"][0].update(ttftMs=[0, 1, 2]), "finite positive"),
+        (lambda d: d.update(prefill=[]), "no prefill table"),
+    ],
+)
+def test_bad_profiles_are_rejected_with_the_reason(mutate, message):
+    d = small_profile_dict()
+    mutate(d)
+    with pytest.raises(ProfileError, match=message):
+        profile_from_dict(d)
+
+
+def test_profiles_load_from_yaml_json_and_csv_and_round_trip(tmp_path):
+    d = small_profile_dict()
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(d))
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    a, b = load_profile(tmp_path / "p.yaml"), load_profile(tmp_path / "p.json")
+    assert a.ttft(500, 1) == b.ttft(500, 1) == pytest.approx(0.02 + 0.09 * 400 / 900)
+    assert profile_from_dict(a.to_dict()).tpot(30, 700, 1) == pytest.approx(a.tpot(30, 700, 1))
+    meta = {k: v for k, v in d.items() if k not in ("prefill", "decode")}
+    (tmp_path / "p.meta.yaml").write_text(yaml.safe_dump(meta))
+    rows = ["kind,tp,isl,batch,context,ms", "prefill,1,100,,,20", "prefill,1,1000,,,110", "prefill,1,2000,,,250"]
+    rows += ["decode,1,,1,100,10", "decode,1,,1,2000,12", "decode,1,,64,100,20", "decode,1,,64,2000,40"]
+    (tmp_path / "p.csv").write_text("\n".join(rows) + "\n")
+    c = load_profile(tmp_path / "p.csv")
+    assert c.ttft(500, 1) == pytest.approx(a.ttft(500, 1))
+    assert c.tpot(30, 700, 1) == pytest.approx(a.tpot(30, 700, 1))
+
+
+def test_csv_profile_with_a_hole_in_the_decode_grid_names_the_missing_point(tmp_path):
+    d = small_profile_dict()
+    meta = {k: v for k, v in d.items() if k not in ("prefill", "decode")}
+    (tmp_path / "p.meta.yaml").write_text(yaml.safe_dump(meta))
+    rows = ["kind,tp,isl,batch,context,ms", "prefill,1,100,,,20", "decode,1,,1,100,10", "decode,1,,1,2000,12", "decode,1,,64,100,20"]
+    (tmp_path / "p.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ProfileError, match=r"missing points .*64\.0, 2000\.0"):
+        load_profile(tmp_path / "p.csv")
+
+
+def test_missing_files_unknown_formats_and_unknown_builtins_fail_clearly(tmp_path):
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile(tmp_path / "nope.yaml")
+    (tmp_path / "p.txt").write_text("x")
+    with pytest.raises(ProfileError, match="unknown profile format"):
+        load_profile(tmp_path / "p.txt")
+    (tmp_path / "bad.yaml").write_text("a: [1, 2")
+    with pytest.raises(ProfileError, match="cannot parse"):
+        load_profile(tmp_path / "bad.yaml")
+    with pytest.raises(ProfileError, match="unknown built-in profile"):
+        builtin_profile("nope")
+
+
+def test_asking_for_an_unmeasured_tp_raises(table_i):
+    with pytest.raises(ProfileError, match="no decode table for TP=4"):
+        table_i.tpot(10, 100, 4)
+
+
+def test_every_shipped_profile_loads_and_is_monotone():
+    for name in BUILTIN_PROFILES:
+        p = resolve_profile(name)
+        for tp in p.prefill_tps:
+            assert p.ttft(4000, tp) > p.ttft(100, tp) > 0
+        for tp in p.decode_tps:
+            assert p.tpot(64, 2000, tp) >= p.tpot(1, 100, tp) > 0
+
+
+def test_kv_capacity_follows_eq_11(table_i):
+    # (80 GiB − 4 GiB) × 2 GPUs − 72 GB of weights, over 327,680 bytes per token
+    expected = ((80 - 4) * 2 * 2**30 - 72e9) / 327_680
+    assert table_i.kv_capacity_tokens(2) == pytest.approx(expected)
+
+
+def test_decode_table_rejects_an_empty_axis():
+    with pytest.raises(ProfileError, match="no points"):
+        DecodeTable((), (1.0,), ())

@@ -1,0 +1,377 @@
+"""Trace readers (Azure CSV, Mooncake JSONL, ServeGen rate series), bundled traces and interval series."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fulcrum.data import BUNDLED_TRACES, bundled_trace_path
+from fulcrum.errors import TraceError
+from fulcrum.traces import detect_format, interval_series, load_rate_series, load_trace
+from fulcrum.workload import Request
+
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def _shared_data() -> Path | None:
+    """The project's shared data folder (beside the repository, or /work/shared), if present."""
+    for root in (Path(__file__).resolve().parents[3] / "shared", Path("/work/shared")):
+        if (root / "data" / "README.md").is_file():
+            return root / "data"
+    return None
+
+
+def _write(tmp_path: Path, name: str, text: str, *, gz: bool = False) -> Path:
+    path = tmp_path / name
+    data = text.encode("utf-8")
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+# --- bundled traces ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt", "count", "span_s"),
+    [
+        # Counts and spans as documented in shared/data/README.md (conv 18:15:46.68 -> 19:14:08.40,
+        # code 18:17:03.98 -> 19:14:19.93, Mooncake 0 -> 3537.0 s).
+        ("azure-conv-2023", "azure", 19366, 3501.72),
+        ("azure-code-2023", "azure", 8819, 3435.95),
+        ("mooncake-conv", "mooncake", 12031, 3537.0),
+    ],
+)
+def test_each_bundled_trace_loads_by_name_with_its_documented_size_and_span(
+    name: str, fmt: str, count: int, span_s: float
+) -> None:
+    trace = load_trace(name)
+    assert trace.name == name
+    assert trace.fmt == fmt
+    assert len(trace.requests) == count
+    assert trace.span_s == pytest.approx(span_s, abs=0.01)
+    assert trace.requests[0].arrival_s == 0.0
+    arrivals = [r.arrival_s for r in trace.requests]
+    assert arrivals == sorted(arrivals)
+    assert all(r.isl >= 1 and r.osl >= 1 for r in trace.requests)
+    assert trace.clamped == 0
+    assert "bundled trace" in trace.source
+
+
+def test_bundled_azure_conversation_trace_has_the_published_length_means() -> None:
+    trace = load_trace("azure-conv-2023")
+    mean_isl = sum(r.isl for r in trace.requests) / len(trace.requests)
+    mean_osl = sum(r.osl for r in trace.requests) / len(trace.requests)
+    # shared/data/README.md: input mean 1154.7, output mean 211.1
+    assert mean_isl == pytest.approx(1154.7, abs=0.05)
+    assert mean_osl == pytest.approx(211.1, abs=0.05)
+
+
+def test_mooncake_trace_keeps_prefix_block_ids_that_requests_share() -> None:
+    trace = load_trace("mooncake-conv")
+    first, second = trace.requests[0], trace.requests[1]
+    assert first.prefix_ids[:3] == (0, 1, 2)
+    assert second.prefix_ids[0] == 0  # both start with block 0: a shared prefix
+    # 512-token blocks: a prompt of isl tokens spans ceil(isl / 512) blocks
+    assert len(first.prefix_ids) == math.ceil(first.isl / 512)
+
+
+def test_bundled_files_are_byte_identical_to_the_shared_source_data() -> None:
+    data = _shared_data()
+    if data is None:
+        pytest.skip("shared/data is not beside the repository")
+    sources = {
+        "azure-conv-2023": data / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv",
+        "azure-code-2023": data / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv",
+        "mooncake-conv": data / "mooncake_fast25" / "conversation_trace.jsonl.gz",
+    }
+    assert set(sources) == set(BUNDLED_TRACES)
+    for name, source in sources.items():
+        bundled = gzip.decompress(bundled_trace_path(name).read_bytes())
+        original = source.read_bytes()
+        if source.suffix == ".gz":
+            original = gzip.decompress(original)
+        assert bundled == original, name
+
+
+def test_unknown_bundled_name_lists_the_bundled_traces() -> None:
+    with pytest.raises(TraceError, match="azure-code-2023, azure-conv-2023, mooncake-conv"):
+        bundled_trace_path("burstgpt")
+    with pytest.raises(TraceError, match="no such trace file.*bundled traces: azure-code-2023"):
+        load_trace("no/such/file.csv")
+
+
+# --- Azure CSV -----------------------------------------------------------------------------------
+
+
+def test_azure_timestamps_with_seven_fractional_digits_become_exact_relative_seconds(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "t.csv",
+        AZURE_HEADER
+        + "2023-11-16 18:15:46.6805900,374,44\n"
+        + "2023-11-16 18:15:50.9951690,396,109\n"
+        + "2023-11-16 18:16:46.6805901,10,2\n",
+    )
+    trace = load_trace(path)
+    assert trace.fmt == "azure"
+    assert [r.arrival_s for r in trace.requests] == pytest.approx([0.0, 4.314579, 60.0], abs=1e-6)
+    assert trace.requests[1] == Request(arrival_s=trace.requests[1].arrival_s, isl=396, osl=109)
+
+
+def test_azure_reader_accepts_iso_t_separator_offsets_and_extra_columns(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "t.csv",
+        "ContextTokens,TIMESTAMP,GeneratedTokens,Extra\n"
+        "100,2023-11-16T18:00:00Z,5,x\n"
+        "200,2023-11-16T19:00:01.5+01:00,6,y\n",  # = 18:00:01.5 UTC
+    )
+    trace = load_trace(path)
+    assert [r.arrival_s for r in trace.requests] == pytest.approx([0.0, 1.5])
+    assert [(r.isl, r.osl) for r in trace.requests] == [(100, 5), (200, 6)]
+
+
+def test_unsorted_rows_are_sorted_by_arrival_and_rebased_to_zero(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "t.csv",
+        AZURE_HEADER + "2023-11-16 18:00:10,3,3\n2023-11-16 18:00:05,1,1\n2023-11-16 18:00:07,2,2\n",
+    )
+    trace = load_trace(path)
+    assert [(r.arrival_s, r.isl) for r in trace.requests] == [(0.0, 1), (2.0, 2), (5.0, 3)]
+
+
+def test_zero_token_rows_are_kept_clamped_to_one_token_and_counted(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "t.csv",
+        AZURE_HEADER + "2023-11-16 18:00:00,0,5\n2023-11-16 18:00:01,7,0\n2023-11-16 18:00:02,8,9\n",
+    )
+    trace = load_trace(path)
+    assert [(r.isl, r.osl) for r in trace.requests] == [(1, 5), (7, 1), (8, 9)]
+    assert trace.clamped == 2
+    assert "2 requests with 0 input or output tokens clamped to 1" in trace.source
+
+
+def test_gzip_is_detected_by_magic_bytes_not_by_file_name(tmp_path: Path) -> None:
+    text = AZURE_HEADER + "2023-11-16 18:00:00,10,5\n2023-11-16 18:00:02,20,6\n"
+    compressed_without_suffix = _write(tmp_path, "trace.csv", text, gz=True)
+    plain_with_gz_suffix = _write(tmp_path, "plain.csv.gz", text)
+    a, b = load_trace(compressed_without_suffix), load_trace(plain_with_gz_suffix)
+    assert a.requests == b.requests
+    assert len(a.requests) == 2
+    assert b.name == "plain"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", r"empty file"),
+        ("\n\n", r"empty file"),
+        (AZURE_HEADER, r"no requests \(empty file or header only\)"),
+        ("TIMESTAMP,ContextTokens\n2023-11-16 18:00:00,1\n", r"unknown trace format"),
+        (AZURE_HEADER + "2023-11-16 18:00:00,1,1\n2023-11-16 18:00:01,abc,1\n", r":3: ContextTokens is not a number"),
+        (AZURE_HEADER + "2023-11-16 18:00:00,1,-4\n", r":2: GeneratedTokens must be >= 0 tokens, got -4"),
+        (AZURE_HEADER + "2023-11-16 18:00:00,1.5,4\n", r":2: ContextTokens must be a whole number"),
+        (AZURE_HEADER + "yesterday,1,4\n", r":2: unparsable TIMESTAMP 'yesterday'"),
+        (AZURE_HEADER + "2023-02-30 18:00:00,1,4\n", r":2: invalid TIMESTAMP"),
+        (AZURE_HEADER + "2023-11-16 18:00:00,1\n", r":2: missing value for GeneratedTokens"),
+    ],
+)
+def test_malformed_azure_files_raise_trace_error_naming_file_and_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = _write(tmp_path, "bad.csv", text)
+    with pytest.raises(TraceError, match=message) as info:
+        load_trace(path)
+    assert "bad.csv" in str(info.value)
+
+
+def test_explicit_azure_format_on_a_file_without_the_columns_names_the_missing_ones(tmp_path: Path) -> None:
+    path = _write(tmp_path, "bad.csv", "TIMESTAMP,Prompt,GeneratedTokens\n2023-11-16 18:00:00,1,1\n")
+    with pytest.raises(TraceError, match=r"bad.csv:1: missing column\(s\) ContextTokens"):
+        load_trace(path, fmt="azure")
+
+
+def test_unknown_format_names_are_rejected_with_the_known_ones(tmp_path: Path) -> None:
+    path = _write(tmp_path, "t.csv", AZURE_HEADER + "2023-11-16 18:00:00,1,1\n")
+    with pytest.raises(TraceError, match="unknown trace format 'burstgpt'; known formats: azure, mooncake"):
+        load_trace(path, fmt="burstgpt")
+
+
+def test_corrupt_gzip_raises_trace_error(tmp_path: Path) -> None:
+    data = gzip.compress((AZURE_HEADER + "2023-11-16 18:00:00,1,1\n" * 200).encode())
+    path = tmp_path / "cut.csv.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match="corrupt or truncated gzip"):
+        load_trace(path)
+
+
+# --- Mooncake JSONL ------------------------------------------------------------------------------
+
+
+def _jsonl(*objs: object) -> str:
+    return "".join(json.dumps(o) + "\n" for o in objs)
+
+
+def test_mooncake_lines_become_requests_with_millisecond_timestamps(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "mc",  # no extension: detected from the content
+        _jsonl(
+            {"timestamp": 1000, "input_length": 600, "output_length": 20, "hash_ids": [4, 5]},
+            {"timestamp": 4500, "input_length": 30, "output_length": 7, "hash_ids": [4]},
+        ),
+        gz=True,
+    )
+    assert detect_format(path) == "mooncake"
+    trace = load_trace(path)
+    assert trace.requests == (
+        Request(arrival_s=0.0, isl=600, osl=20, prefix_ids=(4, 5)),
+        Request(arrival_s=3.5, isl=30, osl=7, prefix_ids=(4,)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (_jsonl({"timestamp": 0, "input_length": 1, "output_length": 1}) + '{"timestamp": 5, "input_len\n', r":2: broken JSON line"),
+        (_jsonl({"timestamp": 0, "input_length": 1, "output_length": 1}, {"timestamp": 1, "input_length": 2}), r":2: missing key\(s\) output_length"),
+        (_jsonl({"timestamp": 0, "input_length": -3, "output_length": 1}), r":1: input_length must be >= 0 tokens"),
+        (_jsonl({"timestamp": 0, "input_length": "12", "output_length": 1}), r":1: input_length must be a whole number"),
+        (_jsonl({"timestamp": "soon", "input_length": 1, "output_length": 1}), r":1: timestamp must be a number"),
+        (_jsonl({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": ["a"]}), r":1: hash_ids must be a list of integers"),
+        (_jsonl({"timestamp": 0, "input_length": 1, "output_length": 1}, [1, 2]), r":2: expected a JSON object"),
+    ],
+)
+def test_malformed_mooncake_lines_raise_trace_error_naming_file_and_line(
+    tmp_path: Path, lines: str, message: str
+) -> None:
+    path = _write(tmp_path, "bad.jsonl", lines)
+    with pytest.raises(TraceError, match=message) as info:
+        load_trace(path, fmt="mooncake")
+    assert "bad.jsonl" in str(info.value)
+
+
+def test_a_file_in_neither_format_is_rejected_with_the_known_formats(tmp_path: Path) -> None:
+    path = _write(tmp_path, "x.txt", '{"arrival": 1, "prompt": 3}\n')
+    with pytest.raises(TraceError, match=r"unknown trace format.*known formats: azure.*mooncake"):
+        load_trace(path)
+
+
+# --- windowing -----------------------------------------------------------------------------------
+
+
+def test_window_and_limit_select_requests_relative_to_the_trace_start_and_rebase_them(tmp_path: Path) -> None:
+    rows = "".join(f"2023-11-16 18:00:{s:02d},{s + 1},1\n" for s in range(0, 60, 5))  # t = 0, 5, ..., 55
+    path = _write(tmp_path, "t.csv", AZURE_HEADER + rows)
+    window = load_trace(path, start_s=12, duration_s=20)  # arrivals 15, 20, 25, 30
+    assert [(r.arrival_s, r.isl) for r in window.requests] == [(0.0, 16), (5.0, 21), (10.0, 26), (15.0, 31)]
+    assert "window [12, 32) s" in window.source
+    limited = load_trace(path, start_s=12, limit=2)
+    assert [r.isl for r in limited.requests] == [16, 21]
+    assert "2 of 12 requests" in limited.source
+
+
+def test_a_window_without_requests_is_an_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, "t.csv", AZURE_HEADER + "2023-11-16 18:00:00,1,1\n2023-11-16 18:00:10,1,1\n")
+    with pytest.raises(TraceError, match=r"no request in the window \[100, 110\) s"):
+        load_trace(path, start_s=100, duration_s=10)
+    with pytest.raises(TraceError, match="no request in the window"):
+        load_trace(path, start_s=1, duration_s=5)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"start_s": -1.0}, {"duration_s": 0.0}, {"limit": 0}, {"start_s": math.nan}]
+)
+def test_invalid_window_arguments_are_rejected(kwargs: dict[str, float]) -> None:
+    with pytest.raises(TraceError):
+        load_trace("azure-code-2023", **kwargs)  # type: ignore[arg-type]
+
+
+# --- ServeGen rate series ------------------------------------------------------------------------
+
+
+def test_servegen_aggregate_rates_load_with_zero_windows_as_gaps(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "servegen_x_aggregate_10min.csv",
+        "window_start_s,total_rate_rps,active_clients\n0,10.5,3\n600,0,0\n1200,12,4\n",
+    )
+    series = load_rate_series(path)
+    assert series.name == "servegen_x_aggregate_10min"
+    assert series.interval_s == 600.0
+    assert series.values[0] == 10.5 and series.values[2] == 12.0
+    assert math.isnan(series.values[1])
+    assert series.gaps == 1
+
+
+def test_the_real_servegen_m_mid_series_has_two_weeks_of_ten_minute_windows_and_84_gaps() -> None:
+    data = _shared_data()
+    if data is None:
+        pytest.skip("shared/data is not beside the repository")
+    series = load_rate_series(data / "servegen" / "servegen_m-mid_aggregate_10min.csv")
+    assert series.interval_s == 600.0
+    assert len(series.values) == 2016  # 14 days x 144
+    assert series.gaps == 84  # as documented in shared/data/README.md
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("window_start_s,total_rate_rps\n0,1\n600,-2\n", r":3: total_rate_rps must be >= 0"),
+        ("window_start_s,total_rate_rps\n0,1\n600,x\n", r":3: total_rate_rps is not a number"),
+        ("window_start_s,total_rate_rps\n0,1\n600,2\n1300,2\n", r"not evenly spaced"),
+        ("window_start_s,total_rate_rps\n0,1\n", r"at least 2 windows"),
+        ("window_start_s,rate\n0,1\n", r"missing column\(s\) total_rate_rps"),
+        ("", r"empty file"),
+    ],
+)
+def test_malformed_rate_series_raise_trace_error(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        load_rate_series(_write(tmp_path, "rates.csv", text))
+
+
+# --- interval series -----------------------------------------------------------------------------
+
+
+def test_interval_series_counts_rates_and_mean_lengths_per_interval() -> None:
+    requests = [
+        Request(0.0, 100, 10),
+        Request(4.0, 300, 30),
+        Request(25.0, 50, 5),  # interval 2; interval 1 is empty
+    ]
+    series = interval_series(requests, 10.0)
+    assert series["rate"] == [0.2, 0.0, 0.1]
+    assert series["isl"][0] == 200.0 and series["osl"][0] == 20.0
+    assert math.isnan(series["isl"][1]) and math.isnan(series["osl"][1])
+    assert series["isl"][2] == 50.0 and series["osl"][2] == 5.0
+
+
+def test_interval_series_with_a_fixed_count_pads_and_truncates() -> None:
+    requests = [Request(1.0, 10, 1), Request(35.0, 20, 2)]
+    padded = interval_series(requests, 10.0, n_intervals=5)
+    assert padded["rate"] == [0.1, 0.0, 0.0, 0.1, 0.0]
+    truncated = interval_series(requests, 10.0, n_intervals=2)
+    assert truncated["rate"] == [0.1, 0.0]
+    assert interval_series([], 10.0) == {"rate": [], "isl": [], "osl": []}
+
+
+def test_interval_series_of_a_bundled_trace_accounts_for_every_request() -> None:
+    trace = load_trace("azure-code-2023")
+    series = interval_series(trace.requests, 60.0)
+    assert len(series["rate"]) == math.floor(trace.span_s / 60.0) + 1
+    assert sum(rate * 60.0 for rate in series["rate"]) == pytest.approx(len(trace.requests))
+    # the code trace is bursty: some minutes see no request at all (rate 0, lengths undefined)
+    empty = [k for k, rate in enumerate(series["rate"]) if rate == 0.0]
+    assert empty and all(math.isnan(series["isl"][k]) for k in empty)
+
+
+@pytest.mark.parametrize("interval", [0.0, -5.0, math.inf])
+def test_interval_series_rejects_a_non_positive_interval(interval: float) -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        interval_series([Request(0.0, 1, 1)], interval)
