@@ -1,1 +1,39 @@
-"""A discrete-event simulator of a P/D serving cluster timed by a performance profile (see simulator.py)."""
+"""A discrete-event simulator of a P/D serving cluster, timed by a performance profile.
+
+It is the cluster of ``fulcrum replay``: the planner loop ``observe → plan → apply`` runs against it on real
+traces, with no GPU. What belongs here: the event kernel (``kernel``), instance models (``instances``: P
+instances, decode and unified engines with continuous batching, chunked prefill, KV memory and preemption),
+the cluster with its router policies and scaling rules (``cluster``), measurements (``metrics``) and the
+per-request records (``records``). What does not: planning (``fulcrum.scaling``, ``fulcrum.ratio``), trace
+parsing (``fulcrum.traces``), reports (``fulcrum.replay``), and any I/O, clock or randomness — a run is a
+pure function of its inputs, so two runs give identical records.
+
+Usage::
+
+    sim = Simulation(requests, profile, slo, initial_target, SimConfig(pod_startup_s=120))
+    for k in range(1, n_ticks + 1):
+        sim.run_until(k * 60.0)
+        obs = sim.observe(60.0)
+        sim.apply(planner.step(obs, current).target)
+    result = sim.finish()
+    result.summary(slo)
+"""
+
+from fulcrum.simulator.cluster import PrefillQueue, SimConfig, SimResult, Simulation
+from fulcrum.simulator.kernel import Kernel, Priority
+from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, percentile, summarize
+from fulcrum.simulator.records import RequestRecord
+
+__all__ = [
+    "SimConfig",
+    "SimResult",
+    "Simulation",
+    "PrefillQueue",
+    "RequestRecord",
+    "Kernel",
+    "Priority",
+    "ClusterSnapshot",
+    "MetricsRecorder",
+    "percentile",
+    "summarize",
+]

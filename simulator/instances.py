@@ -184,7 +184,7 @@ class Instance:
         role: "prefill" | "decode" | "unified".
         tp: tensor-parallel size (GPUs of the instance).
         state: :class:`InstanceState`. provisioned_at / ready_at: seconds.
-        drain_handle: kernel handle of the pending drain timeout, if any.
+        drain_handle / ready_handle: kernel handles of the pending drain timeout / readiness, if any.
     """
 
     role: str = ""
@@ -196,6 +196,7 @@ class Instance:
         self.provisioned_at = provisioned_at
         self.ready_at = ready_at
         self.drain_handle: int | None = None
+        self.ready_handle: int | None = None
 
     @property
     def accepting(self) -> bool:
@@ -305,7 +306,9 @@ class EngineInstance(Instance):
         self.running: dict[int, SimRequest] = {}  # admission order (vLLM's running list)
         self.prefilling: deque[SimRequest] = deque()
         self.waiting: deque[SimRequest] = deque()
-        self.incoming = 0  #: KV transfers on their way here
+        self.incoming = 0  #: KV transfers on their way here (maintained by the cluster)
+        self.incoming_tokens = 0  #: prompt tokens of those transfers (maintained by the cluster)
+        self._waiting_tokens = 0  # Σ(isl + generated) over the waiting queue
         self._fin: list[tuple[int, int, int, SimRequest]] = []  # (finish step, seq, token, request)
         self._seq = 0
         self.n_dec = 0  #: decoding requests
@@ -336,8 +339,9 @@ class EngineInstance(Instance):
         return float(self._sum_base + self.n_dec * self._steps_done(t) + self._reserved)
 
     def projected_tokens(self, t: float) -> float:
-        """KV tokens held now plus those of waiting requests (the room check of the decode choice)."""
-        return self.kv_used(t) + sum(r.isl + r.generated for r in self.waiting)
+        """KV tokens held at ``t`` plus those of waiting requests and incoming transfers (the room check of
+        the decode choice)."""
+        return self.kv_used(t) + self._waiting_tokens + self.incoming_tokens
 
     def waiting_counts(self) -> tuple[int, int]:
         """(waiting requests that still need their first token, waiting requests that already have it)."""
@@ -350,6 +354,7 @@ class EngineInstance(Instance):
         """Queue ``r`` here at ``kernel.now``; it joins at the next step boundary where it fits."""
         r.phase = Phase.WAITING
         self.waiting.append(r)
+        self._waiting_tokens += r.isl + r.generated
         if len(self.waiting) > 1:
             return  # the head is blocked; ``r`` queues behind it
         now = self._kernel.now
@@ -452,6 +457,7 @@ class EngineInstance(Instance):
             r.phase = Phase.WAITING
             r.preemptions += 1
             self.waiting.appendleft(r)
+            self._waiting_tokens += r.isl + r.generated
 
     def _admit(self, s: int) -> None:
         waiting = self.waiting
@@ -466,6 +472,7 @@ class EngineInstance(Instance):
             if cnt and used + need > self.capacity:
                 break
             waiting.popleft()
+            self._waiting_tokens -= need
             cnt += 1
             used += need
             running[r.idx] = r
@@ -552,6 +559,7 @@ class EngineInstance(Instance):
         self.running.clear()
         self.prefilling.clear()
         self.waiting.clear()
+        self._waiting_tokens = 0
         self._fin.clear()
         self.n_dec = 0
         self._sum_base = 0

@@ -7,11 +7,11 @@
   (``load_plan_adjustment``): every tick, a pool grows by one when its load is above the target, and shrinks
   by one only when the load would stay below the target after the survivors absorb it —
   ``load < target · (N−1)/N · sensitivity``, i.e. ``load · N/(N−1) < target · sensitivity``;
-- ``components/src/dynamo/planner/defaults.py`` / ``config/defaults.py``: ``load_adjustment_interval = 5`` s,
+- ``components/src/dynamo/planner/config/defaults.py`` (``SLAPlannerDefaults``): ``load_adjustment_interval = 5`` s,
   ``load_scaling_down_sensitivity = 80`` (%), ``min_endpoint = 1``;
 - ``components/planner/src/dynamo/planner/defaults.py`` (``LoadPlannerDefaults``, the first load planner):
   ``prefill_queue_scale_up_threshold = 5.0`` requests, ``decode_kv_scale_up_threshold = 0.9``;
-- ``components/planner/src/dynamo/planner/planner.py`` (first load planner): scale-ins first, then prefill
+- ``examples/llm/components/planner.py`` (the first load planner): scale-ins first, then prefill
   out before decode ("prefill queueing can also lead to high kv load on decode workers"), each scale-out only
   while ``used GPUs + engine GPUs ≤ max_gpu_budget``;
 - ``components/src/dynamo/planner/core/load_scaling.py``: decode load = (scheduled + queued KV) / max KV;
@@ -292,7 +292,7 @@ class DynamoLoadPlanner:
     def _fit_budget(self, n_p: int, n_d: int, dp: int, dd: int) -> tuple[int, int, list[str]]:
         """Scale-ins first (never below ``minGPUs``), then scale-outs, prefill first, within ``maxGPUs``.
 
-        Dynamo's first load planner (``planner.py``): removals before additions, and an addition only while
+        Dynamo's first load planner (``examples/llm/components/planner.py``): removals before additions, and an addition only while
         ``used GPUs + engine GPUs ≤ max_gpu_budget``.
         """
         used = n_p * self._tp_p + n_d * self._tp_d

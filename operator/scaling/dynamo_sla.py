@@ -39,7 +39,7 @@ Faithfulness notes (where the Fulcrum inputs differ from Dynamo's, and what was 
   an observed TTFT *above* the profile does not add prefill replicas, one below it (prefix-cache hits)
   removes some. The comment above that line in Dynamo says the opposite ("increase the number of prefill
   replicas linearly to account for the queueing delay"); the code is what runs, so it is the default here.
-  ``DynamoSLASettings.prefill_correction_cap = None`` lifts the cap (the commented intent).
+  ``DynamoSlaSettings.prefill_correction_cap = None`` lifts the cap (the commented intent).
 - **Demand**: Dynamo's classic planner counted ``dynamo_frontend_requests_total``, which grows when a
   request *finishes* (fixed upstream in 2026 by counting started requests, ai-dynamo/dynamo PR #9526 and
   #11693). The default ``demand="completed"`` reproduces the classic behaviour (demand measured at
@@ -60,9 +60,11 @@ Faithfulness notes (where the Fulcrum inputs differ from Dynamo's, and what was 
 - **GPU budget**: the classic planner rounds (and can overshoot ``max_gpu_budget`` by one engine); the clamp
   here follows the later ``proportional_clamp_pair`` (floors, never exceeds ``maxGPUs``; grows toward
   ``minGPUs`` when the step sizes allow it without exceeding ``maxGPUs``).
-- **Predictors**: Dynamo offers constant, ARIMA (pmdarima ``auto_arima``), Kalman and Prophet, default
-  ARIMA. Default here: constant (last value); any ``fulcrum.forecast`` series forecaster can be plugged in
-  with ``predictor_factory`` (only its mean is used, as Dynamo uses only the point forecast).
+- **Predictors**: Dynamo offers constant, ARIMA (pmdarima ``auto_arima``, window 50), Kalman and Prophet,
+  default ARIMA. Default here: constant (last value); ``predictor="arima"`` uses ``fulcrum.forecast``'s ARIMA
+  (fixed order ``spec.scaling.forecaster.order``, refit on error, no correction factor) instead of an
+  ``auto_arima`` search each interval; any series forecaster can be plugged in with ``predictor_factory``.
+  Only the mean sizes the pools, as Dynamo uses only the point forecast.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ from fulcrum.scaling.planner import Decision
 from fulcrum.target import ClusterTarget, PoolSize
 
 __all__ = [
-    "DynamoSLASettings",
-    "DynamoSLAPlanner",
+    "DynamoSlaSettings",
+    "DynamoSlaPlanner",
     "LoadPredictor",
     "ConstantPredictor",
     "pick_tp",
@@ -134,13 +136,17 @@ class ConstantPredictor:
 
 
 @dataclass(frozen=True)
-class DynamoSLASettings:
-    """Settings of :class:`DynamoSLAPlanner`, with the Dynamo default each stands for.
+class DynamoSlaSettings:
+    """Settings of :class:`DynamoSlaPlanner`, with the Dynamo default each stands for.
 
     Attributes:
         demand: which request count is "the number of requests" of an interval: ``"completed"`` (Dynamo's
             classic ``dynamo_frontend_requests_total``, counted at completion) or ``"arrivals"`` (admitted
             requests; Dynamo after PR #9526).
+        predictor: load predictor of each series: ``"constant"`` (last value) or ``"arima"``
+            (``fulcrum.forecast.arima.ArimaForecaster`` of order ``spec.scaling.forecaster.order`` without DOPD's
+            correction factor; Dynamo's default is pmdarima ``auto_arima`` refitted every interval).
+        prediction_window: intervals of history the ARIMA model sees (Dynamo ``load_prediction_window_size = 50``).
         correction: apply the correction factors (Dynamo ``no_correction = False``).
         prefill_correction_cap: upper cap on the prefill factor: Dynamo's ``min(1, p_cf)`` → 1.0;
             ``None`` = no cap (an observed TTFT above the profile adds prefill replicas).
@@ -150,6 +156,8 @@ class DynamoSLASettings:
     """
 
     demand: Literal["completed", "arrivals"] = "completed"
+    predictor: Literal["constant", "arima"] = "constant"
+    prediction_window: int = 50
     correction: bool = True
     prefill_correction_cap: float | None = 1.0
     min_endpoint: int = 1
@@ -158,6 +166,10 @@ class DynamoSLASettings:
     def __post_init__(self) -> None:
         if self.demand not in ("completed", "arrivals"):
             raise ValueError(f"demand must be 'completed' or 'arrivals', got {self.demand!r}")
+        if self.predictor not in ("constant", "arima"):
+            raise ValueError(f"predictor must be 'constant' or 'arima', got {self.predictor!r}")
+        if self.prediction_window < 2:
+            raise ValueError(f"prediction_window must be >= 2, got {self.prediction_window}")
         if self.min_endpoint < 1:
             raise ValueError(f"min_endpoint must be >= 1, got {self.min_endpoint}")
         if self.prefill_correction_cap is not None and not self.prefill_correction_cap > 0:
@@ -317,14 +329,14 @@ class _Corrections:
     inputs: dict[str, float] = field(default_factory=dict)
 
 
-class DynamoSLAPlanner:
+class DynamoSlaPlanner:
     """Dynamo's SLA planner for Disaggregated serving (P and D pools; the unified pool stays empty).
 
     Args:
         spec: the ``LLMServe`` spec: SLOs (``slo.tpot_ms`` is Dynamo's ITL target), ``scaling`` (interval,
             TPs, initial pools, ``minGPUs``/``maxGPUs``).
         profile: the performance profile (TTFT and TPOT tables).
-        settings: see :class:`DynamoSLASettings`; Dynamo's behaviour by default.
+        settings: see :class:`DynamoSlaSettings`; Dynamo's behaviour by default.
         predictor_factory: builds one predictor per load series (request count, ISL, OSL); default
             :class:`ConstantPredictor`. Pass e.g. a ``fulcrum.forecast`` ARIMA forecaster's constructor.
 
@@ -340,24 +352,38 @@ class DynamoSLAPlanner:
         self,
         spec: LLMServeSpec,
         profile: PerformanceProfile,
-        settings: DynamoSLASettings | None = None,
+        settings: DynamoSlaSettings | None = None,
         predictor_factory: Callable[[], LoadPredictor] | None = None,
     ) -> None:
         self.name = "dynamo-sla"
         self.tick_s = float(spec.scaling.interval_seconds)
         self._spec = spec
         self._profile = profile
-        self._settings = settings or DynamoSLASettings()
+        self._settings = settings or DynamoSlaSettings()
         self._tp_p = pick_tp(spec.scaling.tp_prefill, profile, "prefill")
         self._tp_d = pick_tp(spec.scaling.tp_decode, profile, "decode")
         self._min_gpus = spec.scaling.min_gpus
         self._max_gpus = spec.scaling.max_gpus
         clamp_to_gpu_budget(1, 1, self._tp_p, self._tp_d, 0, self._max_gpus, self._settings.min_endpoint)
-        make = predictor_factory or ConstantPredictor
+        make = predictor_factory or self._default_predictor_factory()
         self._num_req_predictor: LoadPredictor = make()
         self._isl_predictor: LoadPredictor = make()
         self._osl_predictor: LoadPredictor = make()
         self._cf = _Corrections()
+
+    def _default_predictor_factory(self) -> Callable[[], LoadPredictor]:
+        """The factory ``settings.predictor`` names (ARIMA imported only when asked for: statsmodels is heavy)."""
+        if self._settings.predictor == "constant":
+            return ConstantPredictor
+        from fulcrum.forecast.arima import ArimaForecaster
+
+        order = tuple(self._spec.scaling.forecaster.order)
+        window = self._settings.prediction_window
+
+        def arima() -> LoadPredictor:
+            return ArimaForecaster(order=(order[0], order[1], order[2]), window=window, min_points=5, correction=False)
+
+        return arima
 
     def initial(self) -> ClusterTarget:
         """The starting pools: ``spec.scaling.initial_prefill/initial_decode`` (≥ ``min_endpoint``) in budget."""

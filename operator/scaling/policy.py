@@ -6,15 +6,16 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
 - **reactive guard**: when the SLO attainment observed over the last tick is below the SLO percentile and work
   is queueing, the pool behind the miss grows now (TTFT → prefill, TPOT or a decode queue → decode, either →
   unified), whatever the forecast says;
-- **scale-in** only when every plan of the last ``hysteresis_ticks`` ticks asked for fewer instances, the
-  pool's cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
+- **scale-in** only when every plan of the stabilisation window — the last max(``hysteresis_ticks``
+  intervals, cooldown) seconds, as the HPA's scale-down window — asked for fewer instances, the pool's
+  cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
   still leave the remaining N−1 instances under ``scale_in_utilisation`` (Dynamo's load planner uses the same
   check); the pool then steps down to the highest of those recent plans, by at most ``max_step``;
 - a TP change replaces the pool at once (new instances start, old ones drain);
 - the GPU budget (maxGPUs) is never exceeded.
 
-A steady load therefore never oscillates: a pool only shrinks after ``hysteresis_ticks`` consecutive plans
-agree, and never below what any of them asked for.
+A steady load therefore never oscillates: a pool only shrinks after a whole window of plans agree, and never
+below what any of them asked for, so plan noise shorter than the window cannot move it down and up again.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class ScalingSettings:
 class ScalingState:
     """What the policy remembers between ticks (per pool): recent planned counts and the last scale-in time."""
 
-    recent: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    recent: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     last_scale_in_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -111,8 +112,12 @@ def apply_scaling_policy(
     for name in POOLS:
         want: PoolSize = getattr(planned, name)
         have: PoolSize = getattr(current, name)
-        hist = (recent.get(name, ()) + (want.replicas,))[-settings.hysteresis_ticks :]
-        recent[name] = hist
+        # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last
+        # max(hysteresis_ticks intervals, cooldown) seconds; a scale-in goes no lower than the highest of them.
+        window_s = max(settings.hysteresis_ticks * obs.interval_s, settings.cooldown_s)
+        timed = tuple((t, c) for t, c in recent.get(name, ()) if t > now_s - window_s) + ((now_s, want.replicas),)
+        recent[name] = timed
+        hist = tuple(c for _, c in timed)
         if want.tp != have.tp and (want.replicas > 0 or have.replicas > 0):
             pools[name] = want
             if want.replicas or have.replicas:
@@ -125,7 +130,7 @@ def apply_scaling_policy(
             if target_n > n:
                 reasons.append(f"{name}: {n}→{target_n} (reactive: SLO attainment below {settings.slo_target:.0%} with queued work)")
             pools[name] = PoolSize(target_n, have.tp)
-            recent[name] = (target_n,)
+            recent[name] = ((now_s, target_n),)
             continue
         if want.replicas > n:
             target_n = min(want.replicas, n + settings.max_step)

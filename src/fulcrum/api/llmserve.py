@@ -214,8 +214,8 @@ class ObjectMeta(_Model):
 class LLMServe(_Model):
     """The whole resource as written in ``llmserve.yaml``."""
 
-    api_version: Literal["fulcrum.dev/v1alpha1"] = Field(default=API_VERSION)
-    kind: Literal["LLMServe"] = Field(default=KIND)
+    api_version: Literal["fulcrum.dev/v1alpha1"] = Field(default="fulcrum.dev/v1alpha1")
+    kind: Literal["LLMServe"] = Field(default="LLMServe")
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: LLMServeSpec
 

@@ -1,0 +1,47 @@
+"""The package's layers hold (STYLE.md §1): checked by import-linter on the package as pyproject assembles it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def assemble_package(dest: Path) -> Path:
+    """Copy every mapped package directory to where it lives in the installed ``fulcrum`` tree."""
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping: dict[str, str] = cfg["package-dir"]
+    for pkg in cfg["packages"]:
+        base = max((k for k in mapping if pkg == k or pkg.startswith(k + ".")), key=len)
+        src = REPO / mapping[base] / Path(*pkg[len(base) :].lstrip(".").split(".") if pkg != base else ())
+        dst = dest / Path(*pkg.split("."))
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.glob("*.py"):
+            shutil.copy2(f, dst / f.name)
+    return dest
+
+
+def test_operator_folder_is_not_a_package():
+    # operator/__init__.py would shadow the standard library's operator module from the repository root
+    assert not (REPO / "operator" / "__init__.py").exists()
+
+
+def test_import_contracts_hold(tmp_path):
+    if shutil.which("lint-imports") is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[test]')")
+    root = assemble_package(tmp_path / "pkg")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())",
+         "--config", str(REPO / ".importlinter"), "--no-cache"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Contracts: 2 kept, 0 broken" in proc.stdout
