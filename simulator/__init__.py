@@ -22,7 +22,7 @@ Usage::
 from fulcrum.simulator.cluster import PrefillQueue, SimConfig, SimResult, Simulation
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, percentile, summarize
-from fulcrum.simulator.records import RequestRecord
+from fulcrum.simulator.records import InstanceStatus, RequestRecord
 
 __all__ = [
     "SimConfig",
@@ -30,6 +30,7 @@ __all__ = [
     "Simulation",
     "PrefillQueue",
     "RequestRecord",
+    "InstanceStatus",
     "Kernel",
     "Priority",
     "ClusterSnapshot",

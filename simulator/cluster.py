@@ -58,7 +58,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.simulator.instances import EngineInstance, Instance, InstanceState, PrefillInstance, SimRequest
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, summarize
-from fulcrum.simulator.records import RequestRecord
+from fulcrum.simulator.records import InstanceStatus, RequestRecord
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
@@ -353,6 +353,23 @@ class Simulation:
             ValueError: ``window_s`` is not positive.
         """
         return self._metrics.observe(self._kernel.now, window_s, self._snapshot())
+
+    def instances(self) -> list[InstanceStatus]:
+        """Every instance not yet removed, in creation order, as of ``now``."""
+        now = self._kernel.now
+        out: list[InstanceStatus] = []
+        for inst in sorted((i for role in _ROLES for i in self._pools[role]), key=lambda i: i.iid):
+            if isinstance(inst, EngineInstance):
+                running, waiting = len(inst.running), len(inst.waiting)
+                kv, cap = inst.kv_used(now), inst.capacity
+            else:
+                running, waiting, kv, cap = inst.load, 0, 0.0, 0.0
+            out.append(InstanceStatus(
+                iid=inst.iid, role=inst.role, tp=inst.tp, state=inst.state.name.lower(), running=running,
+                waiting=waiting, kv_tokens=kv, kv_capacity_tokens=cap, provisioned_at_s=inst.provisioned_at,
+                ready_at_s=inst.ready_at,
+            ))
+        return out
 
     def finish(self) -> SimResult:
         """Run until every request is done, or ``grace_s`` after the last arrival; return the result.

@@ -13,8 +13,9 @@ Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
     - **Step time.** ``profile.tpot(n, mean context, tp)`` for the ``n`` decoding requests, plus, when some
       requests are being prefilled on the instance (unified requests, DOPD's ultra-short "local" requests,
       recomputation after preemption), the prefill time of this step's chunk. The chunk holds at most
-      ``prefill_chunk_tokens`` prompt tokens taken FCFS (vLLM chunked prefill, Sarathi-style mixing of
-      prefill and decode). Prompt pieces that start at token 0 cost ``prefill_batch_time`` of their lengths
+      ``prefill_chunk_tokens`` tokens taken FCFS (vLLM chunked prefill, Sarathi-style mixing of
+      prefill and decode; as vLLM's ``max_num_batched_tokens``, the budget is shared with the one token of
+      each decoding request, keeping at least one prefill token per step). Prompt pieces that start at token 0 cost ``prefill_batch_time`` of their lengths
       (batched prefill); a continuation of a prompt from token ``o`` to ``o + c`` costs the marginal
       ``ttft(o + c) − ttft(o)``, so the chunks of one prompt add up to exactly ``ttft(isl)`` and the
       quadratic attention term lands on the later chunks.
@@ -26,8 +27,8 @@ Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
       whole prompt. A waiting request is admitted only when its current context fits next to the contexts
       of the running ones (an empty instance admits its head regardless, so a request larger than the
       cache still runs rather than hanging). When the contexts of the running requests outgrow
-      ``profile.kv_capacity_tokens(tp)``, the most recently admitted request is preempted (vLLM
-      ``Scheduler._preempt_request``: the last of the running list), its KV is dropped and it goes back to
+      ``profile.kv_capacity_tokens(tp)``, the most recently admitted request is preempted (vLLM v1
+      ``Scheduler.schedule``: ``preempted_req = self.running.pop()``, FCFS policy), its KV is dropped and it goes back to
       the front of the waiting queue; when readmitted it recomputes ``isl + generated`` tokens as a prefill.
       This is the waiting decode queue the planner observes.
     - **Spans (speed).** Between two changes of the running set, the batch is constant, so the instance
@@ -504,7 +505,7 @@ class EngineInstance(Instance):
         self._t0 = t
         n = self.n_dec
         if self.prefilling:
-            budget = self._chunk
+            budget = max(self._chunk - n, 1)  # the step's token budget is shared with one token per decoder
             pieces: list[tuple[SimRequest, int]] = []
             for r in self.prefilling:
                 c = min(r.pf_total - r.pf_done, budget)

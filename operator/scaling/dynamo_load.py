@@ -17,7 +17,10 @@
 - ``components/src/dynamo/planner/core/load_scaling.py``: decode load = (scheduled + queued KV) / max KV;
 - ``utils/planner_core.py`` (``BasePlanner`` load loop): scaling is blocking — after a change the pool only
   observes until the deployment reports the new count ("Scaling in progress ... observing only"), bounded
-  by ``wait_for_graph_deployment_ready``'s 180 × 10 s = 30 min.
+  by ``wait_for_graph_deployment_ready``'s 180 × 10 s = 30 min. (The first load planner had instead a
+  3-interval grace period before removing a new decode worker and a queue-trend check before adding a
+  prefill worker, with fixed scale-in thresholds 0.2 queued requests / 50 % KV and no N/(N−1) check; the
+  blocking wait and the N/(N−1) check of the later planner are what is modelled here.)
 
 Signals, per pool, from a Fulcrum :class:`Observation`:
 
@@ -198,8 +201,9 @@ class DynamoLoadPlanner:
         busy = {pool: self._in_progress(pool, obs, current) for pool in ("prefill", "decode")}
         p_target, p_note = self._prefill_target()
         d_target, d_note = self._decode_target()
-        p_move = load_move(self._prefill_load(obs, n_p), p_target, n_p, self._settings.scale_down_sensitivity, self._settings.min_endpoint)
-        d_move = load_move(self._decode_load(obs, n_d), d_target, n_d, self._settings.scale_down_sensitivity, self._settings.min_endpoint)
+        sens, floor = self._settings.scale_down_sensitivity, self._settings.min_endpoint
+        p_move = load_move(self._prefill_load(obs, n_p), p_target, n_p, sens, floor)
+        d_move = load_move(self._decode_load(obs, n_d), d_target, n_d, sens, floor)
         dp = 0 if busy["prefill"] else p_move.delta
         dd = 0 if busy["decode"] else d_move.delta
 
@@ -292,8 +296,8 @@ class DynamoLoadPlanner:
     def _fit_budget(self, n_p: int, n_d: int, dp: int, dd: int) -> tuple[int, int, list[str]]:
         """Scale-ins first (never below ``minGPUs``), then scale-outs, prefill first, within ``maxGPUs``.
 
-        Dynamo's first load planner (``examples/llm/components/planner.py``): removals before additions, and an addition only while
-        ``used GPUs + engine GPUs ≤ max_gpu_budget``.
+        Dynamo's first load planner (``examples/llm/components/planner.py``): removals before additions, and
+        an addition only while ``used GPUs + engine GPUs ≤ max_gpu_budget``.
         """
         used = n_p * self._tp_p + n_d * self._tp_d
         held: list[str] = []

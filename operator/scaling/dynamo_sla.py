@@ -47,7 +47,9 @@ Faithfulness notes (where the Fulcrum inputs differ from Dynamo's, and what was 
 - **Latencies**: Dynamo uses the interval's *mean* TTFT and ITL; a Fulcrum :class:`Observation` carries
   them at the SLO percentile (``ttft_p_s``, ``tpot_p_s``), which makes both factors somewhat larger.
 - **Concurrency per decode instance** for the expected ITL: Dynamo derives it with Little's law
-  (``num_req / n_d · request_duration / interval``); here ``obs.concurrency / n_d``, the same quantity.
+  (``num_req / n_d · request_duration / interval``); here ``obs.concurrency / n_d``, the same quantity. Both
+  count time spent waiting for prefill, so a prefill backlog inflates the expected ITL and lowers ``d_cf``
+  (the ITL target is relaxed exactly when prefill is the bottleneck).
 - **Decode interpolation**: Dynamo grids KV usage ∈ [0, 1] and context on 100 × 100 points (cubic
   ``griddata``) and scans down from full KV for the first point with ITL ≤ target; here the profile's
   bilinear TPOT(batch, context) is searched exactly for the largest integer batch ``b ≤ KV_cap / context``
@@ -337,8 +339,9 @@ class DynamoSlaPlanner:
             TPs, initial pools, ``minGPUs``/``maxGPUs``).
         profile: the performance profile (TTFT and TPOT tables).
         settings: see :class:`DynamoSlaSettings`; Dynamo's behaviour by default.
-        predictor_factory: builds one predictor per load series (request count, ISL, OSL); default
-            :class:`ConstantPredictor`. Pass e.g. a ``fulcrum.forecast`` ARIMA forecaster's constructor.
+        predictor_factory: builds one predictor per load series (request count, ISL, OSL); overrides
+            ``settings.predictor`` (default :class:`ConstantPredictor`). Any ``fulcrum.forecast`` series
+            forecaster fits.
 
     Raises:
         PlanningError: no usable TP for a pool, or one instance of each pool exceeds ``maxGPUs``.
@@ -404,7 +407,7 @@ class DynamoSlaPlanner:
         forecast = self._forecast(obs.interval_s)
 
         ttft, itl = float(obs.ttft_p_s), float(obs.tpot_p_s)
-        valid = num_req > 0 and _finite_positive(isl) and _finite_positive(osl) and _finite_positive(ttft) and _finite_positive(itl)
+        valid = num_req > 0 and all(_finite_positive(x) for x in (isl, osl, ttft, itl))
         if not valid or not obs.interval_s > 0:
             return Decision(
                 time_s=obs.time_s,

@@ -18,7 +18,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.result import ForecastPoint, PolicyRun, PolicySummary, TimelinePoint
 from fulcrum.scaling.dopd import DopdPlanner
 from fulcrum.scaling.dynamo_load import DynamoLoadPlanner
-from fulcrum.scaling.dynamo_sla import DynamoSlaPlanner
+from fulcrum.scaling.dynamo_sla import DynamoSlaPlanner, DynamoSlaSettings
 from fulcrum.scaling.fulcrum import FulcrumPlanner
 from fulcrum.scaling.planner import Planner
 from fulcrum.scaling.static import StaticPlanner
@@ -33,7 +33,8 @@ POLICIES: dict[str, Callable[[LLMServeSpec, PerformanceProfile], Planner]] = {
     "fulcrum": FulcrumPlanner,
     "dopd": DopdPlanner,
     "static": StaticPlanner,
-    "dynamo-sla": DynamoSlaPlanner,
+    # Dynamo counts demand at request start since 2026 (ai-dynamo/dynamo PRs #9526, #11693): compare with that.
+    "dynamo-sla": lambda spec, profile: DynamoSlaPlanner(spec, profile, DynamoSlaSettings(demand="arrivals")),
     "dynamo-load": DynamoLoadPlanner,
 }
 
