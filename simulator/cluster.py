@@ -333,7 +333,6 @@ class Simulation:
         self._target = target
         for role in _ROLES:
             self._resize(role, getattr(target, role))
-        now = self._kernel.now
         if self._unified_mode and not was_unified:
             for r in self._pq.drain_all():
                 self._route_new(r)
@@ -344,7 +343,6 @@ class Simulation:
                 self._route_new(r)
         self._record_gpus()
         self._dispatch_all()
-        assert self._kernel.now == now
 
     def observe(self, window_s: float) -> Observation:
         """Load and service over ``(now − window_s, now]`` (see :mod:`fulcrum.simulator.metrics`).
@@ -407,11 +405,15 @@ class Simulation:
     def _check_tps(self, target: ClusterTarget) -> None:
         p = self._profile
         if target.prefill.replicas and target.prefill.tp not in p.prefill:
-            raise ProfileError(f"profile {p.name!r} has no prefill table for TP={target.prefill.tp} (has {p.prefill_tps})")
+            raise ProfileError(
+                f"profile {p.name!r} has no prefill table for TP={target.prefill.tp} (has {p.prefill_tps}); prefill pool"
+            )
         for role in ("decode", "unified"):
             size: PoolSize = getattr(target, role)
             if size.replicas and size.tp not in p.decode:
-                raise ProfileError(f"profile {p.name!r} has no decode table for TP={size.tp} (has {p.decode_tps}); {role} pool")
+                raise ProfileError(
+                    f"profile {p.name!r} has no decode table for TP={size.tp} (has {p.decode_tps}); {role} pool"
+                )
 
     def _new_instance(self, role: str, tp: int, ready_at: float) -> Instance:
         iid = self._next_id

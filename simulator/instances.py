@@ -13,12 +13,12 @@ Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
     - **Step time.** ``profile.tpot(n, mean context, tp)`` for the ``n`` decoding requests, plus, when some
       requests are being prefilled on the instance (unified requests, DOPD's ultra-short "local" requests,
       recomputation after preemption), the prefill time of this step's chunk. The chunk holds at most
-      ``prefill_chunk_tokens`` tokens taken FCFS (vLLM chunked prefill, Sarathi-style mixing of
-      prefill and decode; as vLLM's ``max_num_batched_tokens``, the budget is shared with the one token of
-      each decoding request, keeping at least one prefill token per step). Prompt pieces that start at token 0 cost ``prefill_batch_time`` of their lengths
-      (batched prefill); a continuation of a prompt from token ``o`` to ``o + c`` costs the marginal
-      ``ttft(o + c) − ttft(o)``, so the chunks of one prompt add up to exactly ``ttft(isl)`` and the
-      quadratic attention term lands on the later chunks.
+      ``prefill_chunk_tokens`` tokens taken FCFS (vLLM chunked prefill, Sarathi-style mixing of prefill
+      and decode; as with vLLM's ``max_num_batched_tokens``, the budget is shared with the one token of each
+      decoding request, keeping at least one prefill token per step). Prompt pieces that start at token 0
+      cost ``prefill_batch_time`` of their lengths (batched prefill); a continuation of a prompt from
+      token ``o`` to ``o + c`` costs the marginal ``ttft(o + c) − ttft(o)``, so the chunks of one prompt
+      add up to exactly ``ttft(isl)`` and the quadratic attention term lands on the later chunks.
     - **First token.** A request prefilled here gets its first token at the end of the step that completes
       its prefill; it decodes from the next step. A request whose KV came from a P instance already has its
       first token (produced by the prefill) and decodes from the step boundary after it was admitted.
@@ -28,23 +28,28 @@ Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
       of the running ones (an empty instance admits its head regardless, so a request larger than the
       cache still runs rather than hanging). When the contexts of the running requests outgrow
       ``profile.kv_capacity_tokens(tp)``, the most recently admitted request is preempted (vLLM v1
-      ``Scheduler.schedule``: ``preempted_req = self.running.pop()``, FCFS policy), its KV is dropped and it goes back to
-      the front of the waiting queue; when readmitted it recomputes ``isl + generated`` tokens as a prefill.
-      This is the waiting decode queue the planner observes.
+      ``Scheduler.schedule``, FCFS policy: ``preempted_req = self.running.pop()``), its KV is dropped and
+      it goes back to the front of the waiting queue; when readmitted it recomputes ``isl + generated``
+      tokens as a prefill. This is the waiting decode queue the planner observes.
     - **Spans (speed).** Between two changes of the running set, the batch is constant, so the instance
       does not schedule one event per step: it keeps a step counter, the time and step index at the start
-      of the current span, the step time of the span (from the batch size and the mean context at the
-      span's start, Σcontext tracked incrementally as ``Σ(ctx_i − join_step_i) + n·step``), and a heap of
-      per-request finish step indices. Its next event is the earliest of: the next finish, the step at
-      which Σcontext overflows the KV cache, the step boundary after a new request arrived (if it can be
-      admitted), or ``max_span_steps`` steps. A step with prefill work is always a span of one step.
-      Decoding thus costs O(log n) per request joining or leaving, not O(batch) per step.
+      of the current span, the step time of the span, and a heap of per-request finish step indices. The
+      span ends at the earliest of: the next finish, the step at which Σcontext overflows the KV cache, or
+      ``max_span_steps`` steps; a new request that can be admitted cuts it short at the end of the step in
+      progress. Σcontext is tracked incrementally as ``Σ(ctx_i − join_step_i) + n·step``. The step time is
+      ``tpot(n, c̄)`` at the mean context over the planned span, ``c̄ = c0 + (L − 1)/2`` for a span of L
+      steps starting at mean context c0: exact where the profile is linear in context (between grid
+      lines), so a span matches one event per step (``max_span_steps=1``) to float precision there. A
+      span cut short by a joining request keeps the step time it was planned with (a small overestimate).
+      A step with prefill work is always a span of one step. An idle engine that is offered work starts at
+      the same instant, after every other event of that instant (so simultaneous arrivals share the first
+      step). Decoding thus costs O(log n) per request joining or leaving, not O(batch) per step.
 
 Tables of a TP the profile lacks: the pool's own role must be measured at its TP (a P pool needs a prefill
 table, a D/unified pool a decode table — :class:`~fulcrum.errors.ProfileError` otherwise, raised by the
-cluster at scale-out); the auxiliary prefill on a decode-capable instance (local and recomputed prompts, the
-prefill side of unified instances) uses the prefill table of the nearest measured TP (ties: the smaller,
-slower one), unscaled, i.e. conservatively. DOPD's profile, for instance, has prefill only at TP=1 and decode
+cluster when it builds or applies a target); the auxiliary prefill on a decode-capable instance (local and
+recomputed prompts, the prefill side of unified instances) uses the prefill table of the nearest measured TP
+(ties: the smaller, slower one), unscaled, i.e. conservatively. DOPD's profile, for instance, has prefill only at TP=1 and decode
 only at TP=2.
 """
 
@@ -224,7 +229,14 @@ class PrefillInstance(Instance):
     role = "prefill"
 
     def __init__(
-        self, host: InstanceHost, kernel: Kernel, iid: int, tp: int, profile: PerformanceProfile, provisioned_at: float, ready_at: float
+        self,
+        host: InstanceHost,
+        kernel: Kernel,
+        iid: int,
+        tp: int,
+        profile: PerformanceProfile,
+        provisioned_at: float,
+        ready_at: float,
     ) -> None:
         super().__init__(iid, tp, provisioned_at, ready_at)
         self._host = host
@@ -359,9 +371,11 @@ class EngineInstance(Instance):
         if len(self.waiting) > 1:
             return  # the head is blocked; ``r`` queues behind it
         now = self._kernel.now
-        if self._event is None:  # idle: start now
-            self._admit(self._s0)
-            self._plan(self._s0, now)
+        if self._event is None:  # idle: start at this instant, once every request arriving now is queued
+            self._t0 = now
+            self._dt = 0.0
+            self._span_end = self._s0
+            self._event = self._kernel.schedule(now, Priority.START, self._on_step, self._s0)
             return
         if self._pieces is not None:
             return  # a single step is running; its end admits
@@ -519,7 +533,6 @@ class EngineInstance(Instance):
             self._pieces = pieces
             target = s + 1
         elif n:
-            dt = self._profile.tpot(n, (self._sum_base + n * s) / n, self.tp)
             fin = self._fin
             while fin[0][2] != fin[0][3].token:
                 heapq.heappop(fin)
@@ -530,10 +543,13 @@ class EngineInstance(Instance):
                     target = max(over, s + 1)
             if self._max_span is not None and target - s > self._max_span:
                 target = s + self._max_span
+            # step j of the span runs at mean context c0 + j − 1: time it at the span's mean context
+            dt = self._profile.tpot(n, (self._sum_base + n * s) / n + (target - s - 1) / 2, self.tp)
         else:
             self._event = None
             self._dt = 0.0
             return
+        assert len(self.running) == n + len(self.prefilling) and target > s
         self._dt = dt
         self._span_end = target
         self._event = self._kernel.schedule(t + (target - s) * dt, Priority.STEP, self._on_step, target)

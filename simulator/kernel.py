@@ -41,6 +41,7 @@ class Priority(IntEnum):
     ARRIVAL = 4  #: a request of the trace arrives at the router
     TIMER = 5  #: a length-aware batching timeout expires (DOPD Alg. 1 line 4)
     DRAIN_TIMEOUT = 6  #: a draining instance ran out of time
+    START = 7  #: an idle engine starts stepping (after every arrival of the same instant, so they batch)
 
 
 class Kernel:
