@@ -14,13 +14,13 @@ from fulcrum.forecast import ArimaForecaster, LastValue, SeasonalNaive, backtest
 SERVEGEN = Path("/work/shared/data/servegen/servegen_m-large_aggregate_10min.csv")
 
 
-def ar1_series(n: int, phi: float, sigma: float, level: float, seed: int) -> np.ndarray:
+def ar1_series(n: int, phi: float, sigma: float, level: float, seed: int) -> list[float]:
     """level + AR(1) noise x_t = φ·x_{t−1} + N(0, σ²)."""
     rng = np.random.default_rng(seed)
     x = np.zeros(n)
     for t in range(1, n):
         x[t] = phi * x[t - 1] + rng.normal(0.0, sigma)
-    return level + x
+    return [level + float(v) for v in x]
 
 
 def servegen_rates(points: int) -> list[float]:
@@ -69,7 +69,7 @@ def test_upper_bound_covers_about_level_of_actuals_on_a_stationary_series() -> N
     for t, v in enumerate(values):
         if t >= 64:
             hits.append(v <= f.forecast(1, level=0.9).upper)
-        f.observe(float(v))
+        f.observe(v)
     assert 0.82 <= float(np.mean(hits)) <= 0.97
 
 
@@ -87,9 +87,10 @@ def test_upper_bound_covers_most_actuals_on_the_servegen_rate_series() -> None:
 def test_a_level_shift_triggers_refits_and_a_stable_series_only_cheap_updates() -> None:
     rng = np.random.default_rng(11)
     f = ArimaForecaster(window=64)
-    for v in 100.0 + rng.normal(0.0, 3.0, 70):
+    for v in 100.0 + rng.normal(0.0, 3.0, 80):
         f.observe(float(v))
-    # Warm-up refits at 8, 16, 32, 64 points; after that only cheap updates on a stable series.
+    # Scheduled refits at 8, 17, 35, 70 points (after as many cheap updates as points fitted on), then every
+    # 64 updates (next at 134); in between, a stable series gets only cheap updates.
     refits_before = f.refits
     cheap_before = f.cheap_updates
     for v in 100.0 + rng.normal(0.0, 3.0, 20):
@@ -147,11 +148,13 @@ def test_series_shorter_than_the_order_falls_back_without_fitting() -> None:
 def test_correction_factor_tracks_a_persistent_bias_and_stays_clipped() -> None:
     rng = np.random.default_rng(2)
     f = ArimaForecaster(window=64, refit_error=10.0)  # refits only by schedule: the factor must do the work
-    for v in 100.0 + rng.normal(0.0, 2.0, 64):
+    for v in 100.0 + rng.normal(0.0, 2.0, 80):  # last scheduled refit at 70 points, the next at 134
         f.observe(float(v))
+    refits = f.refits
     assert f.correction_factor == pytest.approx(1.0, abs=0.05)
     for v in 130.0 + rng.normal(0.0, 2.0, 12):
         f.observe(float(v))
+    assert f.refits == refits
     assert f.correction_factor > 1.1
     assert 0.5 <= f.correction_factor <= 2.0
     uncorrected = ArimaForecaster(correction=False)
@@ -162,7 +165,7 @@ def test_h_step_forecasts_widen_with_the_horizon() -> None:
     values = ar1_series(120, phi=0.8, sigma=5.0, level=80.0, seed=9)
     f = ArimaForecaster()
     for v in values:
-        f.observe(float(v))
+        f.observe(v)
     one, six = f.forecast(1, 0.9), f.forecast(6, 0.9)
     assert six.upper - six.mean > one.upper - one.mean
     assert f.forecast(1, 0.99).upper > f.forecast(1, 0.9).upper
