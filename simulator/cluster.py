@@ -134,11 +134,31 @@ class SimResult:
     end_s: float
     events: int = field(default=0)
 
-    def summary(self, slo: SLOSpec) -> dict[str, float]:
+    def gpu_seconds_between(self, start_s: float, end_s: float) -> float:
+        """∫ provisioned GPUs dt over [start_s, end_s], GPU·s (from ``gpu_timeline``)."""
+        tl = self.gpu_timeline
+        if not tl or end_s <= start_s:
+            return 0.0
+        total = 0.0
+        for (t0, g, _), (t1, _, _) in zip(tl, tl[1:] + [(max(end_s, tl[-1][0]), 0, 0)]):
+            lo, hi = max(t0, start_s), min(t1, end_s)
+            if hi > lo:
+                total += g * (hi - lo)
+        return total
+
+    def summary(self, slo: SLOSpec, since_s: float = 0.0) -> dict[str, float]:
         """Headline figures (see :func:`fulcrum.simulator.metrics.summarize`): slo_attainment,
         goodput_tokens_per_s, throughput_tokens_per_s, gpu_hours, ttft_p_s, tpot_p_s, ttft_attainment,
-        tpot_attainment, requests."""
-        return summarize(self.records, slo, self.gpu_seconds, self.end_s)
+        tpot_attainment, requests.
+
+        Args:
+            since_s: score only requests arriving at or after this time, and GPU time from it on (a warm-up
+                that leaves the cold start of the initial pools out of the comparison).
+        """
+        if since_s <= 0:
+            return summarize(self.records, slo, self.gpu_seconds, self.end_s)
+        recs = [r for r in self.records if r.arrival_s >= since_s]
+        return summarize(recs, slo, self.gpu_seconds_between(since_s, self.end_s), self.end_s)
 
 
 class PrefillQueue:

@@ -18,7 +18,7 @@ from fulcrum.api.llmserve import LLMServe, LLMServeSpec, ModelSpec, load_llmserv
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, builtin_profile, resolve_profile
-from fulcrum.replay.driver import POLICIES, ReplayOptions, run_policy, scale_arrivals
+from fulcrum.replay.driver import POLICIES, ReplayOptions, run_policy, scale_arrivals, warmup_seconds
 from fulcrum.replay.table import comparison_table, summary_json
 from fulcrum.traces import TRACE_FORMATS, load_trace
 
@@ -37,6 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by X (< 1 = a denser trace)")
     p.add_argument("--start", type=float, default=0.0, help="start of the trace window, seconds")
     p.add_argument("--duration", type=float, help="length of the trace window, seconds (whole trace when omitted)")
+    p.add_argument("--warmup", type=float, help="seconds at the start left out of scoring (default: pod start-up + 2 intervals; 0 = score all)")
     p.add_argument("--report", type=Path, help="write PNG plots, summary.json and comparison.txt into this folder")
     p.add_argument("--json", action="store_true", help='print {"policies": {NAME: {...}}} as JSON')
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,19 +80,22 @@ def run(args: argparse.Namespace) -> int:
     requests = scale_arrivals(trace.requests, args.time_scale)
     policies = list(POLICIES) if args.compare else [args.policy]
     progress = not (args.no_progress or args.json) and sys.stderr.isatty()
+    options = ReplayOptions(progress=progress, warmup_s=args.warmup)
+    warmup = warmup_seconds(spec, options)
     if not args.json:
         print(f"trace {trace.name}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
               f"(time scale {args.time_scale:g}); profile {profile.name}; mode {spec.mode.value}; "
               f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}",
               flush=True)
+        print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
     runs = []
     for name in policies:
-        runs.append(run_policy(name, requests, spec, profile, ReplayOptions(progress=progress)))
+        runs.append(run_policy(name, requests, spec, profile, options))
         if not args.json:
             s = runs[-1].summary
             print(f"  {name:<12} SLO attainment {s.slo_attainment:6.1%}  GPU-hours {s.gpu_hours:7.2f}  "
                   f"({runs[-1].wall_s:.1f} s)", flush=True)
-    extra = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale}
+    extra = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale, "warmup_s": warmup}
     if args.report:
         from fulcrum.replay.report import write_report
 

@@ -26,7 +26,7 @@ from fulcrum.simulator import SimConfig, Simulation
 from fulcrum.target import ClusterTarget
 from fulcrum.workload import Request
 
-__all__ = ["POLICIES", "make_planner", "run_policy", "scale_arrivals", "ReplayOptions"]
+__all__ = ["POLICIES", "make_planner", "run_policy", "scale_arrivals", "ReplayOptions", "warmup_seconds"]
 
 #: Policy name → planner factory. ``fulcrum`` first: it is the one the others are compared against.
 POLICIES: dict[str, Callable[[LLMServeSpec, PerformanceProfile], Planner]] = {
@@ -72,10 +72,21 @@ class ReplayOptions:
     Attributes:
         sim: simulator settings (start-up delay defaults to the spec's ``podStartupSeconds``).
         progress: show a progress bar (tqdm, on stderr) per policy.
+        warmup_s: score only requests arriving after this many seconds, and GPU time from then on; ``None``
+            means pod start-up + 2 intervals: the cold start of the spec's initial pools, the same for every
+            policy, says nothing about a planner. 0 scores the whole trace.
     """
 
     sim: SimConfig | None = None
     progress: bool = False
+    warmup_s: float | None = None
+
+
+def warmup_seconds(spec: LLMServeSpec, options: ReplayOptions) -> float:
+    """The warm-up a replay leaves out of scoring (see :class:`ReplayOptions`), seconds."""
+    if options.warmup_s is not None:
+        return max(float(options.warmup_s), 0.0)
+    return spec.scaling.pod_startup_seconds + 2 * spec.scaling.interval_seconds
 
 
 def _changed(a: ClusterTarget, b: ClusterTarget) -> bool:
@@ -152,7 +163,7 @@ def run_policy(
     if bar is not None:
         bar.close()
     result = sim.finish()
-    s = result.summary(spec.slo)
+    s = result.summary(spec.slo, since_s=warmup_seconds(spec, options))
     summary = PolicySummary(
         slo_attainment=s["slo_attainment"],
         goodput_tokens_per_s=s["goodput_tokens_per_s"],
