@@ -74,7 +74,7 @@ def make_series_forecaster(method: ForecasterMethod | str, spec: ForecasterSpec)
     """A fresh series forecaster for ``method`` with the settings of ``spec``.
 
     ``arima`` → ``ArimaForecaster(spec.order, spec.window, spec.refit_error)``; ``last_value`` → ``LastValue()``;
-    ``moving_average`` → ``MovingAverage(spec.window)`` (the spec's history length, the only window it has);
+    ``moving_average`` → ``MovingAverage(spec.moving_average_window)``;
     ``seasonal_naive`` → ``SeasonalNaive(spec.season_length)``.
 
     Raises:
@@ -90,7 +90,7 @@ def make_series_forecaster(method: ForecasterMethod | str, spec: ForecasterSpec)
     if m is ForecasterMethod.LAST_VALUE:
         return LastValue()
     if m is ForecasterMethod.MOVING_AVERAGE:
-        return MovingAverage(spec.window)
+        return MovingAverage(spec.moving_average_window)
     return SeasonalNaive(spec.season_length)
 
 

@@ -37,11 +37,11 @@ def test_backtest_with_nothing_to_score_reports_nan_mape_and_zero_points() -> No
 
 
 def test_default_factories_build_a_fresh_forecaster_of_each_method() -> None:
-    factories = default_factories(ForecasterSpec(window=16, season_length=24))
+    factories = default_factories(ForecasterSpec(window=16, moving_average_window=4, season_length=24))
     assert list(factories) == ["arima", "last_value", "moving_average", "seasonal_naive"]
     for name, factory in factories.items():
         a, b = factory(), factory()
         assert a is not b
         assert a.name == name
-    assert factories["moving_average"]().window == 16  # type: ignore[attr-defined]
+    assert factories["moving_average"]().window == 4  # type: ignore[attr-defined]
     assert factories["seasonal_naive"]().season == 24  # type: ignore[attr-defined]

@@ -107,7 +107,7 @@ def test_make_series_forecaster_builds_each_method_from_the_spec() -> None:
     assert (arima.order, arima.window, arima.refit_error) == ((1, 1, 1), 32, 0.5)
     assert isinstance(make_series_forecaster(ForecasterMethod.LAST_VALUE, spec), LastValue)
     ma = make_series_forecaster("moving_average", spec)
-    assert isinstance(ma, MovingAverage) and ma.window == 32
+    assert isinstance(ma, MovingAverage) and ma.window == spec.moving_average_window
     sn = make_series_forecaster("seasonal_naive", spec)
     assert isinstance(sn, SeasonalNaive) and sn.season == 24
     assert required_history("seasonal_naive", spec) == 24

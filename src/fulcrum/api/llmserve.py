@@ -123,10 +123,15 @@ class ForecasterSpec(_Model):
     """Load forecaster settings (DOPD §V-D, Alg. 2 lines 5–9)."""
 
     method: ForecasterMethod = Field(default=ForecasterMethod.ARIMA, description="Forecasting method per series.")
-    order: tuple[int, int, int] = Field(default=(2, 0, 1), description="ARIMA order (p, d, q).")
+    order: tuple[int, int, int] = Field(
+        default=(0, 1, 1),
+        description="ARIMA order (p, d, q). The default (0, 1, 1) is exponential smoothing in ARIMA form; it beat "
+        "(2, 0, 1) and the last value on the Azure code and Mooncake traces (docs/forecasting.md).",
+    )
     window: int = Field(default=64, ge=4, le=10_000, description="Intervals of history the model is fitted on (N of the O(N·(p+q)²) refit).")
     refit_error: float = Field(default=0.25, gt=0, le=10, description="Refit when the recent mean absolute percentage error exceeds this (0.25 = 25%).")
     prediction_level: float = Field(default=0.9, gt=0.5, lt=1.0, description="Level of the upper prediction bound used for proactive scaling.")
+    moving_average_window: int = Field(default=5, ge=1, le=10_000, description="Intervals averaged by the moving-average baseline.")
     season_length: int = Field(default=144, ge=2, le=100_000, description="Season in intervals for seasonal-naive (144 × 10 min = 1 day).")
 
 
