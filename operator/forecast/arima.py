@@ -55,7 +55,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-from statsmodels.tsa.arima.model import ARIMA  # type: ignore[import-untyped]
+from statsmodels.tsa.arima.model import ARIMA
 
 from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forecast, z_value
 from fulcrum.forecast.baselines import LastValue

@@ -155,18 +155,29 @@ def apply_scaling_policy(
     return nxt, ScalingState(recent=recent, last_scale_in_s=last_in), reasons
 
 
+def _with_pool(t: ClusterTarget, name: str, pool: PoolSize) -> ClusterTarget:
+    if name == "prefill":
+        return replace(t, prefill=pool)
+    if name == "decode":
+        return replace(t, decode=pool)
+    return replace(t, unified=pool)
+
+
 def _within_budget(nxt: ClusterTarget, current: ClusterTarget, max_gpus: int) -> ClusterTarget:
-    """Trim growth (largest grower first) until the target fits ``max_gpus``; never below current counts."""
+    """Trim the pools that grew this tick, the largest first, one instance at a time, until ``max_gpus`` holds.
+
+    Pools that did not grow are left alone: the planner already fits its plans to the budget.
+    """
+
+    def grew(name: str) -> bool:
+        a, b = getattr(nxt, name), getattr(current, name)
+        return bool(a.replicas > (b.replicas if a.tp == b.tp else 0))
+
     while nxt.gpus > max_gpus:
-        growers = [
-            n for n in POOLS
-            if getattr(nxt, n).replicas > (getattr(current, n).replicas if getattr(current, n).tp == getattr(nxt, n).tp else 0)
-            or (getattr(nxt, n).replicas > 1 and nxt.gpus > max_gpus and all(
-                getattr(nxt, m).replicas <= getattr(current, m).replicas for m in POOLS))
-        ]
+        growers = [n for n in POOLS if grew(n)]
         if not growers:
             break
-        name = max(growers, key=lambda n: getattr(nxt, n).gpus)
+        name = max(growers, key=lambda n: int(getattr(nxt, n).gpus))
         pool: PoolSize = getattr(nxt, name)
-        nxt = replace(nxt, **{name: PoolSize(pool.replicas - 1, pool.tp)})
+        nxt = _with_pool(nxt, name, PoolSize(pool.replicas - 1, pool.tp))
     return nxt
