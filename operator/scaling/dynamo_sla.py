@@ -79,6 +79,7 @@ from typing import Any, Literal, Protocol
 from fulcrum.api.llmserve import LLMServeSpec
 from fulcrum.errors import PlanningError
 from fulcrum.observation import Observation
+from fulcrum.ratio.capacity import slo_batch_limit
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.planner import Decision
 from fulcrum.target import ClusterTarget, PoolSize
@@ -286,16 +287,7 @@ def decode_best_batch(profile: PerformanceProfile, tp: int, itl_s: float, contex
     """
     ctx = max(float(context), 1.0)
     b_max = max(int(profile.kv_capacity_tokens(tp) // ctx), 1)
-    if not profile.tpot(1, ctx, tp) <= itl_s:
-        return 1
-    lo, hi = 1, b_max  # invariant: tpot(lo) <= itl_s; answer in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if profile.tpot(mid, ctx, tp) <= itl_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return max(slo_batch_limit(profile, tp, ctx, itl_s, b_max), 1)
 
 
 def decode_throughput_per_gpu(profile: PerformanceProfile, tp: int, itl_s: float, context: float) -> tuple[float, int, float]:
