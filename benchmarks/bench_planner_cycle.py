@@ -30,6 +30,7 @@ environment as it is.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -83,8 +84,6 @@ def record_observations(
     The loop of :func:`fulcrum.replay.driver.run_policy`: ``run_until`` the tick, ``observe(tick)``, ``step``,
     ``apply``. Returns one :class:`~fulcrum.observation.Observation` per tick (``ceil(span / tick) + 1``).
     """
-    import math
-
     from fulcrum.scaling.fulcrum import FulcrumPlanner
     from fulcrum.simulator import SimConfig, Simulation
     from fulcrum.traces import load_trace
@@ -108,12 +107,12 @@ def record_observations(
 
 def repeated(observations: Sequence[Observation], cycles: int) -> list[Observation]:
     """``cycles`` observations: the sequence repeated, each pass shifted by its span so time moves forward."""
-    span = observations[-1].time_s
-    return [
-        replace(observations[i % len(observations)], time_s=observations[i % len(observations)].time_s
-                + (i // len(observations)) * span)
-        for i in range(cycles)
-    ]
+    n, span = len(observations), observations[-1].time_s
+    out = []
+    for i in range(cycles):
+        passes, obs = divmod(i, n)
+        out.append(replace(observations[obs], time_s=observations[obs].time_s + passes * span))
+    return out
 
 
 def _arima_refits(planner: Any) -> int:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from threadpoolctl import threadpool_limits
+
+# One BLAS thread, as the CLI uses: several threads on the 2 shared cores slow ARIMA fits 10-100x.
+threadpool_limits(limits=1)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -78,7 +78,8 @@ class DopdPlanner:
         tpot_next = self.profile.tpot(max(per_d, 1.0), cap.context_tokens, self.tp_d)
         r_opt = per_d * ttft_next / (o_next * tpot_next) if n_d else 0.0
         n_p = math.ceil(r_opt * n_d - 1e-9) if n_d else 0
-        if rate > 0:
+        if rate > 0 or self.spec.scaling.min_gpus > 0:
+            # serving needs one instance of each pool; minGPUs > 0 keeps them through idle intervals
             n_p, n_d = max(n_p, 1), max(n_d, 1)
         # the GPU budget, as any deployment has one: shrink both pools in proportion
         gpus = n_p * self.tp_p + n_d * self.tp_d

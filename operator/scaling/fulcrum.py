@@ -82,7 +82,17 @@ class FulcrumPlanner:
         *,
         settings: PlannerSettings | None = None,
         scaling: ScalingSettings | None = None,
+        max_headroom: float = 2.0,
     ) -> None:
+        """
+        Args:
+            spec: the LLMServe spec (SLOs, limits, forecaster, mode).
+            profile: the performance profile.
+            settings: planner tunables (default: from the spec).
+            scaling: scaling-policy tunables (default: from the spec).
+            max_headroom: the rate planned for is at most this multiple of the larger of the forecast mean and
+                the observed rate (caps the upper bound after level shifts).
+        """
         self.spec = spec
         self.profile = profile
         self.tick_s = float(spec.scaling.interval_seconds)
@@ -98,6 +108,7 @@ class FulcrumPlanner:
         self.horizon_steps = max(1, math.ceil((sc.interval_seconds + sc.pod_startup_seconds) / sc.interval_seconds))
         self._state = ScalingState()
         self.last_plan: Plan | None = None
+        self.max_headroom = max_headroom
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -125,7 +136,11 @@ class FulcrumPlanner:
                 "cold start: planning for the observed load",
             )
         fc_1 = self.forecaster.forecast(1, level)
-        rate = max(fc_h.rate.upper, fc_1.rate.upper) + backlog_rate
+        # After a level shift the fitted error variance is inflated for a few intervals and the raw bound would
+        # provision for many times the load: the bound is capped at max_headroom × the larger of the forecast
+        # mean and the rate just observed.
+        base = max(fc_h.rate.mean, fc_1.rate.mean, obs.rate_rps)
+        rate = min(max(fc_h.rate.upper, fc_1.rate.upper), self.max_headroom * base) + backlog_rate
         return (
             workload_from_forecast(fc_h, rate),
             forecast_dict(fc_h),

@@ -126,7 +126,7 @@ def apply_scaling_policy(
         n = have.replicas
         if name in reactive and n > 0:
             grow = max(1, math.ceil(settings.reactive_growth * n))
-            target_n = max(want.replicas, n + min(grow, settings.max_step))
+            target_n = n + min(max(grow, want.replicas - n), settings.max_step)
             if target_n > n:
                 reasons.append(f"{name}: {n}→{target_n} (reactive: SLO attainment below {settings.slo_target:.0%} with queued work)")
             pools[name] = PoolSize(target_n, have.tp)

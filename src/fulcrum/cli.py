@@ -10,6 +10,7 @@ Exit codes: 0 success, 1 a run that failed its own check, 2 bad input (a clear o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,11 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code."""
+    """Run the CLI; returns the exit code.
+
+    BLAS is limited to one thread: the forecaster's matrices are tiny, and several BLAS threads on a busy
+    machine fight each other (a 20 ms ARIMA fit took seconds on 2 shared cores).
+    """
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # the reader went away (``fulcrum ... | head``): stop quietly, as Unix tools do
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - replaced for the interpreter's final flush
+        except OSError:
+            pass
+        return 0
     except (FulcrumError, ValueError, OSError) as err:
         print(f"fulcrum {args.command}: error: {err}", file=sys.stderr)
         return 2

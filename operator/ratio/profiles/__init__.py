@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
 
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import PerformanceProfile, load_profile
@@ -33,4 +34,9 @@ def resolve_profile(name_or_path: str) -> PerformanceProfile:
     """A built-in profile name, or a path to a YAML/JSON/CSV profile file."""
     if name_or_path in BUILTIN_PROFILES:
         return builtin_profile(name_or_path)
+    if not Path(name_or_path).exists():
+        raise ProfileError(
+            f"no profile file {name_or_path!r} and no built-in profile of that name "
+            f"(built-ins: {', '.join(BUILTIN_PROFILES)})"
+        )
     return load_profile(name_or_path)

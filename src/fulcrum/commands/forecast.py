@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trace", required=True, help="request trace, bundled trace name, or ServeGen *_aggregate_10min.csv")
     p.add_argument("--interval", type=float, required=True, help="planner interval, seconds")
     p.add_argument("--warmup", type=int, default=8, help="intervals before scoring starts (default 8)")
-    p.add_argument("--order", type=int, nargs=3, metavar=("P", "D", "Q"), help="ARIMA order (default 2 0 1)")
+    p.add_argument("--order", type=int, nargs=3, metavar=("P", "D", "Q"), help="ARIMA order (default 0 1 1)")
     p.add_argument("--window", type=int, help="ARIMA fitting window, intervals (default 64)")
     p.add_argument("--season", type=int, help="season length for seasonal naive, intervals (default: 1 day)")
     p.add_argument("--json", action="store_true", help='print {"series": {SERIES: {FORECASTER: {"mape": ...}}}}')

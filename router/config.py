@@ -1,0 +1,222 @@
+"""The router's configuration: a YAML file (the router ConfigMap the operator writes), reloaded live.
+
+Example::
+
+    model: meta-llama/Llama-3.1-8B-Instruct   # served model name; requests naming another model get 404
+    max_model_len: 8192                       # context limit, tokens (else learnt from the engines' /tokenize)
+    kv_block_size: 16                         # the engines' KV block size, tokens (handoff guard)
+    token_count: tokenize                     # tokenize | estimate (see fulcrum.router.tokens)
+    policy: {name: round_robin, params: {}}
+    registry: static                          # static | etcd | kubernetes
+    instances:
+      - {id: w0, url: "http://10.0.0.5:8000", role: both}
+    timeouts: {connect_s: 2, first_token_s: 60, idle_s: 60, request_s: 600}
+
+:class:`ConfigWatcher` polls the file's modification time with an injected clock (a ConfigMap mount changes by
+an atomic symlink swap, which inotify-free polling sees); an invalid new file keeps the last good config and
+is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fulcrum.errors import FulcrumError
+from fulcrum.router.registry import InstanceRecord
+
+__all__ = [
+    "RouterConfigError",
+    "PolicyConfig",
+    "InstanceConfig",
+    "Timeouts",
+    "RouterConfig",
+    "load_config",
+    "parse_config",
+    "ConfigWatcher",
+]
+
+log = logging.getLogger(__name__)
+
+
+class RouterConfigError(FulcrumError, ValueError):
+    """The router configuration file is unreadable or invalid (the message names the field)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PolicyConfig(_Strict):
+    """Which routing policy runs, and its parameters (passed to the policy's constructor)."""
+
+    name: str = "round_robin"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class InstanceConfig(_Strict):
+    """One static instance (fields as :class:`fulcrum.router.registry.InstanceRecord`)."""
+
+    id: str
+    url: str
+    role: Literal["prefill", "decode", "both"] = "both"
+    pool: str = "default"
+    tp: int = Field(1, ge=1)
+    max_concurrency: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    kv_capacity_tokens: int = Field(0, ge=0)
+    model: str = ""
+
+    def record(self) -> InstanceRecord:
+        """The registry record."""
+        return InstanceRecord(
+            id=self.id, url=self.url.rstrip("/"), role=self.role, pool=self.pool, tp=self.tp,
+            max_concurrency=self.max_concurrency, max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_capacity_tokens=self.kv_capacity_tokens, model=self.model,
+        )
+
+
+class Timeouts(_Strict):
+    """Upstream time limits, seconds."""
+
+    connect_s: float = Field(2.0, gt=0)
+    """TCP connect to an engine; a dead pod refuses or times out fast, so short."""
+    first_token_s: float = Field(60.0, gt=0)
+    """Until the first streamed event (or a non-streamed answer's headers when ``request_s`` is larger): a
+    queue of long prefills can take tens of seconds, past that the instance is treated as stuck."""
+    idle_s: float = Field(60.0, gt=0)
+    """Longest silence between two streamed events once streaming."""
+    request_s: float = Field(600.0, gt=0)
+    """Whole upstream call (non-streamed answers arrive only at the end)."""
+    health_s: float = Field(2.0, gt=0)
+    """One ``/health`` probe."""
+
+
+class RouterConfig(_Strict):
+    """Everything the router reads from its config file."""
+
+    model: str | None = None
+    """Served model name; None = accept any and report the instances' names."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Context limit, tokens; None = learn it from the engines' ``/tokenize`` answers."""
+    kv_block_size: int = Field(16, ge=1)
+    """The engines' KV block size, tokens (vLLM's default 16); the handoff guard depends on it."""
+    token_count: Literal["tokenize", "estimate"] = "tokenize"
+    """How the prompt length is known: an engine's ``/tokenize`` (exact) or a byte estimate (no round trip)."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    registry: Literal["static", "etcd", "kubernetes"] = "static"
+    instances: tuple[InstanceConfig, ...] = ()
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    max_retries: int = Field(2, ge=0, le=10)
+    """Other instances tried when one fails before anything was streamed."""
+    eject_after_failures: int = Field(3, ge=1)
+    """Consecutive 5xx answers that eject an instance (connect errors and timeouts eject at once)."""
+    eject_base_s: float = Field(1.0, gt=0)
+    """First ejection length; doubles on each ejection in a row, up to ``eject_max_s``."""
+    eject_max_s: float = Field(30.0, gt=0)
+    health_interval_s: float = Field(5.0, gt=0)
+    """Period of the ``/health`` probes (ejected instances are re-admitted by a passing probe after backoff)."""
+    connection_limit: int = Field(1000, ge=1)
+    """Pooled upstream connections, all instances together."""
+    reload_interval_s: float = Field(2.0, gt=0)
+    """Period of the config file's mtime check."""
+
+    def records(self) -> list[InstanceRecord]:
+        """The static instance list as registry records."""
+        return [i.record() for i in self.instances]
+
+
+def parse_config(data: Any) -> RouterConfig:
+    """Validate a parsed YAML document.
+
+    Raises:
+        RouterConfigError: not a mapping, or a field invalid (path in the message).
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RouterConfigError("router config must be a mapping")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as err:
+        e = err.errors(include_url=False)[0]
+        loc = ".".join(str(x) for x in e["loc"])
+        raise RouterConfigError(f"router config: {loc}: {e['msg']}") from err
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read and validate a router config file.
+
+    Raises:
+        RouterConfigError: unreadable file, invalid YAML, or an invalid field.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise RouterConfigError(f"cannot read router config {path}: {err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise RouterConfigError(f"router config {path} is not valid YAML: {err}") from err
+    return parse_config(data)
+
+
+class ConfigWatcher:
+    """Reloads a config file when its modification time changes.
+
+    ``poll()`` is synchronous and cheap (one ``stat``): the caller runs it every ``interval_s`` seconds of the
+    injected clock. A changed, valid file calls ``on_change(new_config)``; an invalid one keeps the last good
+    config, logs the reason, and is not retried until the file changes again.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        current: RouterConfig,
+        on_change: Callable[[RouterConfig], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.path = Path(path)
+        self.current = current
+        self.last_error: str | None = None
+        self._on_change = on_change
+        self._clock = clock
+        self._mtime = self._stat()
+        self._last_poll = clock()
+
+    def _stat(self) -> float | None:
+        try:
+            return self.path.stat().st_mtime_ns / 1e9
+        except OSError:
+            return None
+
+    def due(self) -> bool:
+        """Whether ``reload_interval_s`` has passed on the injected clock since the last poll."""
+        return self._clock() - self._last_poll >= self.current.reload_interval_s
+
+    def poll(self) -> bool:
+        """Check the file now; returns True when a new valid config was applied."""
+        self._last_poll = self._clock()
+        mtime = self._stat()
+        if mtime is None or mtime == self._mtime:
+            return False
+        self._mtime = mtime
+        try:
+            new = load_config(self.path)
+        except RouterConfigError as err:
+            self.last_error = str(err)
+            log.error("router config reload failed, keeping the last good config: %s", err)
+            return False
+        self.last_error = None
+        if new == self.current:
+            return False
+        self.current = new
+        self._on_change(new)
+        log.info("router config reloaded from %s (policy %s, %d static instances)",
+                 self.path, new.policy.name, len(new.instances))
+        return True

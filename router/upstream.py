@@ -1,0 +1,399 @@
+"""The pool of upstream instances: pooled connections, per-instance accounting, health and ejection.
+
+One shared ``aiohttp.ClientSession`` (one ``TCPConnector``) carries every upstream call, so connections to each
+engine are kept alive and reused. For each instance the pool keeps what the router itself dispatched — requests
+in flight, prompt tokens queued for prefill, KV tokens of running requests — and turns it into the
+:class:`~fulcrum.router.policies.base.InstanceView` the policies read.
+
+Failures (:class:`UpstreamFailure`):
+
+- connection refused/reset, a timeout, or a stream broken mid-way eject the instance at once;
+- ``eject_after_failures`` consecutive 5xx answers eject it;
+- an ejection lasts ``eject_base_s · 2^(n−1)`` seconds (n = ejections in a row, capped at ``eject_max_s``); after
+  it a passing ``/health`` probe (every ``health_interval_s``) or a successful request re-admits it.
+
+Whether a failed call is retried elsewhere is the caller's decision (only while nothing was streamed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from fulcrum.router.config import RouterConfig
+from fulcrum.router.metrics import RouterMetrics
+from fulcrum.router.policies.base import InstanceView
+from fulcrum.router.registry import InstanceRecord
+
+__all__ = ["FailureCause", "UpstreamFailure", "InstanceState", "Ticket", "UpstreamPool", "upstream_message"]
+
+log = logging.getLogger(__name__)
+
+FailureCause = Literal["connect", "timeout", "status", "broken"]
+_JSON = {"Content-Type": "application/json"}
+
+
+class UpstreamFailure(Exception):
+    """An upstream call failed.
+
+    Attributes:
+        instance: the instance id.
+        cause: "connect" (refused, reset, DNS), "timeout", "status" (a 5xx answer), "broken" (cut mid-answer).
+        status: the engine's HTTP status for "status", else 0.
+        message: the engine's own error message, or a description of the failure.
+    """
+
+    def __init__(self, instance: str, cause: FailureCause, message: str, status: int = 0) -> None:
+        super().__init__(f"{instance}: {cause}: {message}")
+        self.instance = instance
+        self.cause = cause
+        self.message = message
+        self.status = status
+
+
+def upstream_message(raw: bytes, status: int) -> str:
+    """The error message in an engine's answer (OpenAI ``{"error": {"message"}}``, ``{"message"}``, text)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        text = raw.decode(errors="replace").strip()
+        return text[:500] or f"upstream answered HTTP {status}"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"][:500]
+        for key in ("message", "detail", "error"):
+            if isinstance(data.get(key), str):
+                return str(data[key])[:500]
+    return f"upstream answered HTTP {status}"
+
+
+@dataclass(slots=True)
+class InstanceState:
+    """What the router knows about one instance (mutable; owned by the pool)."""
+
+    record: InstanceRecord
+    healthy: bool = True
+    draining: bool = False
+    ejected_until: float = 0.0
+    ejections_in_a_row: int = 0
+    consecutive_failures: int = 0
+    inflight: int = 0
+    queued_prefill_tokens: int = 0
+    running_tokens: int = 0
+    compute_utilisation: float = math.nan
+    memory_utilisation: float = math.nan
+    removed: bool = False
+
+    def available(self, now: float) -> bool:
+        """Healthy, not ejected, not draining, still registered."""
+        return self.healthy and not self.draining and not self.removed and now >= self.ejected_until
+
+    def view(self, now: float) -> InstanceView:
+        """The policy's view."""
+        r = self.record
+        return InstanceView(
+            id=r.id, role=r.role, tp=r.tp,
+            healthy=self.healthy and not self.removed and now >= self.ejected_until,
+            draining=self.draining, inflight=self.inflight,
+            queued_prefill_tokens=self.queued_prefill_tokens, running_tokens=self.running_tokens,
+            kv_capacity_tokens=r.kv_capacity_tokens, max_num_batched_tokens=r.max_num_batched_tokens,
+            max_num_seqs=r.max_concurrency, compute_utilisation=self.compute_utilisation,
+            memory_utilisation=self.memory_utilisation,
+            supports_partial_prefix=r.labels.get("partial_prefix", "") == "true",
+        )
+
+
+@dataclass(slots=True)
+class Ticket:
+    """The accounting of one upstream call on one instance; ``release`` is idempotent.
+
+    Attributes:
+        state: the instance.
+        queued: prompt tokens this call prefills on the instance (0 when its KV comes from elsewhere), tokens.
+        context: KV tokens it holds once running (prompt + generated so far), tokens.
+    """
+
+    state: InstanceState
+    queued: int
+    context: int
+    started: bool = False
+    released: bool = False
+    _counted: int = field(default=0)
+
+    def first_token(self) -> None:
+        """The prefill is done: queued prompt tokens become running KV."""
+        if self.started or self.released:
+            return
+        self.started = True
+        self.state.queued_prefill_tokens -= self.queued
+        self.state.running_tokens += self.context
+        self._counted = self.context
+
+    def add_tokens(self, n: int) -> None:
+        """``n`` more tokens generated (their KV is now held)."""
+        if self.released:
+            return
+        if not self.started:
+            self.first_token()
+        self.state.running_tokens += n
+        self._counted += n
+
+    def release(self) -> None:
+        """The call ended (finished, failed or cancelled)."""
+        if self.released:
+            return
+        self.released = True
+        if not self.started:
+            self.state.queued_prefill_tokens -= self.queued
+        self.state.running_tokens -= self._counted
+        self.state.inflight -= 1
+
+
+class UpstreamPool:
+    """All instances, their accounting, and the shared HTTP session.
+
+    Args:
+        session: the shared client session (its connector is the connection pool).
+        config: timeouts, ejection and health settings (``update_config`` swaps them live).
+        metrics: where ejections and failures are counted.
+        clock: monotonic seconds (injected: tests move it by hand).
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, config: RouterConfig, metrics: RouterMetrics,
+                 clock: Callable[[], float]) -> None:
+        self.session = session
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self._states: dict[str, InstanceState] = {}
+        self._rr = itertools.count()
+        self.learned_max_model_len: int | None = None
+
+    # ---------------------------------------------------------------- membership and views
+    def set_records(self, records: Iterable[InstanceRecord]) -> None:
+        """Replace the instance list; kept instances keep their state, removed ones leave (calls in flight on
+        them finish normally)."""
+        new = {r.id: r for r in records}
+        for iid, st in list(self._states.items()):
+            if iid not in new:
+                st.removed = True
+                del self._states[iid]
+        for iid, rec in new.items():
+            if iid in self._states:
+                self._states[iid].record = rec
+            else:
+                self._states[iid] = InstanceState(record=rec)
+
+    def update_config(self, config: RouterConfig) -> None:
+        """Swap timeouts and ejection settings."""
+        self.config = config
+
+    def ids(self) -> list[str]:
+        """Registered instance ids."""
+        return list(self._states)
+
+    def state(self, iid: str) -> InstanceState:
+        """The state of one instance. Raises KeyError when it is not registered."""
+        return self._states[iid]
+
+    def views(self, exclude: Sequence[str] = ()) -> list[InstanceView]:
+        """Every instance's view; ids in ``exclude`` are shown unhealthy (retries avoid them)."""
+        now = self.clock()
+        out = []
+        for st in self._states.values():
+            v = st.view(now)
+            if st.record.id in exclude and v.healthy:
+                v = InstanceView(**{**{f: getattr(v, f) for f in v.__dataclass_fields__}, "healthy": False})
+            out.append(v)
+        return out
+
+    def available_ids(self, exclude: Sequence[str] = ()) -> list[str]:
+        """Ids of available instances, least loaded first (in flight, then queued prefill tokens)."""
+        now = self.clock()
+        avail = [s for s in self._states.values() if s.available(now) and s.record.id not in exclude]
+        avail.sort(key=lambda s: (s.inflight, s.queued_prefill_tokens, s.running_tokens))
+        return [s.record.id for s in avail]
+
+    def any_available(self, exclude: Sequence[str] = ()) -> str | None:
+        """One available instance, rotating (for /tokenize and similar side calls)."""
+        ids = [i for i in self._states if self._states[i].available(self.clock()) and i not in exclude]
+        if not ids:
+            return None
+        return ids[next(self._rr) % len(ids)]
+
+    def acquire(self, iid: str, queued: int, context: int) -> Ticket:
+        """Account one call dispatched to ``iid`` (``queued`` prompt tokens to prefill, ``context`` KV tokens)."""
+        st = self._states[iid]
+        st.inflight += 1
+        st.queued_prefill_tokens += queued
+        return Ticket(state=st, queued=queued, context=context)
+
+    # ---------------------------------------------------------------- failures
+    def record_failure(self, iid: str, cause: FailureCause) -> None:
+        """Count a failure; eject per the rules in the module docstring."""
+        self.metrics.upstream_errors.labels(cause).inc()
+        st = self._states.get(iid)
+        if st is None:
+            return
+        st.consecutive_failures += 1
+        if cause != "status" or st.consecutive_failures >= self.config.eject_after_failures:
+            self.eject(iid, cause)
+
+    def record_success(self, iid: str) -> None:
+        """A call succeeded: reset the failure counters."""
+        st = self._states.get(iid)
+        if st is not None:
+            st.consecutive_failures = 0
+            st.ejections_in_a_row = 0
+
+    def eject(self, iid: str, cause: str) -> None:
+        """Take ``iid`` out of rotation for the backoff period."""
+        st = self._states.get(iid)
+        if st is None:
+            return
+        now = self.clock()
+        if now < st.ejected_until:
+            return
+        st.ejections_in_a_row += 1
+        length = min(self.config.eject_base_s * 2 ** (st.ejections_in_a_row - 1), self.config.eject_max_s)
+        st.ejected_until = now + length
+        st.consecutive_failures = 0
+        self.metrics.ejections.labels(iid, cause).inc()
+        log.warning("instance %s ejected for %.1f s (%s)", iid, length, cause)
+
+    # ---------------------------------------------------------------- calls
+    def _timeout(self, stream: bool, total: float | None) -> aiohttp.ClientTimeout:
+        t = self.config.timeouts
+        if stream:
+            return aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, connect=t.connect_s, sock_read=t.idle_s)
+        return aiohttp.ClientTimeout(total=total if total is not None else t.request_s, sock_connect=t.connect_s,
+                                     connect=t.connect_s)
+
+    @asynccontextmanager
+    async def open(self, iid: str, path: str, body: dict[str, Any], *, stream: bool,
+                   total_s: float | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST ``body`` to ``iid``; yields the response (status < 500) with its body unread.
+
+        Failures raised inside the ``async with`` block while reading (timeouts, resets) are translated too.
+        Leaving the block early closes the connection, which makes vLLM abort the request.
+
+        Raises:
+            UpstreamFailure: connect error, timeout, 5xx answer, or an answer cut mid-way; recorded against
+                the instance (ejection rules) before raising.
+            KeyError: ``iid`` is not registered.
+        """
+        url = self._states[iid].record.url + path
+        try:
+            async with self.session.post(url, data=json.dumps(body), headers=_JSON,
+                                         timeout=self._timeout(stream, total_s)) as resp:
+                if resp.status >= 500:
+                    raw = await resp.read()
+                    raise UpstreamFailure(iid, "status", upstream_message(raw, resp.status), resp.status)
+                yield resp
+        except UpstreamFailure as err:
+            self.record_failure(err.instance, err.cause)
+            raise
+        except aiohttp.ClientConnectorError as err:
+            self.record_failure(iid, "connect")
+            raise UpstreamFailure(iid, "connect", f"cannot connect to {iid}: {err}") from err
+        except (TimeoutError, asyncio.TimeoutError) as err:
+            self.record_failure(iid, "timeout")
+            raise UpstreamFailure(iid, "timeout", f"{iid} did not answer in time") from err
+        except aiohttp.ClientError as err:
+            self.record_failure(iid, "broken")
+            raise UpstreamFailure(iid, "broken", f"{iid} broke the connection: {type(err).__name__}: {err}") from err
+        else:
+            self.record_success(iid)
+
+    async def post_json(self, iid: str, path: str, body: dict[str, Any],
+                        total_s: float | None = None) -> tuple[int, bytes, Any]:
+        """POST and read the whole answer: (status, raw body, parsed JSON or None). 4xx are returned.
+
+        Raises:
+            UpstreamFailure: as :meth:`open`, and "broken" when a 200 answer is not JSON.
+        """
+        async with self.open(iid, path, body, stream=False, total_s=total_s) as resp:
+            raw = await resp.read()
+            status = resp.status
+        if status != 200:
+            return status, raw, None
+        try:
+            return status, raw, json.loads(raw)
+        except ValueError as err:
+            self.record_failure(iid, "broken")
+            raise UpstreamFailure(iid, "broken", f"{iid} answered 200 with a body that is not JSON") from err
+
+    # ---------------------------------------------------------------- health
+    async def probe(self, iid: str) -> bool:
+        """GET ``/health`` (and ``/metrics`` for utilisation); updates the instance's health. Never raises."""
+        st = self._states.get(iid)
+        if st is None:
+            return False
+        t = self.config.timeouts
+        timeout = aiohttp.ClientTimeout(total=t.health_s, connect=t.connect_s)
+        try:
+            async with self.session.get(st.record.url + "/health", timeout=timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, OSError):
+            ok = False
+        was = st.healthy
+        st.healthy = ok
+        if ok and self.clock() >= st.ejected_until:
+            st.ejections_in_a_row = 0 if was else st.ejections_in_a_row
+        if not ok and was:
+            self.eject(iid, "health")
+        if ok:
+            await self._scrape(st, timeout)
+        return ok
+
+    async def _scrape(self, st: InstanceState, timeout: aiohttp.ClientTimeout) -> None:
+        try:
+            async with self.session.get(st.record.url + "/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = (await resp.read()).decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, OSError):
+            return
+        running = parse_gauge(text, ("vllm:num_requests_running",))
+        usage = parse_gauge(text, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+        if running is not None:
+            st.compute_utilisation = min(1.0, running / max(1, st.record.max_concurrency))
+        if usage is not None:
+            st.memory_utilisation = usage
+
+    async def probe_all(self) -> None:
+        """Probe every instance concurrently."""
+        await asyncio.gather(*(self.probe(i) for i in list(self._states)))
+
+    async def health_loop(self, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+        """Probe every ``health_interval_s`` until cancelled."""
+        while True:
+            await self.probe_all()
+            await sleep(self.config.health_interval_s)
+
+
+def parse_gauge(text: str, names: Sequence[str]) -> float | None:
+    """Sum of the samples of the first metric in ``names`` found in a Prometheus text exposition."""
+    for name in names:
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if line.startswith(name) and (len(line) > len(name) and line[len(name)] in "{ "):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                    found = True
+                except (ValueError, IndexError):
+                    continue
+        if found:
+            return total
+    return None

@@ -1,0 +1,313 @@
+"""The ``fulcrum`` command line end to end: ``plan``, ``forecast``, ``replay`` and their errors.
+
+Commands run in-process through ``fulcrum.cli.main([...])`` with stdout/stderr captured; one test runs the
+installed console script. Bad input must end with exit code 2 and one ``fulcrum CMD: error: ...`` line on
+stderr naming the problem — never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fulcrum.cli import main
+from fulcrum.replay.report import (
+    FORECAST_PNG,
+    GPUS_PNG,
+    LATENCY_CDF_PNG,
+    POOLS_PNG,
+    SUMMARY_JSON,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DISAGG_SPEC = REPO / "examples" / "llmserve-disaggregated-70b-h100.yaml"
+SERVEGEN = REPO.parent / "shared" / "data" / "servegen" / "servegen_m-large_aggregate_10min.csv"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# DOPD §VI-A3: 4.58 P per TP=2 D-instance at ISL/OSL 1000/150, cc_d = 235; why 5 %: tests/unit/test_ratio_planner.py
+DOPD_RATIO, DOPD_TOLERANCE = 4.58, 0.05
+DOPD_PLAN = ["plan", "--profile", "dopd-llama70b-fp8-h100", "--isl", "1000", "--osl", "150",
+             "--tp-prefill", "1", "--tp-decode", "2"]
+FORECASTERS = {"arima", "last_value", "moving_average", "seasonal_naive"}
+POLICY_NUMBERS = ("slo_attainment", "goodput_tokens_per_s", "gpu_hours")
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
+    """Run the CLI with ``argv``, check it succeeded quietly on stderr's error channel, parse stdout as JSON."""
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "error" not in err
+    data: dict[str, Any] = json.loads(out)
+    return data
+
+
+def run_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run the CLI with bad ``argv``; check exit code 2, no stdout, one ``error:`` line; return that line."""
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"fulcrum {argv[0]}: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def test_plan_json_reproduces_dopd_validation_ratio_for_1000_150_at_capacity_235(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data = run_json(capsys, [*DOPD_PLAN, "--decode-concurrency", "235", "--json"])
+    assert {"ratio", "prefill_replicas", "decode_replicas", "decode_concurrency", "inputs"} <= data.keys()
+    assert data["ratio"] == pytest.approx(DOPD_RATIO, rel=DOPD_TOLERANCE)
+    assert data["decode_concurrency"] == 235
+    assert (data["tp_prefill"], data["tp_decode"]) == (1, 2)
+    assert data["decode_replicas"] == 1
+    assert data["prefill_replicas"] == math.ceil(data["ratio"] * data["decode_replicas"])
+    assert data["gpus"] == data["prefill_replicas"] * 1 + data["decode_replicas"] * 2
+    assert data["inputs"]["profile"] == "dopd-llama70b-fp8-h100"
+    assert (data["inputs"]["isl"], data["inputs"]["osl"]) == (1000.0, 150.0)
+
+
+def test_plan_prints_the_same_plan_as_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, [*DOPD_PLAN, "--decode-concurrency", "235", "--json"])
+    assert main([*DOPD_PLAN, "--decode-concurrency", "235"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "profile dopd-llama70b-fp8-h100: ISL 1000 / OSL 150 tokens" in out
+    assert f"P/D ratio          {data['ratio']:.3f}" in out
+    assert f"prefill instances  {data['prefill_replicas']} × TP1" in out
+    assert f"decode instances   {data['decode_replicas']} × TP2" in out
+
+
+def test_plan_for_a_decode_concurrency_sizes_decode_by_capacity_and_prefill_by_the_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data = run_json(capsys, [*DOPD_PLAN, "--concurrency", "500", "--json"])
+    cc_d = data["decode_concurrency"]
+    assert 0 < cc_d < 500
+    assert data["decode_replicas"] == math.ceil(500 / cc_d)
+    assert data["prefill_replicas"] == math.ceil(data["ratio"] * data["decode_replicas"] - 1e-9)
+    assert data["ratio"] == pytest.approx(DOPD_RATIO, rel=0.10)  # cc_d from eqs. 11–14 instead of 235
+
+
+def test_plan_for_a_request_rate_is_feasible_and_grows_with_the_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    low = run_json(capsys, [*DOPD_PLAN, "--rate", "5", "--json"])
+    high = run_json(capsys, [*DOPD_PLAN, "--rate", "40", "--json"])
+    for plan in (low, high):
+        assert plan["feasible"] is True
+        assert plan["prefill_replicas"] >= 1 and plan["decode_replicas"] >= 1
+        assert plan["inputs"]["rate_rps"] in (5, 40)
+    assert high["prefill_replicas"] > low["prefill_replicas"]
+    assert high["decode_replicas"] >= low["decode_replicas"]
+    # 40 req/s of 1,000-token prompts at t_p ≈ 0.17 s keep at least 40 · t_p prefill instances busy
+    assert high["prefill_replicas"] >= 40 * high["t_p_s"]
+
+
+# ---------------------------------------------------------------------------------------------- forecast
+def test_forecast_json_scores_every_forecaster_on_every_series_of_a_request_trace(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data = run_json(capsys, ["forecast", "--trace", "azure-code-2023", "--interval", "60", "--json"])
+    assert data["trace"] == "azure-code-2023"
+    assert set(data["series"]) == {"rate", "isl", "osl"}
+    for series, scores in data["series"].items():
+        assert set(scores) == FORECASTERS, series
+        for name, score in scores.items():
+            assert isinstance(score["mape"], float) and 0.0 <= score["mape"] < math.inf, (series, name)
+
+
+def test_forecast_json_on_a_servegen_rate_file_scores_only_the_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    if not SERVEGEN.is_file():
+        pytest.skip(f"ServeGen aggregate series not found at {SERVEGEN}")
+    # hourly means of the 2,016 ten-minute windows (336 points: the 10-minute series takes ~10x longer to backtest)
+    data = run_json(capsys, ["forecast", "--trace", str(SERVEGEN), "--interval", "3600", "--window", "32", "--json"])
+    assert data["interval_s"] == 3600.0
+    assert set(data["series"]) == {"rate"}
+    rate = data["series"]["rate"]
+    assert set(rate) == FORECASTERS
+    assert all(isinstance(s["mape"], float) and 0.0 <= s["mape"] < 1.0 for s in rate.values())
+    assert {s["points"] for s in rate.values()} == {2016 // 6 - 8}  # every point after the 8 warm-up intervals
+
+
+# ---------------------------------------------------------------------------------------------- replay
+REPLAY = ["replay", "--trace", "azure-conv-2023", "--llmserve", str(DISAGG_SPEC), "--duration", "600"]
+
+
+def check_policies(data: dict[str, Any], names: set[str]) -> None:
+    assert set(data["policies"]) == names
+    for name, entry in data["policies"].items():
+        for key in POLICY_NUMBERS:
+            value = entry[key]
+            assert isinstance(value, float) and math.isfinite(value), (name, key)
+        assert 0.0 <= entry["slo_attainment"] <= 1.0
+        assert entry["gpu_hours"] > 0 and entry["requests"] > 0
+
+
+def test_replay_json_for_one_policy_scores_it_on_the_window(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, [*REPLAY, "--policy", "fulcrum", "--json"])
+    check_policies(data, {"fulcrum"})
+    assert data["trace"] == "azure-conv-2023"
+    assert data["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 80.0, "percentile": 90.0}
+    assert (data["profile"], data["mode"], data["warmup_s"]) == ("dopd-llama70b-fp8-h100", "Disaggregated", 300.0)
+
+
+def test_replay_compare_json_scores_every_policy_and_writes_the_report(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from fulcrum.replay.driver import POLICIES
+
+    report = tmp_path / "report"
+    data = run_json(capsys, [*REPLAY, "--compare", "--json", "--report", str(report)])
+    check_policies(data, set(POLICIES))
+    for png in (GPUS_PNG, FORECAST_PNG, LATENCY_CDF_PNG, POOLS_PNG):
+        assert (report / png).read_bytes()[:8] == PNG_SIGNATURE, png
+    written = json.loads((report / SUMMARY_JSON).read_text())
+    assert written["policies"].keys() == data["policies"].keys()
+    assert written["policies"]["fulcrum"]["slo_attainment"] == data["policies"]["fulcrum"]["slo_attainment"]
+
+
+def test_replay_prints_a_header_and_the_comparison_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*REPLAY, "--policy", "static", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "error" not in err
+    assert out.startswith("trace azure-conv-2023: ")
+    assert "Replay of trace 'azure-conv-2023': SLO TTFT 2000 ms and TPOT 80 ms at P90" in out
+    assert any(line.startswith("static ") for line in out.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def bad_files(tmp_path: Path) -> dict[str, Path]:
+    """Broken inputs: an empty trace, a trace with a malformed row, an invalid LLMServe, a non-monotone profile,
+    an LLMServe whose profile is a ConfigMap and one naming an unknown built-in profile."""
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    files = {
+        "empty": tmp_path / "empty.csv",
+        "malformed": tmp_path / "malformed.csv",
+        "negative_ttft": tmp_path / "negative-ttft.yaml",
+        "non_monotone": tmp_path / "non-monotone.yaml",
+        "config_map": tmp_path / "config-map.yaml",
+        "unknown_builtin": tmp_path / "unknown-builtin.yaml",
+    }
+    files["empty"].write_text(header)
+    files["malformed"].write_text(header + "2023-11-16 18:15:46.68,1020,129\n2023-11-16 18:15:47.01,many,129\n")
+    spec = yaml.safe_load(DISAGG_SPEC.read_text())
+    spec["spec"]["slo"]["ttftMs"] = -5
+    files["negative_ttft"].write_text(yaml.safe_dump(spec))
+    spec["spec"]["slo"]["ttftMs"] = 2000
+    spec["spec"]["profile"] = {"configMap": "llama-70b-profile"}
+    files["config_map"].write_text(yaml.safe_dump(spec))
+    spec["spec"]["profile"] = {"name": "no-such-profile"}
+    files["unknown_builtin"].write_text(yaml.safe_dump(spec))
+    table_i = yaml.safe_load((resources.files("fulcrum.ratio.profiles") / "dopd-llama70b-fp8-h100.yaml").read_text())
+    table_i["prefill"][0]["ttftMs"] = [36, 46, 25, 193, 269]  # 700 tokens faster than 200
+    files["non_monotone"].write_text(yaml.safe_dump(table_i))
+    return files
+
+
+def test_a_missing_trace_file_is_a_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    line = run_error(capsys, ["replay", "--trace", str(tmp_path / "absent.csv")])
+    assert "no such trace file" in line and "absent.csv" in line
+
+
+def test_an_empty_trace_is_a_one_line_error(capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]) -> None:
+    line = run_error(capsys, ["replay", "--trace", str(bad_files["empty"])])
+    assert "empty.csv" in line and "no requests" in line
+
+
+def test_a_malformed_trace_row_is_named_by_file_line_and_column(
+    capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]
+) -> None:
+    line = run_error(capsys, ["replay", "--trace", str(bad_files["malformed"])])
+    assert "malformed.csv:3" in line and "ContextTokens" in line and "many" in line
+
+
+def test_an_invalid_llmserve_names_the_offending_field(
+    capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]
+) -> None:
+    line = run_error(capsys, ["replay", "--trace", "azure-conv-2023", "--llmserve", str(bad_files["negative_ttft"])])
+    assert "spec.slo.ttftMs" in line
+
+
+def test_a_profile_with_non_monotone_latencies_is_rejected(
+    capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]
+) -> None:
+    path = str(bad_files["non_monotone"])
+    line = run_error(capsys, ["plan", "--profile", path, "--isl", "1000", "--osl", "150", "--rate", "5"])
+    assert "non-monotone.yaml" in line and "prefill" in line and "decrease" in line
+    line = run_error(capsys, [*REPLAY, "--profile", path])
+    assert "non-monotone.yaml" in line and "decrease" in line
+
+
+def test_an_unknown_builtin_profile_is_named(capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]) -> None:
+    line = run_error(capsys, ["replay", "--trace", "azure-conv-2023", "--llmserve", str(bad_files["unknown_builtin"])])
+    assert "unknown built-in profile 'no-such-profile'" in line and "dopd-llama70b-fp8-h100" in line
+    line = run_error(capsys, ["plan", "--profile", "no-such-profile", "--isl", "1000", "--osl", "150", "--rate", "5"])
+    assert "no-such-profile" in line
+
+
+def test_a_zero_forecast_interval_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    line = run_error(capsys, ["forecast", "--trace", "azure-code-2023", "--interval", "0"])
+    assert "--interval" in line
+
+
+def test_a_negative_time_scale_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    line = run_error(capsys, [*REPLAY, "--time-scale", "-1"])
+    assert "time scale" in line and "-1" in line
+
+
+def test_a_configmap_profile_needs_a_profile_flag_to_replay(
+    capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]
+) -> None:
+    argv = ["replay", "--trace", "azure-conv-2023", "--llmserve", str(bad_files["config_map"]), "--duration", "300"]
+    line = run_error(capsys, argv)
+    assert "ConfigMap 'llama-70b-profile'" in line and "--profile" in line
+    data = run_json(capsys, [*argv, "--profile", "dopd-llama70b-fp8-h100", "--policy", "static", "--json"])
+    assert data["profile"] == "dopd-llama70b-fp8-h100"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "--trace", "azure-conv-2023", "--no-such-flag"],
+        ["plan", "--profile", "dopd-llama70b-fp8-h100", "--isl", "1000", "--osl", "150"],  # no load given
+        ["replay", "--trace", "azure-conv-2023", "--policy", "nope"],
+        [],
+    ],
+)
+def test_argparse_errors_exit_with_code_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    _, err = capsys.readouterr()
+    assert "error:" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------- console script
+def test_the_installed_console_script_runs_plan_and_reports_bad_input() -> None:
+    exe = shutil.which("fulcrum")
+    if exe is None:
+        pytest.skip("the `fulcrum` console script is not on PATH (pip install -e .)")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    ok = subprocess.run([exe, *DOPD_PLAN, "--decode-concurrency", "235", "--json"],
+                        capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ratio"] == pytest.approx(DOPD_RATIO, rel=DOPD_TOLERANCE)
+    bad = subprocess.run([exe, "forecast", "--trace", "azure-code-2023", "--interval", "-60"],
+                         capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "fulcrum forecast: error: --interval must be a positive number of seconds, got -60.0"
+    ]

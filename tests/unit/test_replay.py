@@ -1,0 +1,209 @@
+"""The replay driver end to end: planners against the simulated cluster on real and synthetic traces.
+
+``fulcrum.replay.driver.run_policy`` runs the operator's loop (observe → step → apply every interval) against
+the simulator and scores the run; these tests check what it promises (determinism, one record per request,
+warm-up, forecasts) and that Fulcrum's planner does its job on a step change of the load.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from fulcrum.api.llmserve import LLMServeSpec, load_llmserve, parse_llmserve
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.profiles import builtin_profile
+from fulcrum.replay.driver import (
+    POLICIES,
+    ReplayOptions,
+    make_planner,
+    run_policy,
+    scale_arrivals,
+    warmup_seconds,
+)
+from fulcrum.replay.result import PolicyRun
+from fulcrum.traces import load_trace
+from fulcrum.workload import Request
+
+REPO = Path(__file__).resolve().parents[2]
+DISAGG_SPEC = REPO / "examples" / "llmserve-disaggregated-70b-h100.yaml"
+WINDOW_S = 600.0  # a short window of the bundled trace: 10 ticks of 60 s, ~3,000 requests
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLMServeSpec:
+    """DOPD's setting (Llama-70B-FP8 on H100, TTFT 2 s / TPOT 80 ms at P90, TP_p = 1, TP_d = 2, start-up 180 s)."""
+    return load_llmserve(DISAGG_SPEC).spec
+
+
+@pytest.fixture(scope="module")
+def profile(spec: LLMServeSpec) -> PerformanceProfile:
+    assert spec.profile.name is not None
+    return builtin_profile(spec.profile.name)
+
+
+@pytest.fixture(scope="module")
+def window() -> tuple[Request, ...]:
+    """The first 10 minutes of the bundled Azure conversation trace."""
+    return load_trace("azure-conv-2023", duration_s=WINDOW_S).requests
+
+
+@pytest.fixture(scope="module")
+def window_runs(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> dict[str, PolicyRun]:
+    """Every policy of ``POLICIES`` replayed once on ``window``."""
+    return {name: run_policy(name, window, spec, profile) for name in POLICIES}
+
+
+def step_trace(seed: int = 7) -> list[Request]:
+    """Poisson arrivals at 2 req/s for 10 minutes, then 8 req/s for 10 minutes; ISL 500–1500, OSL 50–250 tokens."""
+    rng = random.Random(seed)
+    out: list[Request] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(2.0 if t < 600.0 else 8.0)
+        if t >= 1200.0:
+            return out
+        out.append(Request(t, rng.randint(500, 1500), rng.randint(50, 250)))
+
+
+# ---------------------------------------------------------------------------------------------- determinism
+def test_two_replays_of_the_same_trace_give_identical_results(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...], window_runs: dict[str, PolicyRun]
+) -> None:
+    again = run_policy("fulcrum", window, spec, profile)
+    first = window_runs["fulcrum"]
+    assert again.summary == first.summary
+    assert again.records == first.records
+    assert again.timeline == first.timeline
+    assert again.decisions == first.decisions
+    assert math.isfinite(first.summary.slo_attainment)
+
+
+# ---------------------------------------------------------------------------------------------- every policy
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_replays_the_window_and_records_every_request(
+    name: str,
+    window: tuple[Request, ...],
+    window_runs: dict[str, PolicyRun],
+    spec: LLMServeSpec,
+    profile: PerformanceProfile,
+) -> None:
+    run = window_runs[name]
+    assert run.policy == name
+    assert len(run.records) == len(window)
+    assert [(r.arrival_s, r.isl, r.osl) for r in run.records] == [(q.arrival_s, q.isl, q.osl) for q in window]
+    warm = warmup_seconds(spec, ReplayOptions())
+    assert run.summary.requests == sum(1 for q in window if q.arrival_s >= warm)
+    s = run.summary
+    for value in (s.slo_attainment, s.goodput_tokens_per_s, s.gpu_hours, s.throughput_tokens_per_s):
+        assert math.isfinite(value)
+    assert 0.0 <= s.slo_attainment <= 1.0
+    assert s.gpu_hours > 0
+    # one timeline point per tick of the planner, up to the tick after the last arrival
+    tick = make_planner(name, spec, profile).tick_s
+    assert len(run.timeline) == math.ceil(window[-1].arrival_s / tick) + 1
+    assert all(p.gpus >= 1 for p in run.timeline if p.time_s <= window[-1].arrival_s)
+
+
+def test_forecasts_are_recorded_for_fulcrum_and_dopd_but_not_for_static(window_runs: dict[str, PolicyRun]) -> None:
+    for name in ("fulcrum", "dopd"):
+        points = window_runs[name].forecasts
+        assert points, name
+        assert {p.series for p in points} == {"rate", "isl", "osl"}
+        assert all(p.made_at_s < p.time_s for p in points)
+        rate = [p for p in points if p.series == "rate"]
+        assert all(math.isfinite(p.mean) and p.lower <= p.mean <= p.upper for p in rate)
+    assert window_runs["static"].forecasts == []
+
+
+# ---------------------------------------------------------------------------------------------- load step
+def test_fulcrum_scales_out_when_the_rate_quadruples_and_beats_static_on_slo_attainment(
+    spec: LLMServeSpec, profile: PerformanceProfile
+) -> None:
+    trace = step_trace()
+    fulcrum = run_policy("fulcrum", trace, spec, profile)
+    static = run_policy("static", trace, spec, profile)
+
+    def prefill(run: PolicyRun, lo: float, hi: float) -> list[int]:
+        return [p.prefill for p in run.timeline if lo < p.time_s <= hi]
+
+    # 2 req/s of ~1,000-token prompts keep one TP=1 prefill instance a third busy (t_p ≈ 0.17 s); 8 req/s need more
+    before, after = prefill(fulcrum, 0.0, 600.0), prefill(fulcrum, 600.0, 1200.0)
+    assert max(after) > max(before)
+    assert max(after) >= 2
+    first_out = next(p.time_s for p in fulcrum.timeline if p.time_s > 600.0 and p.prefill > max(before))
+    assert first_out <= 600.0 + 2 * spec.scaling.interval_seconds  # it reacts within two ticks of the step
+    assert {p.prefill for p in static.timeline} == {spec.scaling.initial_prefill}
+    assert fulcrum.summary.slo_attainment > static.summary.slo_attainment + 0.2
+    assert fulcrum.summary.requests == static.summary.requests
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+def test_the_warmup_leaves_early_requests_out_of_scoring_but_not_out_of_the_records(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> None:
+    scored_all = run_policy("static", window, spec, profile, ReplayOptions(warmup_s=0.0))
+    late = run_policy("static", window, spec, profile, ReplayOptions(warmup_s=300.0))
+    assert scored_all.summary.requests == len(window)
+    assert late.summary.requests == sum(1 for q in window if q.arrival_s >= 300.0) < len(window)
+    assert late.records == scored_all.records  # the warm-up changes the scoring, not the simulation
+    assert late.summary.gpu_hours < scored_all.summary.gpu_hours
+
+
+def test_the_default_warmup_is_pod_startup_plus_two_intervals(spec: LLMServeSpec) -> None:
+    sc = spec.scaling
+    assert warmup_seconds(spec, ReplayOptions()) == sc.pod_startup_seconds + 2 * sc.interval_seconds
+    assert warmup_seconds(spec, ReplayOptions(warmup_s=42.0)) == 42.0
+    assert warmup_seconds(spec, ReplayOptions(warmup_s=-5.0)) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf])
+def test_scale_arrivals_rejects_a_time_scale_that_is_not_finite_and_positive(scale: float) -> None:
+    with pytest.raises(ValueError, match="time scale"):
+        scale_arrivals([Request(1.0, 10, 10)], scale)
+
+
+def test_scale_arrivals_multiplies_arrival_times_and_keeps_lengths() -> None:
+    reqs = [Request(0.0, 10, 5), Request(2.0, 20, 6), Request(4.0, 30, 7)]
+    half = scale_arrivals(reqs, 0.5)
+    assert [r.arrival_s for r in half] == [0.0, 1.0, 2.0]
+    assert [(r.isl, r.osl) for r in half] == [(10, 5), (20, 6), (30, 7)]
+    assert scale_arrivals(reqs, 1.0) == reqs
+
+
+def test_run_policy_rejects_an_empty_trace_and_an_unknown_policy(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> None:
+    with pytest.raises(ValueError, match="no requests"):
+        run_policy("fulcrum", [], spec, profile)
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        run_policy("nope", window, spec, profile)
+
+
+# ---------------------------------------------------------------------------------------------- unified mode
+@pytest.mark.parametrize("name", ["fulcrum", "static"])
+def test_a_unified_mode_spec_replays_with_unified_instances_only(name: str, window: tuple[Request, ...]) -> None:
+    spec = parse_llmserve(
+        {
+            "spec": {
+                "model": {"name": "meta-llama/Llama-2-70b-chat-hf"},
+                "engine": {"maxModelLen": 4096},
+                "slo": {"ttftMs": 2000, "tpotMs": 100, "percentile": 90},
+                "mode": "Unified",
+                "scaling": {"maxGPUs": 64, "initialUnified": 2},
+                "profile": {"name": "splitwise-llama2-70b-h100"},
+            }
+        }
+    ).spec
+    run = run_policy(name, window, spec, builtin_profile("splitwise-llama2-70b-h100"))
+    assert all(p.prefill == 0 and p.decode == 0 and p.unified >= 1 for p in run.timeline)
+    assert {r.path for r in run.records} == {"unified"}
+    assert len(run.records) == len(window)
+    if name == "fulcrum":  # the planner resizes the unified pool with the load
+        assert len({p.unified for p in run.timeline}) > 1
