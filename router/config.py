@@ -35,6 +35,7 @@ __all__ = [
     "PolicyConfig",
     "InstanceConfig",
     "Timeouts",
+    "EtcdConfig",
     "RouterConfig",
     "load_config",
     "parse_config",
@@ -81,6 +82,14 @@ class InstanceConfig(_Strict):
         )
 
 
+class EtcdConfig(_Strict):
+    """Where the etcd instance registry is (``registry: etcd``); keys ``/fulcrum/<namespace>/<llmserve>/instances/``."""
+
+    endpoint: str = "127.0.0.1:2379"
+    namespace: str = "default"
+    llmserve: str = ""
+
+
 class Timeouts(_Strict):
     """Upstream time limits, seconds."""
 
@@ -110,6 +119,7 @@ class RouterConfig(_Strict):
     """How the prompt length is known: an engine's ``/tokenize`` (exact) or a byte estimate (no round trip)."""
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     registry: Literal["static", "etcd", "kubernetes"] = "static"
+    etcd: EtcdConfig = Field(default_factory=EtcdConfig)
     instances: tuple[InstanceConfig, ...] = ()
     timeouts: Timeouts = Field(default_factory=Timeouts)
     max_retries: int = Field(2, ge=0, le=10)

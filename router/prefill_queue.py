@@ -144,8 +144,12 @@ class QueueLayout:
         )
 
 
-async def _connect(servers: str | list[str], name: str) -> NatsClient:
-    """Connect with endless reconnects (logged); the first connection failing raises PrefillQueueError."""
+async def _connect(servers: str | list[str], name: str, timeout_s: float) -> NatsClient:
+    """Connect; once connected, reconnect for ever (logged). The first connection is bounded by ``timeout_s``.
+
+    Raises:
+        PrefillQueueError: no server answered within ``timeout_s``.
+    """
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats %s: %s: %s", name, type(exc).__name__, exc)
@@ -156,19 +160,27 @@ async def _connect(servers: str | list[str], name: str) -> NatsClient:
     async def on_reconnected() -> None:
         log.info("nats %s: reconnected", name)
 
+    nc = NatsClient()
     try:
-        return await nats.connect(
-            servers,
-            name=name,
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=1,
-            connect_timeout=2,
+        # with max_reconnect_attempts=-1 nats-py retries the first connection for ever too: bound it here
+        await asyncio.wait_for(
+            nc.connect(
+                servers,
+                name=name,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=1,
+                connect_timeout=max(1, int(timeout_s)),
+            ),
+            timeout_s,
         )
-    except Exception as exc:  # NoServersError, OSError, TimeoutError
-        raise PrefillQueueError(f"cannot connect to NATS at {servers}: {exc}") from exc
+    except Exception as exc:  # TimeoutError, NoServersError, OSError
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise PrefillQueueError(f"cannot connect to NATS at {servers} within {timeout_s} s: {exc!r}") from exc
+    return nc
 
 
 async def _ensure_stream_and_consumer(js: JetStreamContext, layout: QueueLayout) -> None:
@@ -209,6 +221,8 @@ class NatsPrefillQueue:
         stream, subject_prefix, durable, ack_wait_s, max_deliver, max_age_s, storage: see :class:`QueueLayout`
             (workers must use the same values).
         name: client name shown by the NATS server.
+        connect_timeout_s: how long the first connection may take, seconds (later outages are reconnected for
+            ever). 5 s.
 
     ``connect()`` is called by the first ``submit``/``depth`` when not called before. Safe to share between
     concurrent tasks of one event loop.
@@ -226,9 +240,11 @@ class NatsPrefillQueue:
         max_age_s: float = 300.0,
         storage: Literal["memory", "file"] = "memory",
         name: str = "fulcrum-router",
+        connect_timeout_s: float = 5.0,
     ) -> None:
         self.layout = QueueLayout(stream, subject_prefix, durable, ack_wait_s, max_deliver, max_age_s, storage)
         self._servers = servers
+        self._connect_timeout_s = connect_timeout_s
         self._name = name
         self._nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
@@ -248,7 +264,7 @@ class NatsPrefillQueue:
                 raise PrefillQueueError("prefill queue is closed")
             if self._nc is not None:
                 return
-            nc = await _connect(self._servers, self._name)
+            nc = await _connect(self._servers, self._name, self._connect_timeout_s)
             try:
                 js = nc.jetstream()
                 await _ensure_stream_and_consumer(js, self.layout)
@@ -372,6 +388,7 @@ class PrefillWorker:
         fetch_timeout_s: how long one pull waits for a job, seconds; bounds how long ``close()`` waits for the
             pull loop. 1 s.
         worker_id: shown in logs and replies (default: a random id).
+        connect_timeout_s: how long the first connection may take, seconds. 5 s.
 
     A failing handler: the job is nak'ed and redelivered (to any worker) until ``max_deliver`` deliveries, then
     the router gets an error reply and the job is terminated. A job that is not JSON is terminated (logged).
@@ -391,12 +408,14 @@ class PrefillWorker:
         concurrency: int = 1,
         fetch_timeout_s: float = 1.0,
         worker_id: str | None = None,
+        connect_timeout_s: float = 5.0,
     ) -> None:
         if concurrency < 1 or fetch_timeout_s <= 0:
             raise ValueError("concurrency must be >= 1 and fetch_timeout_s > 0")
         self.layout = QueueLayout(stream, subject_prefix, durable, ack_wait_s, max_deliver, max_age_s, storage)
         self.worker_id = worker_id or uuid.uuid4().hex[:8]
         self._servers = servers
+        self._connect_timeout_s = connect_timeout_s
         self._concurrency = concurrency
         self._fetch_timeout_s = fetch_timeout_s
         self._nc: NatsClient | None = None
@@ -413,7 +432,7 @@ class PrefillWorker:
         """
         if self._nc is not None:
             return
-        nc = await _connect(self._servers, f"fulcrum-prefill-worker-{self.worker_id}")
+        nc = await _connect(self._servers, f"fulcrum-prefill-worker-{self.worker_id}", self._connect_timeout_s)
         try:
             js = nc.jetstream()
             await _ensure_stream_and_consumer(js, self.layout)

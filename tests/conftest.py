@@ -36,3 +36,30 @@ def splitwise():
     from fulcrum.ratio.profiles import builtin_profile
 
     return builtin_profile("splitwise-llama2-70b-h100")
+
+
+# ---------------------------------------------------------------------------------------------- router
+# A router in front of FAKE engines (tests/fakes/), for the router's tests. Needs aiohttp and pytest-asyncio.
+try:
+    import pytest_asyncio as _pytest_asyncio
+except ImportError:  # pragma: no cover - the router tests skip without it
+    _pytest_asyncio = None
+
+if _pytest_asyncio is not None:
+
+    @_pytest_asyncio.fixture
+    async def router_harness():
+        """``await router_harness(n=2, settings=..., policy=..., config={...})`` → a started RouterHarness;
+        every harness made is closed after the test."""
+        from fakes.router_harness import RouterHarness
+
+        made = []
+
+        async def make(**kwargs):
+            h = RouterHarness()
+            made.append(h)
+            return await h.start(**kwargs)
+
+        yield make
+        for h in made:
+            await h.close()

@@ -254,6 +254,11 @@ class ArimaForecaster:
             return False
         if self._results is None or self._since_refit >= self._fitted_on:
             return True
+        # A single error beyond twice the bound is a structural break (a level shift): refit now, which also
+        # resets the correction factor — otherwise the shock would enter the bias estimate and be applied again
+        # on top of a model that has already moved to the new level.
+        if self._errors and self._errors[-1] > 2.0 * self.refit_error:
+            return True
         return len(self._errors) == self.error_points and float(np.mean(self._errors)) > self.refit_error
 
     def _refit(self) -> None:

@@ -16,6 +16,7 @@ Each tick (``spec.scaling.intervalSeconds``):
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 from fulcrum.api.llmserve import LLMServeSpec
@@ -90,8 +91,8 @@ class FulcrumPlanner:
             profile: the performance profile.
             settings: planner tunables (default: from the spec).
             scaling: scaling-policy tunables (default: from the spec).
-            max_headroom: the rate planned for is at most this multiple of the larger of the forecast mean and
-                the observed rate (caps the upper bound after level shifts).
+            max_headroom: the rate planned for is at most this multiple of the highest rate observed in the
+                last three intervals (caps the forecast after level shifts), plus the backlog.
         """
         self.spec = spec
         self.profile = profile
@@ -109,6 +110,7 @@ class FulcrumPlanner:
         self._state = ScalingState()
         self.last_plan: Plan | None = None
         self.max_headroom = max_headroom
+        self._recent_rates: deque[float] = deque([0.0], maxlen=3)
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -125,6 +127,8 @@ class FulcrumPlanner:
     def estimate(self, obs: Observation) -> tuple[WorkloadEstimate, dict[str, dict[str, float]], str]:
         """The workload to plan for after observing ``obs`` (steps 1–2 of the module doc)."""
         self.forecaster.observe(obs)
+        if math.isfinite(obs.rate_rps):
+            self._recent_rates.append(max(obs.rate_rps, 0.0))
         level = self.spec.scaling.forecaster.prediction_level
         backlog_rate = obs.prefill_queue / self.tick_s if self.tick_s > 0 else 0.0
         fc_h = self.forecaster.forecast(self.horizon_steps, level)
@@ -136,10 +140,10 @@ class FulcrumPlanner:
                 "cold start: planning for the observed load",
             )
         fc_1 = self.forecaster.forecast(1, level)
-        # After a level shift the fitted error variance is inflated for a few intervals and the raw bound would
-        # provision for many times the load: the bound is capped at max_headroom × the larger of the forecast
-        # mean and the rate just observed.
-        base = max(fc_h.rate.mean, fc_1.rate.mean, obs.rate_rps)
+        # Right after a level shift a model refitted on a short window can extrapolate the jump (a positive MA
+        # term) and its error variance is inflated, so the raw bound would provision for many times the load:
+        # the planned rate is capped at max_headroom × the highest rate observed over the last intervals.
+        base = max(self._recent_rates)
         rate = min(max(fc_h.rate.upper, fc_1.rate.upper), self.max_headroom * base) + backlog_rate
         return (
             workload_from_forecast(fc_h, rate),

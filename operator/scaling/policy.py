@@ -5,7 +5,8 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
 - **scale-out** at once, at most ``max_step`` instances per tick;
 - **reactive guard**: when the SLO attainment observed over the last tick is below the SLO percentile and work
   is queueing, the pool behind the miss grows now (TTFT → prefill, TPOT or a decode queue → decode, either →
-  unified), whatever the forecast says;
+  unified), whatever the forecast says — unless instances of that pool are still starting (their capacity is
+  on its way; reacting again every tick of a pod start-up would overshoot many times over);
 - **scale-in** only when every plan of the stabilisation window — the last max(``hysteresis_ticks``
   intervals, cooldown) seconds, as the HPA's scale-down window — asked for fewer instances, the pool's
   cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
@@ -124,7 +125,10 @@ def apply_scaling_policy(
                 reasons.append(f"{name}: TP {have.tp}→{want.tp}, {have.replicas}→{want.replicas} instances")
             continue
         n = have.replicas
-        if name in reactive and n > 0:
+        # Capacity already asked for but still starting will absorb the miss: react again only once every
+        # instance of the pool is ready, or the guard would add instances every tick of a pod start-up.
+        starting = getattr(obs.ready, name) < n
+        if name in reactive and n > 0 and not starting:
             grow = max(1, math.ceil(settings.reactive_growth * n))
             target_n = n + min(max(grow, want.replicas - n), settings.max_step)
             if target_n > n:

@@ -22,7 +22,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
-    from fulcrum.commands import crd, forecast, plan, replay
+    from fulcrum.commands import crd, forecast, plan, replay, router
 
     parser = argparse.ArgumentParser(
         prog="fulcrum",
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fulcrum {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module in (replay, plan, forecast, crd):
+    for module in (replay, plan, forecast, crd, router):
         module.add_parser(sub)
     return parser
 

@@ -10,8 +10,8 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal
 
 import pytest
 
@@ -93,8 +93,8 @@ class Watcher:
             pass
 
 
-def record(instance_id: str, role: str = "both") -> InstanceRecord:
-    return InstanceRecord(id=instance_id, url=f"http://127.0.0.1:9/{instance_id}", role=role, pool="p", tp=1)  # type: ignore[arg-type]
+def record(instance_id: str, role: Literal["prefill", "decode", "both"] = "both") -> InstanceRecord:
+    return InstanceRecord(id=instance_id, url=f"http://127.0.0.1:9/{instance_id}", role=role, pool="p", tp=1)
 
 
 def test_endpoints_parse_with_scheme_default_port_and_lists() -> None:

@@ -265,9 +265,34 @@ def test_a_failing_handler_is_retried_then_reported(
 
 def test_an_unreachable_nats_is_a_prefill_queue_error() -> None:
     async def scenario() -> None:
-        queue = NatsPrefillQueue(f"nats://127.0.0.1:{free_port()}", **names("nowhere"))
+        queue = NatsPrefillQueue(f"nats://127.0.0.1:{free_port()}", **names("nowhere"), connect_timeout_s=1.0)
         with pytest.raises(PrefillQueueError, match="cannot connect"):
             await queue.submit({"n": 1}, timeout_s=1)
+        await queue.close()
+
+    run(scenario)
+
+
+def test_a_job_longer_than_ack_wait_is_not_redelivered_while_its_worker_lives(nats_server: NatsServer) -> None:
+    handled: list[str] = []
+
+    def slow_handler(worker: str) -> Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]:
+        async def handler(job: dict[str, Any]) -> dict[str, Any]:
+            handled.append(worker)
+            await asyncio.sleep(2.5)  # 2.5 × ack_wait: only the in_progress heartbeats keep the job here
+            return {"by": worker}
+
+        return handler
+
+    async def scenario() -> None:
+        layout = {**names("heartbeat"), "ack_wait_s": 1.0}
+        queue = NatsPrefillQueue(nats_server.url, **layout)
+        workers = [PrefillWorker(nats_server.url, **layout, worker_id=f"w{i}", fetch_timeout_s=0.3) for i in range(2)]
+        tasks = [asyncio.create_task(w.run(slow_handler(w.worker_id))) for w in workers]
+        result = await queue.submit({"n": 1}, timeout_s=10)
+        await asyncio.sleep(0.5)  # a redelivery, had there been one, would be handled by now
+        await stop_workers(workers, tasks)
+        assert handled == [result["by"]]
         await queue.close()
 
     run(scenario)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fulcrum.api import parse_llmserve
-from fulcrum.observation import QUANTILE_LEVELS, Observation
+from fulcrum.observation import QUANTILE_LEVELS, Observation, ReadyCounts
 from fulcrum.scaling.dopd import DopdPlanner
 from fulcrum.scaling.fulcrum import FulcrumPlanner
 from fulcrum.scaling.planner import Planner
@@ -91,7 +91,8 @@ def test_the_reactive_guard_adds_prefill_on_a_ttft_miss_with_a_queue(table_i):
     planner = FulcrumPlanner(SPEC, table_i)
     steady = drive(planner, [obs(60 * (i + 1), 4.0) for i in range(12)])
     before = steady[-1].target
-    miss = obs(13 * 60, 4.0, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=50)
+    ready = ReadyCounts(prefill=before.prefill.replicas, decode=before.decode.replicas)
+    miss = obs(13 * 60, 4.0, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=50, ready=ready)
     after = planner.step(miss, before).target
     assert after.prefill.replicas > before.prefill.replicas
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from fulcrum.observation import Observation
+from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy
 from fulcrum.target import ClusterTarget, PoolSize
 
@@ -70,9 +70,21 @@ def test_the_n_minus_one_check_blocks_a_scale_in_that_would_overload():
 
 def test_the_reactive_guard_scales_out_when_ttft_misses_with_queued_prefills():
     s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
-    bad = obs(60, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=40)
+    bad = obs(60, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=40, ready=ReadyCounts(prefill=4, decode=2))
     out = run([target(4, 2)], target(4, 2), s, [bad])
     assert out == [(5, 2)]
+
+
+def test_the_reactive_guard_waits_while_instances_of_the_pool_are_starting():
+    s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
+    starting = obs(60, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=40, ready=ReadyCounts(prefill=2, decode=2))
+    assert run([target(4, 2)], target(4, 2), s, [starting]) == [(4, 2)]
+
+
+def test_the_reactive_guard_grows_at_most_max_step():
+    s = ScalingSettings(slo_target=0.9, max_step=2)
+    bad = obs(60, ttft_attainment=0.2, slo_attainment=0.2, prefill_queue=400, ready=ReadyCounts(prefill=4, decode=2))
+    assert run([target(30, 2)], target(4, 2), s, [bad]) == [(6, 2)]
 
 
 def test_the_reactive_guard_ignores_too_few_samples_and_nan_attainment():

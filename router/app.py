@@ -1,0 +1,463 @@
+"""The router's HTTP application: OpenAI-compatible endpoints in front of the upstream pool.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``,
+``GET /health`` (liveness: 200 while the process serves), ``GET /ready`` (503 while no instance is available),
+``GET /metrics`` (``fulcrum_router_*``).
+
+One request: validate (400) → count the prompt (``fulcrum.router.tokens``) → context check (400) → the policy's
+:class:`~fulcrum.router.policies.base.RouteDecision` (503 when it finds no instance) → execute it
+(``fulcrum.router.handoff``) → relay. An instance that fails before anything reached the client is left out and
+the request is routed again, up to ``max_retries`` times; then 502 with the engine's message. An engine's 4xx is
+the client's error and is relayed as is.
+
+Client disconnects cancel the upstream calls (their connections are closed, which aborts the work in vLLM):
+while streaming the failed write notices it; before that, the server must run with ``handler_cancellation=True``
+(``fulcrum router`` does; so do the tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from fulcrum.router.config import ConfigWatcher, RouterConfig
+from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
+from fulcrum.router.handoff import disagg_blocker, run_colocated, run_disaggregated, run_split
+from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
+from fulcrum.router.policies.base import NoInstanceError, Policy, RequestInfo, RouteDecision
+from fulcrum.router.registry import Registry, StaticRegistry
+from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
+from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint, parse_request
+from fulcrum.router.sse import DONE, encode_event
+from fulcrum.router.tokens import count_prompt
+from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
+
+__all__ = [
+    "PolicyFactory",
+    "OutputLengthPredictor",
+    "CapPredictor",
+    "RouterState",
+    "ROUTER",
+    "create_app",
+    "default_policy_factory",
+]
+
+log = logging.getLogger(__name__)
+
+PolicyFactory = Callable[[str, Mapping[str, Any]], Policy]
+"""Builds the policy named in the config with its parameters."""
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's (and vLLM's) ``max_tokens`` when a completions request leaves it out."""
+
+
+class OutputLengthPredictor(Protocol):
+    """Predicts a request's output length D (tokens) and learns from finished requests."""
+
+    def predict(self, prompt_tokens: int, max_tokens: int) -> int: ...
+
+    def observe(self, prompt_tokens: int, output_tokens: int) -> None: ...
+
+
+class CapPredictor:
+    """Stand-in predictor until a learnt one is plugged in: the client's cap, at most ``ceiling`` tokens."""
+
+    def __init__(self, ceiling: int = 256) -> None:
+        self.ceiling = ceiling
+
+    def predict(self, prompt_tokens: int, max_tokens: int) -> int:
+        return max(1, min(max_tokens, self.ceiling))
+
+    def observe(self, prompt_tokens: int, output_tokens: int) -> None:
+        return None
+
+
+def default_policy_factory(name: str, params: Mapping[str, Any]) -> Policy:
+    """Fulcrum's policy ``name`` built with ``params`` (``fulcrum.router.policies.registry.make_policy``).
+
+    Raises:
+        ValueError: unknown policy or parameter.
+    """
+    from fulcrum.router.policies.registry import make_policy
+
+    return make_policy(name, params)
+
+
+@dataclass
+class RouterState:
+    """Everything one router process holds (one per application)."""
+
+    config: RouterConfig
+    registry: Registry
+    policy_factory: PolicyFactory
+    policy: Policy
+    metrics: RouterMetrics
+    predictor: OutputLengthPredictor
+    clock: Callable[[], float]
+    config_path: Path | None = None
+    pool: UpstreamPool | None = None
+    watcher: ConfigWatcher | None = None
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    owns_registry: bool = False
+
+    def apply_config(self, new: RouterConfig) -> None:
+        """Switch to a new config: a new policy if its section changed, new static instances, new timeouts.
+
+        A policy that cannot be built keeps the old one (logged)."""
+        if new.policy != self.config.policy:
+            try:
+                self.policy = self.policy_factory(new.policy.name, new.policy.params)
+            except Exception as err:  # noqa: BLE001 - any failure keeps the running policy
+                log.error("cannot build policy %r: %s; keeping %r", new.policy.name, err, self.policy.name)
+                new = new.model_copy(update={"policy": self.config.policy})
+        if self.owns_registry and isinstance(self.registry, StaticRegistry) and new.instances != self.config.instances:
+            self.registry.replace(new.records())
+        self.config = new
+        if self.pool is not None:
+            self.pool.update_config(new)
+
+
+ROUTER: web.AppKey[RouterState] = web.AppKey("fulcrum_router", RouterState)
+
+
+def _json_response(status: int, data: Any) -> web.Response:
+    return web.Response(status=status, body=json.dumps(data).encode(), content_type="application/json")
+
+
+def _error_response(err: RouterHTTPError) -> web.Response:
+    return web.Response(status=err.status, body=err.body_bytes(), content_type="application/json")
+
+
+# ------------------------------------------------------------------------------------------ admission
+async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: float) -> Exchange:
+    assert st.pool is not None
+    raw = await request.read()
+    req, body = parse_request(raw, endpoint)
+    cfg = st.config
+    if isinstance(req, CompletionRequest):
+        req.single_prompt()  # batches and empty prompts are 400s before any work
+    model = req.model
+    if cfg.model is not None:
+        if model is not None and model != cfg.model:
+            raise ModelNotFound(f"the model {model!r} does not exist; this router serves {cfg.model!r}",
+                                param="model", code="model_not_found")
+        model = cfg.model
+    if model is not None:
+        body["model"] = model
+    body.pop("kv_transfer_params", None)
+    prompt = await count_prompt(st.pool, req, body, model, cfg.token_count)
+    cap = req.output_cap() if isinstance(req, ChatCompletionRequest) else (req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+    max_len = cfg.max_model_len or prompt.max_model_len
+    if max_len is not None:
+        if cap is not None and cap > max_len:
+            raise BadRequest(f"max_tokens is {cap}, more than the model's context of {max_len} tokens",
+                             param="max_tokens")
+        if prompt.exact and prompt.count >= max_len:
+            raise BadRequest(f"the prompt is {prompt.count} tokens; the model's context is {max_len} tokens",
+                             param="prompt" if endpoint == "completions" else "messages", code="context_length_exceeded")
+        if prompt.exact and cap is not None and prompt.count + cap > max_len:
+            raise BadRequest(f"this model's maximum context length is {max_len} tokens; the request asks for "
+                             f"{prompt.count + cap} ({prompt.count} in the prompt, {cap} to generate)",
+                             param="max_tokens", code="context_length_exceeded")
+    stream = req.stream is True
+    client_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
+    if stream:
+        so = dict(body.get("stream_options") or {})
+        so["include_usage"] = True
+        body["stream_options"] = so
+    return Exchange(
+        request_id=uuid.uuid4().hex, endpoint=endpoint, req=req, body=body, stream=stream, client_usage=client_usage,
+        prompt=prompt, max_tokens=cap, model=model or "", created=int(time.time()), t0=t0,
+    )
+
+
+# ------------------------------------------------------------------------------------------ routing
+def _route(st: RouterState, info: RequestInfo, exclude: list[str]) -> RouteDecision:
+    assert st.pool is not None
+    views = st.pool.views(exclude)
+    try:
+        decision = st.policy.route(info, views, st.clock())
+    except NoInstanceError:
+        raise
+    except Exception:  # noqa: BLE001 - a policy bug must not take requests down
+        log.exception("policy %s failed; routing %s to the least loaded instance", st.policy.name, info.request_id)
+        return _fallback_decision(st, exclude, "policy-error")
+    ids = set(st.pool.ids())
+    if decision.first not in ids or (decision.second is not None and decision.second not in ids):
+        log.error("policy %s chose an unknown instance (%s, %s)", st.policy.name, decision.first, decision.second)
+        return _fallback_decision(st, exclude, "policy-error")
+    return decision
+
+
+def _fallback_decision(st: RouterState, exclude: list[str], reason: str) -> RouteDecision:
+    assert st.pool is not None
+    ids = st.pool.available_ids(exclude)
+    if not ids:
+        raise NoInstanceError("no available instance")
+    return RouteDecision(kind="colocated", first=ids[0], reason=reason)
+
+
+async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
+    assert st.pool is not None
+    bs = st.config.kv_block_size
+    if d.kind == "colocated" or d.second is None:
+        return await run_colocated(st.pool, ex, d.first, sink)
+    if disagg_blocker(ex) is not None:
+        st.metrics.handoff_guard.labels("not-handed-off").inc()
+        return await run_colocated(st.pool, ex, d.second, sink)
+    if d.kind == "split" and d.handoff_after > 0:
+        return await run_split(st.pool, ex, d.first, d.second, d.handoff_after, sink, st.metrics, bs)
+    if d.kind == "split" and d.split_token < ex.prompt.count:
+        st.metrics.handoff_guard.labels("partial-prefix").inc()
+    return await run_disaggregated(st.pool, ex, d.first, d.second, sink, st.metrics, bs)
+
+
+async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    t0 = st.clock()
+    try:
+        ex = await _admit(st, request, endpoint, t0)
+    except RouterHTTPError as err:
+        st.metrics.responses.labels(endpoint, str(err.status)).inc()
+        return _error_response(err)
+    st.metrics.admitted.labels(endpoint).inc()
+    cap = ex.max_tokens if ex.max_tokens is not None else max(1, (st.config.max_model_len or ex.prompt.max_model_len or 4096) - ex.prompt.count)
+    info = RequestInfo(request_id=ex.request_id, prompt_tokens=ex.prompt.count, max_tokens=cap,
+                       predicted_output_tokens=st.predictor.predict(ex.prompt.count, cap))
+    st.metrics.input_tokens.observe(ex.prompt.count)
+    st.metrics.predicted_output_tokens.observe(info.predicted_output_tokens)
+    sink = ClientSink(request, st.metrics, st.clock, t0)
+    try:
+        resp = await _attempts(st, ex, info, sink)
+    except ClientGone:
+        st.metrics.aborts.inc()
+        st.metrics.responses.labels(endpoint, "499").inc()
+        return sink.response if sink.response is not None else web.Response(status=499)
+    except asyncio.CancelledError:
+        st.metrics.aborts.inc()
+        st.metrics.responses.labels(endpoint, "499").inc()
+        raise
+    return resp
+
+
+async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: ClientSink) -> web.StreamResponse:
+    assert st.pool is not None
+    exclude: list[str] = []
+    last: UpstreamFailure | None = None
+    for attempt in range(st.config.max_retries + 1):
+        try:
+            d = _route(st, info, exclude)
+        except NoInstanceError as err:
+            if last is not None:
+                return _finish_error(st, ex, UpstreamError(last.message))
+            return _finish_error(st, ex, NoHealthyInstance(f"no healthy instance can take the request: {err}"))
+        st.metrics.decision(st.policy.name, d.kind, d.reason, d.phi)
+        st.metrics.routed.labels(d.kind).inc()
+        st.policy.on_start(info, d, st.clock())
+        try:
+            out = await _execute(st, ex, d, sink)
+        except UpstreamFailure as err:
+            last = err
+            if sink.started:
+                await _stream_error(sink, UpstreamError(err.message))
+                _observe_done(st, ex, sink, None, "502")
+                return sink.response  # type: ignore[return-value]
+            exclude.append(err.instance)
+            if attempt < st.config.max_retries:
+                st.metrics.retries.labels("before-stream").inc()
+            continue
+        except RouterHTTPError as err:
+            if sink.started:
+                await _stream_error(sink, err)
+                return sink.response  # type: ignore[return-value]
+            return _finish_error(st, ex, err)
+        finally:
+            st.policy.on_finish(info.request_id, st.clock())
+        return await _finish(st, ex, sink, out)
+    assert last is not None
+    return _finish_error(st, ex, UpstreamError(last.message))
+
+
+async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome) -> web.StreamResponse:
+    if out.status != 200:
+        if sink.started:  # cannot happen: non-200 answers come before any event
+            await _stream_error(sink, UpstreamError(f"upstream answered HTTP {out.status}"))
+            return sink.response  # type: ignore[return-value]
+        st.metrics.responses.labels(ex.endpoint, str(out.status)).inc()
+        return web.Response(status=out.status, body=out.body or b"", content_type="application/json")
+    _observe_done(st, ex, sink, out, "200")
+    if not ex.stream:
+        return web.Response(status=200, body=out.body or b"", content_type="application/json")
+    await sink.send(DONE, tokens=0)
+    await sink.close()
+    return sink.response  # type: ignore[return-value]
+
+
+def _observe_done(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome | None, status: str) -> None:
+    m = st.metrics
+    m.responses.labels(ex.endpoint, status).inc()
+    now = st.clock()
+    m.e2e.observe(now - ex.t0)
+    if out is None:
+        return
+    n = out.completion_tokens
+    m.output_tokens.observe(n)
+    st.predictor.observe(out.prompt_tokens or ex.prompt.count, n)
+    if sink.first_token_at is not None and n > 1:
+        m.tpot.observe((now - sink.first_token_at) / (n - 1))
+
+
+def _finish_error(st: RouterState, ex: Exchange, err: RouterHTTPError) -> web.Response:
+    st.metrics.responses.labels(ex.endpoint, str(err.status)).inc()
+    return _error_response(err)
+
+
+async def _stream_error(sink: ClientSink, err: RouterHTTPError) -> None:
+    """An error after the stream began: an ``error`` event (as vLLM sends), then ``[DONE]``."""
+    with contextlib.suppress(ClientGone):
+        await sink.send(encode_event(error_body(err.message, err.type_, None, err.status)), tokens=0)
+        await sink.send(DONE, tokens=0)
+        await sink.close()
+
+
+# ------------------------------------------------------------------------------------------ handlers
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request.app[ROUTER], request, "completions")
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _serve(request.app[ROUTER], request, "chat")
+
+
+async def _models(request: web.Request) -> web.Response:
+    st = request.app[ROUTER]
+    assert st.pool is not None
+    names = [st.config.model] if st.config.model else sorted({st.pool.state(i).record.model for i in st.pool.ids()} - {""})
+    max_len = st.config.max_model_len or st.pool.learned_max_model_len
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "fulcrum", "max_model_len": max_len} for n in names]
+    return _json_response(200, {"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    st = request.app[ROUTER]
+    assert st.pool is not None
+    avail = len(st.pool.available_ids())
+    return _json_response(200, {"status": "ok", "instances": len(st.pool.ids()), "available": avail})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    st = request.app[ROUTER]
+    assert st.pool is not None
+    avail = len(st.pool.available_ids())
+    if avail == 0:
+        return _json_response(503, error_body("no instance is available", "service_unavailable"))
+    return _json_response(200, {"status": "ready", "available": avail})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    st = request.app[ROUTER]
+    return web.Response(body=st.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+
+# ------------------------------------------------------------------------------------------ lifecycle
+async def _watch_registry(st: RouterState) -> None:
+    assert st.pool is not None
+    async for records in st.registry.watch():
+        st.pool.set_records(records)
+
+
+async def _watch_config(st: RouterState, sleep: Callable[[float], Any]) -> None:
+    assert st.watcher is not None
+    while True:
+        await sleep(st.config.reload_interval_s)
+        if st.watcher.due():
+            st.watcher.poll()
+
+
+def create_app(
+    config: RouterConfig,
+    registry: Registry | None = None,
+    policy_factory: PolicyFactory = default_policy_factory,
+    *,
+    config_path: str | Path | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    predictor: OutputLengthPredictor | None = None,
+    metrics: RouterMetrics | None = None,
+    health_checks: bool = True,
+    session_factory: Callable[[RouterConfig], aiohttp.ClientSession] | None = None,
+) -> web.Application:
+    """The router application.
+
+    Args:
+        config: the router config (``config_path``, when given, is watched and reloaded live).
+        registry: where instances come from; None = a :class:`StaticRegistry` of ``config.instances`` that
+            follows config reloads.
+        policy_factory: builds ``config.policy`` (and the new policy after a reload).
+        clock: monotonic seconds for timing, ejection backoff and reload checks.
+        predictor: the output-length predictor (default :class:`CapPredictor`).
+        metrics: the metrics (default: new ones on their own registry).
+        health_checks: run the periodic ``/health`` probes.
+        session_factory: builds the shared upstream ``ClientSession`` (default: a pooled ``TCPConnector``).
+
+    Raises:
+        ValueError: the configured policy cannot be built.
+    """
+    owns = registry is None
+    reg: Registry = registry if registry is not None else StaticRegistry(config.records())
+    st = RouterState(
+        config=config, registry=reg, policy_factory=policy_factory,
+        policy=policy_factory(config.policy.name, config.policy.params), metrics=metrics or RouterMetrics(),
+        predictor=predictor or CapPredictor(), clock=clock, owns_registry=owns,
+        config_path=Path(config_path) if config_path is not None else None,
+    )
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[ROUTER] = st
+
+    async def startup(app: web.Application) -> None:
+        if session_factory is not None:
+            session = session_factory(st.config)
+        else:
+            connector = aiohttp.TCPConnector(limit=st.config.connection_limit, limit_per_host=0,
+                                             keepalive_timeout=60, enable_cleanup_closed=False)
+            session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
+        st.pool = UpstreamPool(session, st.config, st.metrics, clock)
+        st.pool.set_records(await st.registry.snapshot())
+        st.metrics.attach_pool(lambda: st.pool.views() if st.pool is not None else [])
+        st.tasks.append(asyncio.create_task(_watch_registry(st), name="router-registry"))
+        if health_checks:
+            st.tasks.append(asyncio.create_task(st.pool.health_loop(), name="router-health"))
+        if st.config_path is not None:
+            st.watcher = ConfigWatcher(st.config_path, st.config, st.apply_config, clock)
+            st.tasks.append(asyncio.create_task(_watch_config(st, asyncio.sleep), name="router-config"))
+
+    async def cleanup(app: web.Application) -> None:
+        for t in st.tasks:
+            t.cancel()
+        for t in st.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        st.tasks.clear()
+        if st.pool is not None:
+            await st.pool.session.close()
+        if owns:
+            await st.registry.close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    return app

@@ -1,0 +1,152 @@
+"""BanaServe's load-aware dispatch (BanaServe §4.4.2, Algorithm 2; load of eq. 37).
+
+Per instance p, the normalised load is compute plus memory utilisation (eq. 37)::
+
+    U_p = C_p / C_p^max + M_p / M_p^max        ∈ [0, 2]
+
+taken from ``InstanceView.compute_utilisation`` and ``memory_utilisation`` (0..1 each). When the engine's
+metrics have not arrived (NaN), the router's own accounting stands in: compute ← ``inflight / max_num_seqs``
+(share of the batch slots taken), memory ← ``running_tokens / kv_capacity_tokens`` (or the compute stand-in
+when the capacity is unknown); each clipped to [0, 1].
+
+Algorithm 2 sorts instances by (load, queue length) ascending and dispatches to the first (least loaded); if
+even that one's load is not below the threshold δ_L, it dispatches to the instance with the shortest queue
+instead (line 17: once every instance is saturated, utilisation no longer tells them apart but queueing
+delay does). The queue length is the prompt work waiting on the instance: ``queued_prefill_tokens``, then
+``inflight``. After each assignment the chosen instance's load is raised by EstimateLoad(req) (line 15): here a
+request adds ``1 / max_num_seqs`` of compute and ``(P + D) / kv_capacity_tokens`` of memory (or
+``1 / max_num_seqs`` without a known capacity). The engine's metrics are scraped, so these estimates are kept
+for ``estimate_ttl_s`` (about one scrape interval) and then dropped, by which time the metrics include the
+request.
+
+BanaServe routes to prefill instances (its global KV store makes cache affinity moot). Here the policy
+colocates on a "both"/"decode" instance by default; with ``disaggregate=True`` it picks the prefill instance
+(role "prefill"/"both") and then the decode instance (role "decode"/"both", another one) by the same rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.router.policies.round_robin import (
+    TieBreaker,
+    colocated_candidates,
+    colocated_decision,
+    decode_candidates,
+    prefill_candidates,
+)
+
+__all__ = ["LoadAwarePolicy", "utilisation"]
+
+
+def _clip01(x: float) -> float:
+    return min(max(x, 0.0), 1.0)
+
+
+def utilisation(inst: InstanceView) -> float:
+    """U = compute + memory utilisation of ``inst`` (eq. 37), with the fallbacks of the module doc, in [0, 2]."""
+    c = inst.compute_utilisation
+    fallback = _clip01(inst.inflight / max(inst.max_num_seqs, 1))
+    c = fallback if math.isnan(c) else _clip01(c)
+    m = inst.memory_utilisation
+    if math.isnan(m):
+        m = _clip01(inst.running_tokens / inst.kv_capacity_tokens) if inst.kv_capacity_tokens > 0 else fallback
+    else:
+        m = _clip01(m)
+    return c + m
+
+
+class LoadAwarePolicy:
+    """BanaServe Algorithm 2 (module doc).
+
+    Args:
+        load_threshold: δ_L on U ∈ [0, 2]: at or above it the shortest queue wins instead (default 1.6: both
+            compute and memory at 80%).
+        estimate_ttl_s: how long a dispatched request's EstimateLoad stays added to its instance's load, s
+            (about the engine metrics' scrape interval).
+        disaggregate: choose a prefill and a separate decode instance instead of one colocated instance.
+
+    Raises:
+        ValueError: a negative threshold or TTL.
+    """
+
+    name = "load_aware"
+
+    def __init__(self, *, load_threshold: float = 1.6, estimate_ttl_s: float = 5.0, disaggregate: bool = False) -> None:
+        if not (load_threshold >= 0.0) or not (estimate_ttl_s >= 0.0):
+            raise ValueError("load_threshold and estimate_ttl_s must be >= 0")
+        self.load_threshold = float(load_threshold)
+        self.estimate_ttl_s = float(estimate_ttl_s)
+        self.disaggregate = bool(disaggregate)
+        self._pending: dict[str, deque[tuple[float, float]]] = {}  # id -> (expires at, added load)
+        self._ties = TieBreaker()
+
+    def _pending_load(self, inst_id: str, now: float) -> float:
+        q = self._pending.get(inst_id)
+        if not q:
+            return 0.0
+        while q and q[0][0] <= now:
+            q.popleft()
+        return sum(x for _, x in q)
+
+    @staticmethod
+    def estimate_load(req: RequestInfo, inst: InstanceView) -> float:
+        """EstimateLoad(req) of Alg. 2 line 15 on ``inst`` (module doc), in units of U."""
+        c = 1.0 / max(inst.max_num_seqs, 1)
+        if inst.kv_capacity_tokens > 0:
+            m = (req.prompt_tokens + max(req.predicted_output_tokens, 1)) / inst.kv_capacity_tokens
+        else:
+            m = c
+        return c + m
+
+    def load(self, inst: InstanceView, now: float) -> float:
+        """Eq. 37 load of ``inst`` plus the estimates of requests dispatched to it in the last ``estimate_ttl_s``."""
+        return utilisation(inst) + self._pending_load(inst.id, now)
+
+    def _select(self, req: RequestInfo, cands: Sequence[InstanceView], now: float) -> tuple[InstanceView, str]:
+        loads = {i.id: self.load(i, now) for i in cands}
+        target = self._ties.pick(cands, lambda i: (loads[i.id], i.queued_prefill_tokens, i.inflight))
+        if loads[target.id] < self.load_threshold:
+            self._pending.setdefault(target.id, deque()).append((now + self.estimate_ttl_s, self.estimate_load(req, target)))
+            return target, f"least-loaded U={loads[target.id]:.2f}"
+        target = self._ties.pick(cands, lambda i: (i.queued_prefill_tokens, i.inflight, loads[i.id]))
+        return target, f"lowest-queue U={loads[target.id]:.2f} >= {self.load_threshold:g}"
+
+    def route(self, req: RequestInfo, instances: Sequence[InstanceView], now: float) -> RouteDecision:
+        """Route one request by Alg. 2 (module doc).
+
+        Raises:
+            NoInstanceError: no available instance may take it.
+        """
+        if not self.disaggregate:
+            cands = colocated_candidates(instances)
+            if not cands:
+                raise NoInstanceError("load_aware: no available instance with role 'both' or 'decode'")
+            inst, why = self._select(req, cands, now)
+            return colocated_decision(req, inst, why)
+        prefillers = prefill_candidates(instances)
+        decoders = decode_candidates(instances)
+        if not decoders:
+            raise NoInstanceError("load_aware: no available instance with role 'decode' or 'both'")
+        if not prefillers:
+            inst, why = self._select(req, decoders, now)
+            return colocated_decision(req, inst, why)
+        a, why = self._select(req, prefillers, now)
+        others = [i for i in decoders if i.id != a.id]
+        if not others:
+            return colocated_decision(req, a, why)
+        b, why_b = self._select(req, others, now)
+        p, d = req.prompt_tokens, max(req.predicted_output_tokens, 1)
+        return RouteDecision(
+            kind="disaggregated", first=a.id, second=b.id, split_token=p, phi=p / (p + d),
+            reason=f"{why}; decode {why_b}",
+        )
+
+    def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None:
+        return None
+
+    def on_finish(self, request_id: str, now: float) -> None:
+        return None

@@ -1,0 +1,295 @@
+"""Relaying one upstream answer to the client: the client's stream, the exchange being served, the relay loop.
+
+The client's SSE response is opened only when the first event is ready, so until then a failed instance can
+be retried elsewhere and an error can still be answered with its own status (502, 503, the engine's 4xx).
+Events are relayed whole (never half an event), untouched unless the caller transforms them (handoffs rewrite
+ids and usage). The router always asks the engine for ``stream_options.include_usage`` (it needs the true
+output length) and drops the usage chunk when the client did not ask for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from fulcrum.router.metrics import RouterMetrics
+from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint
+from fulcrum.router.sse import EventSplitter, event_payload, is_usage_only
+from fulcrum.router.tokens import PromptTokens
+from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
+
+__all__ = ["ClientGone", "ClientSink", "Exchange", "Outcome", "relay", "Transform", "count_event_tokens",
+           "error_outcome_message"]
+
+Transform = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+
+
+class ClientGone(Exception):
+    """The client closed its connection; upstream work must stop."""
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request being served.
+
+    Attributes:
+        request_id: the router's id.
+        endpoint: "completions" or "chat".
+        req: the validated request.
+        body: what is forwarded (unknown fields kept; ``model`` filled; usage forced on for streams).
+        stream: whether the client asked for a stream.
+        client_usage: whether the client asked for the usage chunk.
+        prompt: the prompt's size (and ids where known).
+        max_tokens: the client's cap on generated tokens (None = up to the context).
+        model: the model name answers carry.
+        created: Unix seconds for rewritten answers (from the request's arrival).
+        t0: arrival on the router's monotonic clock, seconds.
+    """
+
+    request_id: str
+    endpoint: Endpoint
+    req: CompletionRequest | ChatCompletionRequest
+    body: dict[str, Any]
+    stream: bool
+    client_usage: bool
+    prompt: PromptTokens
+    max_tokens: int | None
+    model: str
+    created: int
+    t0: float
+
+    @property
+    def path(self) -> str:
+        """The upstream path of the client's endpoint."""
+        return "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How an upstream call ended.
+
+    Attributes:
+        status: HTTP status to answer (200, or the engine's 4xx relayed).
+        body: the whole answer for non-streamed requests and errors (None when it was streamed).
+        completion_tokens: tokens generated, from the engine's usage where it gave one.
+        prompt_tokens: the engine's count of prompt tokens, or None.
+        data: the parsed non-streamed answer, when it was parsed.
+    """
+
+    status: int
+    body: bytes | None
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    data: dict[str, Any] | None = field(default=None)
+
+
+class ClientSink:
+    """The client's streamed answer: opened at the first event, timed (TTFT, ITL) as events leave.
+
+    Args:
+        request: the client's request.
+        metrics: TTFT and ITL are observed here.
+        clock: monotonic seconds; ``t0`` is the request's arrival on it.
+    """
+
+    __slots__ = ("request", "metrics", "clock", "t0", "response", "first_token_at", "last_token_at", "tokens",
+                 "watch_next", "next_token_at")
+
+    def __init__(self, request: web.Request, metrics: RouterMetrics, clock: Callable[[], float], t0: float) -> None:
+        self.request = request
+        self.metrics = metrics
+        self.clock = clock
+        self.t0 = t0
+        self.response: web.StreamResponse | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.tokens = 0
+        self.watch_next = False
+        """When True, the next token's send time is kept in ``next_token_at`` (handoff latency)."""
+        self.next_token_at: float | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether anything was sent to the client (then no retry and no error status are possible)."""
+        return self.response is not None
+
+    async def send(self, event: bytes, tokens: int = 1) -> None:
+        """Write one whole event; ``tokens`` it carries (0 for usage/DONE).
+
+        Raises:
+            ClientGone: the client closed the connection.
+        """
+        try:
+            if self.response is None:
+                resp = web.StreamResponse(status=200, headers={
+                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                await resp.prepare(self.request)
+                self.response = resp
+            await self.response.write(event)
+        except (ConnectionError, RuntimeError) as err:  # reset by peer / writing after the transport closed
+            raise ClientGone(str(err)) from err
+        if tokens > 0:
+            now = self.clock()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.metrics.ttft.observe(now - self.t0)
+            elif self.last_token_at is not None:
+                self.metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
+            self.tokens += tokens
+            if self.watch_next:
+                self.next_token_at = now
+                self.watch_next = False
+
+    async def close(self) -> None:
+        """Finish the stream."""
+        if self.response is not None:
+            try:
+                await self.response.write_eof()
+            except (ConnectionError, RuntimeError) as err:
+                raise ClientGone(str(err)) from err
+
+
+def count_event_tokens(obj: dict[str, Any]) -> int:
+    """Tokens one streamed chunk carries: its ``token_ids`` when present, else 1 per choice with output."""
+    n = 0
+    for ch in obj.get("choices") or ():
+        if not isinstance(ch, dict):
+            continue
+        ids = ch.get("token_ids")
+        if isinstance(ids, list):
+            n += len(ids)
+        elif ch.get("text") or (isinstance(ch.get("delta"), dict) and (ch["delta"].get("content") or ch["delta"].get("tool_calls"))):
+            n += 1
+    return n
+
+
+def _parse_json(raw: bytes, iid: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError as err:
+        raise UpstreamFailure(iid, "broken", f"{iid} answered with a body that is not JSON") from err
+    if not isinstance(data, dict):
+        raise UpstreamFailure(iid, "broken", f"{iid} answered with JSON that is not an object")
+    return data
+
+
+async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, Any], ticket: Ticket,
+                       transform: Transform | None) -> Outcome:
+    async with pool.open(iid, path, body, stream=False) as resp:
+        raw = await resp.read()
+        status = resp.status
+    if status != 200:
+        return Outcome(status, raw)
+    try:
+        data = _parse_json(raw, iid)
+    except UpstreamFailure as err:
+        pool.record_failure(iid, err.cause)
+        raise
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    ct = int(usage.get("completion_tokens") or 0)
+    pt = usage.get("prompt_tokens")
+    ticket.add_tokens(ct)
+    if transform is not None:
+        data = transform(data) or data
+        raw = json.dumps(data).encode()
+    return Outcome(200, raw, ct, int(pt) if isinstance(pt, int) else None, data)
+
+
+async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dict[str, Any], sink: ClientSink,
+                ticket: Ticket, transform: Transform | None = None) -> Outcome:
+    """Send ``body`` to ``iid`` and pass its answer on: whole (returned) or streamed (written to ``sink``).
+
+    ``transform`` rewrites each parsed chunk (or the whole answer); returning None drops a chunk. Without it,
+    streamed events are relayed byte for byte and only the usage chunk is parsed. The final ``[DONE]`` is
+    left to the caller.
+
+    Raises:
+        UpstreamFailure: the call failed (recorded against the instance); ``sink.started`` tells whether a retry
+            is still possible.
+        ClientGone: the client went away (the upstream connection is closed on the way out).
+    """
+    if body.get("stream") is not True:
+        return await _relay_whole(pool, iid, path, body, ticket, transform)
+    loop = asyncio.get_running_loop()
+    state = _StreamState()
+    # the first-token deadline covers the wait for the answer's headers too; once an event has been relayed,
+    # the idle limit between events (the session's sock_read) takes over
+    first_deadline = asyncio.timeout_at(loop.time() + pool.config.timeouts.first_token_s)
+    try:
+        async with first_deadline:
+            early = await _relay_events(pool, ex, iid, path, body, sink, ticket, transform, state, first_deadline)
+    except TimeoutError as err:
+        if not first_deadline.expired():
+            raise
+        pool.record_failure(iid, "timeout")
+        raise UpstreamFailure(iid, "timeout", f"{iid} sent no token within {pool.config.timeouts.first_token_s:g} s") from err
+    if early is not None:
+        return early
+    usage = state.usage
+    ct = int(usage["completion_tokens"]) if usage and isinstance(usage.get("completion_tokens"), int) else state.counted
+    pt = usage.get("prompt_tokens") if usage else None
+    return Outcome(200, None, ct, pt if isinstance(pt, int) else None)
+
+
+@dataclass(slots=True)
+class _StreamState:
+    usage: dict[str, Any] | None = None
+    counted: int = 0
+
+
+async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dict[str, Any], sink: ClientSink,
+                        ticket: Ticket, transform: Transform | None, state: _StreamState,
+                        first_deadline: asyncio.Timeout) -> Outcome | None:
+    """The streaming relay loop; returns an outcome only for a non-200 answer."""
+    done = False
+    async with pool.open(iid, path, body, stream=True) as resp:
+        if resp.status != 200:
+            return Outcome(resp.status, await resp.read())
+        splitter = EventSplitter()
+        async for chunk in resp.content.iter_any():
+            for ev in splitter.feed(chunk):
+                payload = event_payload(ev)
+                if payload is None:
+                    continue
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                n = 1
+                if transform is not None or b'"usage":{' in payload or b'"usage": {' in payload or b'"error"' in payload:
+                    obj = _parse_json(payload, iid)
+                    if is_usage_only(obj):
+                        state.usage = obj["usage"]
+                        if not ex.client_usage:
+                            continue
+                        n = 0
+                    elif "error" in obj and not obj.get("choices"):
+                        err = obj["error"]
+                        msg = err.get("message") if isinstance(err, dict) else str(err)
+                        raise UpstreamFailure(iid, "status", str(msg)[:500] or "engine error in stream", 500)
+                    else:
+                        n = count_event_tokens(obj)
+                    if transform is not None:
+                        out = transform(obj)
+                        if out is None:
+                            continue
+                        ev = b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+                if n:
+                    ticket.add_tokens(n)
+                    state.counted += n
+                if first_deadline.when() is not None:
+                    first_deadline.reschedule(None)
+                await sink.send(ev, tokens=n)
+        if not done:
+            raise UpstreamFailure(iid, "broken", f"{iid} ended the stream before [DONE]")
+    return None
+
+
+def error_outcome_message(out: Outcome) -> str:
+    """The engine's message in a non-200 outcome."""
+    return upstream_message(out.body or b"", out.status)

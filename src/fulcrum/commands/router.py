@@ -1,0 +1,58 @@
+"""``fulcrum router``: the OpenAI-compatible router in front of the worker instances.
+
+The config file (YAML, see ``fulcrum.router.config``) names the served model, the routing policy and its
+parameters, where instances come from (``registry: static`` with ``instances:``, or ``registry: etcd``), and the
+timeouts. The file is watched: a changed policy, instance list or timeout applies without a restart (a
+Kubernetes ConfigMap mount); an invalid change is logged and the last good config kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("router", help="run the OpenAI-compatible router", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="router config YAML (reloaded when it changes)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from fulcrum.router.app import create_app
+    from fulcrum.router.config import load_config
+    from fulcrum.router.registry import Registry
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config)
+    registry: Registry | None = None
+    if config.registry == "etcd":
+        from fulcrum.router.registry_etcd import EtcdRegistry
+
+        if not config.etcd.llmserve:
+            raise ValueError("router config: registry etcd needs etcd.llmserve")
+        registry = EtcdRegistry(config.etcd.endpoint, config.etcd.namespace, config.etcd.llmserve)
+    elif config.registry == "kubernetes":
+        raise ValueError("router config: registry 'kubernetes' is not implemented yet; use 'static' or 'etcd'")
+    app = create_app(config, registry, config_path=args.config)
+    if registry is not None:
+        owned = registry
+
+        async def close_registry(app: web.Application) -> None:
+            await owned.close()
+
+        app.on_cleanup.append(close_registry)
+    # handler_cancellation: a client that goes away cancels its handler, which closes the upstream connections
+    # and so aborts the engines' work (aiohttp >= 3.9 leaves it off by default)
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+                print=lambda msg: logging.getLogger("fulcrum.router").info("%s", msg))
+    return 0

@@ -1,0 +1,1 @@
+"""Fakes for tests and benchmarks. Everything here is a stand-in, named as one: never a real engine."""

@@ -1,0 +1,136 @@
+"""The router config: validation, live reload on file change (injected clock), and what a reload changes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("pytest_asyncio")
+
+from fakes.fake_policy import FakePolicy  # noqa: E402
+from fulcrum.cli import build_parser  # noqa: E402
+from fulcrum.router.config import ConfigWatcher, RouterConfigError, load_config, parse_config  # noqa: E402
+
+GOOD = """
+model: m
+max_model_len: 2048
+policy: {name: round_robin}
+instances:
+  - {id: a, url: "http://127.0.0.1:9001/"}
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def write(path, text, bump):
+    path.write_text(text)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + bump * 1_000_000_000))
+
+
+def test_a_config_file_is_read_and_validated(tmp_path):
+    p = tmp_path / "router.yaml"
+    p.write_text(GOOD)
+    cfg = load_config(p)
+    assert cfg.model == "m" and cfg.max_model_len == 2048 and cfg.kv_block_size == 16
+    assert cfg.records()[0].url == "http://127.0.0.1:9001"  # trailing slash dropped
+    assert cfg.timeouts.first_token_s == 60.0
+
+
+@pytest.mark.parametrize("text,field", [
+    ("policy: {name: x, params: 3}", "policy.params"),
+    ("max_model_len: -5", "max_model_len"),
+    ("token_count: guess", "token_count"),
+    ("instances: [{id: a}]", "instances.0.url"),
+    ("timeouts: {connect_s: 0}", "timeouts.connect_s"),
+    ("unknown_key: 1", "unknown_key"),
+    ("- a list", "mapping"),
+])
+def test_invalid_configs_are_refused_naming_the_field(tmp_path, text, field):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(RouterConfigError, match=field.replace(".", r"\.")):
+        load_config(p)
+
+
+def test_missing_or_unparsable_files_are_config_errors(tmp_path):
+    with pytest.raises(RouterConfigError):
+        load_config(tmp_path / "absent.yaml")
+    (tmp_path / "x.yaml").write_text("a: [")
+    with pytest.raises(RouterConfigError, match="YAML"):
+        load_config(tmp_path / "x.yaml")
+
+
+def test_the_watcher_reloads_on_change_and_keeps_the_last_good_config(tmp_path):
+    p = tmp_path / "router.yaml"
+    p.write_text(GOOD)
+    clock = Clock()
+    applied = []
+    w = ConfigWatcher(p, load_config(p), applied.append, clock)
+    assert not w.poll()  # unchanged
+    assert not w.due()
+    clock.t += 2.0
+    assert w.due()
+    write(p, GOOD.replace("max_model_len: 2048", "max_model_len: 4096"), 1)
+    assert w.poll() and applied[-1].max_model_len == 4096
+    write(p, "max_model_len: [broken", 2)
+    assert not w.poll()
+    assert w.current.max_model_len == 4096 and "YAML" in (w.last_error or "")
+    write(p, GOOD.replace("policy: {name: round_robin}", "policy: {name: least_loaded}"), 3)
+    assert w.poll() and applied[-1].policy.name == "least_loaded" and w.last_error is None
+    assert len(applied) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_reload_switches_policy_instances_and_timeouts_live(router_harness, tmp_path):
+    built = []
+
+    def factory(name, params):
+        built.append((name, dict(params)))
+        return FakePolicy(**params)
+
+    h = await router_harness(n=2)
+    st = h.state
+    st.policy_factory = factory
+    new = parse_config({**h.config, "policy": {"name": "fake", "params": {"kind": "disaggregated"}},
+                        "instances": h.config["instances"][:1], "timeouts": {"connect_s": 0.5}})
+    st.owns_registry = True
+    st.apply_config(new)
+    assert built == [("fake", {"kind": "disaggregated"})] and st.policy.kind == "disaggregated"
+    assert st.pool.config.timeouts.connect_s == 0.5
+    # the static registry's watcher hands the new instance list to the pool
+    for _ in range(50):
+        if st.pool.ids() == ["e0"]:
+            break
+        await asyncio.sleep(0.01)
+    assert st.pool.ids() == ["e0"]
+    r = await h.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    assert r.status == 200
+
+
+@pytest.mark.asyncio
+async def test_a_policy_that_cannot_be_built_keeps_the_running_one(router_harness):
+    h = await router_harness()
+    st = h.state
+    old = st.policy
+
+    def factory(name, params):
+        raise ValueError("unknown routing policy 'nope'")
+
+    st.policy_factory = factory
+    st.apply_config(parse_config({**h.config, "policy": {"name": "nope"}}))
+    assert st.policy is old and st.config.policy.name == "round_robin"
+
+
+def test_the_cli_has_a_router_command():
+    args = build_parser().parse_args(["router", "--config", "r.yaml", "--port", "9000"])
+    assert args.command == "router" and args.port == 9000 and args.host == "0.0.0.0"

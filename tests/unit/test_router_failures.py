@@ -1,0 +1,181 @@
+"""Failures on FAKE engines: ejection and retry, slow and dead instances, client disconnects abort upstream work."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("pytest_asyncio")
+
+from fakes.fake_engine import FakeEngineSettings  # noqa: E402
+from fakes.fake_policy import FakePolicy  # noqa: E402
+from fakes.sse_client import parse_stream  # noqa: E402
+
+pytestmark = pytest.mark.asyncio
+
+BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 4}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def until(cond, timeout=3.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def ejections(h, iid, cause):
+    line = f'fulcrum_router_ejections_total{{cause="{cause}",instance="{iid}"}}'
+    for row in h.state.metrics.exposition().decode().splitlines():
+        if row.startswith(line):
+            return float(row.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_a_refusing_instance_is_ejected_and_the_request_retried_elsewhere(router_harness):
+    h = await router_harness()
+    await h.engine("e0").stop()
+    for _ in range(6):
+        r = await h.client.post("/v1/completions", json=BODY)
+        assert r.status == 200
+    assert ejections(h, "e0", "connect") == 1.0
+    assert h.engine("e1").finished == 6
+    # after the ejection the policy sees e0 unhealthy and stops choosing it
+    assert not [v for v in h.policy.seen[-1] if v.id == "e0"][0].healthy
+
+
+async def test_consecutive_5xx_eject_after_the_configured_count_and_each_is_retried(router_harness):
+    h = await router_harness(config={"eject_after_failures": 2})
+    h.engine("e0").mode = "error500"
+    statuses = [(await h.client.post("/v1/completions", json=BODY)).status for _ in range(6)]
+    assert statuses == [200] * 6
+    assert ejections(h, "e0", "status") == 1.0
+
+
+async def test_a_hung_instance_times_out_is_ejected_and_its_work_aborted(router_harness):
+    h = await router_harness(config={"timeouts": {"first_token_s": 0.3, "request_s": 0.3, "connect_s": 1}})
+    h.engine("e0").mode = "hang"
+    for stream in (True, False):
+        h.policy._turn = iter(range(0, 100, 2))  # both requests start on e0
+        r = await h.client.post("/v1/completions", json=dict(BODY, stream=stream))
+        assert r.status == 200
+        if stream:
+            _, _, _, done = parse_stream(await r.read())
+            assert done
+        h.state.pool.state("e0").ejected_until = 0.0  # let the second request try e0 again
+    assert ejections(h, "e0", "timeout") == 2.0
+    await until(lambda: h.engine("e0").aborted == 2 and not h.engine("e0").active)
+
+
+async def test_an_instance_dying_mid_stream_ends_the_stream_with_an_error_and_the_router_lives_on(router_harness):
+    h = await router_harness(n=2, policy=FakePolicy("colocated"))
+    h.engine("e0").mode = "die_mid_stream"
+    h.engine("e0").die_after_tokens = 3
+    r = await h.client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 10, "stream": True})
+    assert r.status == 200
+    raw = await r.read()
+    text, _, chunks, done = parse_stream(raw)
+    assert done and len(text) == 3
+    assert chunks[-1]["error"]["type"] == "upstream_error"
+    assert ejections(h, "e0", "broken") == 1.0
+    # the next requests are served by the surviving instance
+    for _ in range(3):
+        assert (await h.client.post("/v1/completions", json=BODY)).status == 200
+    assert h.router_inflight() == 0
+
+
+async def test_a_dead_worker_does_not_take_the_router_down(router_harness):
+    h = await router_harness(n=3)
+    await h.engine("e1").stop()
+    h.engine("e2").mode = "die_mid_stream"
+    results = await asyncio.gather(*(h.client.post("/v1/completions", json=BODY) for _ in range(30)))
+    assert all(r.status in (200, 502) for r in results)
+    assert sum(r.status == 200 for r in results) >= 20
+    assert (await h.client.get("/health")).status == 200
+    assert h.router_inflight() == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_disconnect_aborts_the_upstream_request(router_harness, stream):
+    h = await router_harness(n=1, settings=FakeEngineSettings(token_delay_s=0.02))
+    eng = h.engine("e0")
+    url = str(h.client.make_url("/v1/completions"))
+    async with aiohttp.ClientSession() as s:
+        if stream:
+            async with s.post(url, json={"prompt": [1, 2], "max_tokens": 500, "stream": True}) as r:
+                await r.content.readline()  # the first event arrived: the engine is generating
+        else:
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post(url, json={"prompt": [1, 2], "max_tokens": 500},
+                                  timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                    await r.read()
+    await until(lambda: eng.aborted == 1 and not eng.active and h.router_inflight() == 0)
+    assert eng.finished == 0
+    assert h.router_tokens() == (0, 0)
+    assert b"fulcrum_router_client_aborts_total 1.0" in h.state.metrics.exposition()
+
+
+async def test_a_client_disconnect_during_a_split_aborts_engine_a(router_harness):
+    h = await router_harness(policy=FakePolicy("split", 50, pair=("e0", "e1")),
+                             settings=FakeEngineSettings(token_delay_s=0.02))
+    url = str(h.client.make_url("/v1/completions"))
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.post(url, json={"prompt": [1, 2], "max_tokens": 200, "stream": True},
+                              timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                await r.read()
+    await until(lambda: h.engine("e0").aborted == 1 and h.engines_active() == 0 and h.router_inflight() == 0)
+    assert h.engine("e1").started == 0
+
+
+async def test_ejection_backs_off_exponentially_and_a_passing_probe_readmits(router_harness):
+    clock = Clock()
+    h = await router_harness(clock=clock, config={"eject_base_s": 1.0, "eject_max_s": 3.0})
+    pool = h.state.pool
+    pool.eject("e0", "test")
+    assert pool.state("e0").ejected_until == clock.t + 1.0
+    clock.t += 1.0
+    pool.eject("e0", "test")
+    assert pool.state("e0").ejected_until == clock.t + 2.0
+    clock.t += 2.0
+    pool.eject("e0", "test")
+    assert pool.state("e0").ejected_until == clock.t + 3.0  # capped
+    assert "e0" not in pool.available_ids()
+    h.engine("e0").healthy = False
+    clock.t += 3.0
+    assert not await pool.probe("e0")  # still failing its health check: stays out
+    assert "e0" not in pool.available_ids()
+    h.engine("e0").healthy = True
+    clock.t += 10.0
+    assert await pool.probe("e0")
+    assert "e0" in pool.available_ids()
+    assert pool.state("e0").compute_utilisation == 0.0  # scraped from the fake's /metrics
+
+
+async def test_the_policy_is_told_when_each_request_starts_and_finishes(router_harness):
+    h = await router_harness()
+    for _ in range(3):
+        await h.client.post("/v1/completions", json=BODY)
+    assert len(h.policy.started) == 3
+    assert [rid for rid, _ in h.policy.started] == h.policy.finished
+
+
+async def test_a_policy_that_raises_does_not_fail_the_request(router_harness):
+    class Broken(FakePolicy):
+        def route(self, req, instances, now):
+            raise RuntimeError("bug in a policy")
+
+    h = await router_harness(policy=Broken())
+    r = await h.client.post("/v1/completions", json=BODY)
+    assert r.status == 200
+    assert b'reason="policy-error"' in h.state.metrics.exposition()

@@ -1,0 +1,146 @@
+"""The handoff protocol end to end on FAKE engines: colocated, disaggregated and split runs give the same tokens.
+
+The fake engines (tests/fakes/fake_engine.py) generate a pure function of the token sequence, keep KV per
+transfer, and crash like vLLM's decode engine when a prompt's blocks were not all transferred; so identical text,
+no crash and no KV mismatch mean the handoff moved the right tokens with the right KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("pytest_asyncio")
+
+from fakes.fake_engine import FakeEngineSettings, fake_next_token  # noqa: E402
+from fakes.fake_policy import FakePolicy  # noqa: E402
+from fakes.sse_client import answer_text, parse_stream  # noqa: E402
+
+pytestmark = pytest.mark.asyncio
+
+BS = 16
+P = 30  # P + k - 1 is a multiple of 16 at k = 3 and k = 19
+PROMPT = [(7 * i + 3) % 200 + 32 for i in range(P)]
+KS = [1, 2, 3, 4, 17, 19, 20]
+
+
+def expected_tokens(prompt: list[int], n: int) -> str:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(fake_next_token(seq))
+    return bytes(seq[len(prompt):]).decode()
+
+
+async def run(harness, kind, k, body, stream):
+    h = await harness(policy=FakePolicy(kind, k, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS))
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    req = dict(body, stream=stream)
+    if stream:
+        req["stream_options"] = {"include_usage": True}
+    r = await h.client.post(path, json=req)
+    assert r.status == 200, await r.text()
+    if stream:
+        text, usage, chunks, done_once = parse_stream(await r.read())
+        assert done_once
+    else:
+        data = await r.json()
+        text, usage = answer_text(data), data["usage"]
+    return h, text, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("k", KS)
+async def test_a_split_after_k_tokens_gives_the_colocated_tokens_and_usage(router_harness, k, stream):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    h, text, usage = await run(router_harness, "split", k, body, stream)
+    assert text == expected_tokens(PROMPT, 24)
+    assert usage == {"prompt_tokens": P, "completion_tokens": 24, "total_tokens": P + 24}
+    a, b = h.engine("e0"), h.engine("e1")
+    assert not a.crashed and not b.crashed
+    assert b.kv_loads == 1 and b.kv_mismatches == 0
+    handed = len(b.requests[0]["prompt"]) - P
+    boundary = (P + k - 1) % BS == 0
+    # the guard hands off one token less exactly at the block boundary; A ran k' + 1 tokens
+    assert handed == (k - 1 if boundary else k)
+    assert a.requests[0]["max_tokens"] == handed + 1
+    assert b.requests[0]["max_tokens"] == 24 - handed
+    assert h.router_inflight() == 0 and h.router_tokens() == (0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disaggregated_runs_give_the_colocated_tokens_on_transferred_kv(router_harness, stream):
+    body = {"prompt": "the quick brown fox jumps", "max_tokens": 12}
+    h0, colocated, _ = await run(router_harness, "colocated", 0, body, stream)
+    h, text, usage = await run(router_harness, "disaggregated", 0, body, stream)
+    assert text == colocated
+    assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == len("the quick brown fox jumps")
+    a, b = h.engine("e0"), h.engine("e1")
+    assert a.requests[0]["max_tokens"] == 1 and a.requests[0]["stream"] is False
+    assert a.requests[0]["kv_transfer_params"]["do_remote_decode"] is True
+    assert b.requests[0]["kv_transfer_params"]["remote_engine_id"] == "e0"
+    assert b.kv_loads == 1 and b.kv_mismatches == 0 and not b.crashed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("k", [0, 2, 5])
+async def test_chat_requests_split_or_disaggregated_match_the_colocated_answer(router_harness, k, stream):
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+            "max_tokens": 9}
+    _, colocated, cu = await run(router_harness, "colocated", 0, body, stream)
+    h, text, usage = await run(router_harness, "split" if k else "disaggregated", k, body, stream)
+    assert text == colocated
+    assert usage == cu
+    assert h.engine("e1").kv_mismatches == 0 and not h.engine("e1").crashed
+
+
+@pytest.mark.parametrize("p_len,k", [(16, 1), (17, 16), (31, 2), (32, 1)])
+async def test_the_fake_decode_engine_dies_on_an_unguarded_handoff_at_a_block_boundary(router_harness, p_len, k):
+    # the negative control: what the guard prevents. Driving the fake engines directly, without the router,
+    # B gets all k tokens when (P + k - 1) % 16 == 0 and crashes as vLLM's decode engine does.
+    assert (p_len + k - 1) % BS == 0
+    h = await router_harness(settings=FakeEngineSettings(block_size=BS))
+    prompt = PROMPT[:p_len] if p_len <= P else (PROMPT * 2)[:p_len]
+    a_url, b_url = h.engine("e0").url, h.engine("e1").url
+    session = h.client.session
+    async with session.post(a_url + "/v1/completions", json={
+            "prompt": prompt, "max_tokens": k + 1, "return_token_ids": True,
+            "kv_transfer_params": {"do_remote_decode": True}}) as r:
+        a = await r.json()
+    gen = a["choices"][0]["token_ids"]
+    with pytest.raises(aiohttp.ClientError):
+        async with session.post(b_url + "/v1/completions", json={
+                "prompt": prompt + gen[:k], "max_tokens": 4, "kv_transfer_params": a["kv_transfer_params"]}) as r:
+            await r.read()
+    assert h.engine("e1").crashed
+
+
+async def test_through_the_router_the_same_boundary_requests_never_kill_the_decode_engine(router_harness):
+    h = await router_harness(policy=FakePolicy("split", 1, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS))
+    for p_len, k in [(16, 1), (17, 16), (31, 2), (32, 1), (48, 1)]:
+        h.policy.k = k
+        prompt = (PROMPT * 2)[:p_len]
+        r = await h.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20})
+        assert r.status == 200
+        assert answer_text(await r.json()) == expected_tokens(prompt, 20)
+    assert not h.engine("e1").crashed and h.engine("e1").kv_mismatches == 0
+    assert b'fulcrum_router_handoff_guard_total{action="adjusted"} 5.0' in h.state.metrics.exposition()
+
+
+async def test_a_split_whose_a_part_stops_early_returns_a_whole_answer_without_b(router_harness):
+    # EOS at the first generated token: A's answer is the whole answer, B is never called
+    first = fake_next_token(list(PROMPT))
+    h = await router_harness(policy=FakePolicy("split", 5, pair=("e0", "e1")),
+                             settings=FakeEngineSettings(block_size=BS, eos_token_id=first))
+    r = await h.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 20})
+    data = await r.json()
+    assert r.status == 200 and data["choices"][0]["finish_reason"] == "stop"
+    assert data["usage"]["completion_tokens"] == 1
+    assert h.engine("e1").requests == []
+
+
+async def test_requests_with_stop_strings_are_handed_off_at_the_prompt_not_split(router_harness):
+    h = await router_harness(policy=FakePolicy("split", 4, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS))
+    r = await h.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "stop": ["zzz"]})
+    assert r.status == 200
+    assert h.engine("e0").requests[0]["max_tokens"] == 1  # disaggregated, not split
+    assert answer_text(await r.json()) == expected_tokens(PROMPT, 10)
