@@ -22,16 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Literal, TypeVar
 
-__all__ = ["HasPromptTokens", "PrefillBatch", "PrefillBatcher"]
-
-
-class HasPromptTokens(Protocol):
-    """Anything with a prompt length (e.g. :class:`fulcrum.router.policies.base.RequestInfo`)."""
-
-    @property
-    def prompt_tokens(self) -> int: ...
+__all__ = ["PrefillBatch", "PrefillBatcher"]
 
 
 T = TypeVar("T")

@@ -149,7 +149,9 @@ class DisaggregatedPolicy:
         )
 
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None:
+        """Stateless: nothing to record."""
         return None
 
     def on_finish(self, request_id: str, now: float) -> None:
+        """Stateless: nothing to forget."""
         return None

@@ -38,6 +38,7 @@ class LeastLoadedPolicy:
         self._ties = TieBreaker()
 
     def route(self, req: RequestInfo, instances: Sequence[InstanceView], now: float) -> RouteDecision:
+        """The least-loaded colocation candidate. Raises NoInstanceError when there is none."""
         cands = colocated_candidates(instances)
         if not cands:
             raise NoInstanceError("least_loaded: no available instance with role 'both' or 'decode'")
@@ -45,7 +46,9 @@ class LeastLoadedPolicy:
         return colocated_decision(req, inst, f"least-loaded load={instance_load(inst):.3g}")
 
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None:
+        """Stateless: nothing to record."""
         return None
 
     def on_finish(self, request_id: str, now: float) -> None:
+        """Stateless: nothing to forget."""
         return None

@@ -146,7 +146,9 @@ class LoadAwarePolicy:
         )
 
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None:
+        """Stateless: nothing to record."""
         return None
 
     def on_finish(self, request_id: str, now: float) -> None:
+        """Stateless: nothing to forget."""
         return None

@@ -88,6 +88,7 @@ class RoundRobinPolicy:
         self._turn = 0
 
     def route(self, req: RequestInfo, instances: Sequence[InstanceView], now: float) -> RouteDecision:
+        """The next colocation candidate in turn. Raises NoInstanceError when there is none."""
         cands = colocated_candidates(instances)
         if not cands:
             raise NoInstanceError("round_robin: no available instance with role 'both' or 'decode'")
@@ -96,7 +97,9 @@ class RoundRobinPolicy:
         return colocated_decision(req, inst, "round-robin")
 
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None:
+        """Stateless: nothing to record."""
         return None
 
     def on_finish(self, request_id: str, now: float) -> None:
+        """Stateless: nothing to forget."""
         return None
