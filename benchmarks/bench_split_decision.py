@@ -10,7 +10,8 @@ seeded log-normal. Then ``--requests`` requests arrive one every ``--gap-ms``; f
 the same fleet snapshot:
 
 - ``split.route``: pair choice over all instances + bounded binary search (K = 6 probes, ε = 5 ms) — the
-  per-request decision Libra reports as 13.7–17.5 ms (§5, Table 4: < 0.51% of end-to-end latency);
+  per-request decision Libra reports at under 18 ms (§6.5, Table 4: at most 0.51% of end-to-end latency, on a
+  2-GPU setup; its scheduler is C++);
 - ``split.on_start``: COMMIT of the chosen micro-requests (Alg. 1 line 11), then ``on_finish`` of the oldest
   request so every queue stays at its size;
 - ``least_loaded.route``: the baseline decision.
@@ -120,19 +121,22 @@ def main() -> None:
         cpu_route.append((c1 - c0) / 1e3)
         t1 = clock()
         split.on_start(req, dec, now)
+        spent = clock() - t1
         live.append(req.request_id)
         while sum(len(x) for x in preds) > target:  # keep the queues at their size: the oldest finish first
+            t_f = clock()
             if warm:
                 inst_id, rid = warm.popleft()
                 split.predictor.get(inst_id).finish(rid, now)  # type: ignore[union-attr]
             else:
                 split.on_finish(live.popleft(), now)
+            spent += clock() - t_f
+        t_commit.append(spent / 1e3)
         c2, t2 = cpu(), clock()
         least.route(req, fleet, now)
         t3, c3 = clock(), cpu()
         cpu_least.append((c3 - c2) / 1e3)
         t_route.append((t1 - t0) / 1e3)
-        t_commit.append((t2 - t1) / 1e3)
         t_least.append((t3 - t2) / 1e3)
         kinds[dec.kind] += 1
         reasons[dec.reason.split(":")[0]] += 1
@@ -153,9 +157,10 @@ def main() -> None:
           f"p99 {pct(t_route, 99) / pct(t_least, 99):.1f}x; (CPU): p50 {pct(cpu_route, 50) / pct(cpu_least, 50):.1f}x, "
           f"p99 {pct(cpu_route, 99) / pct(cpu_least, 99):.1f}x")
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other processes inflate wall-clock tails)")
-    verdict = "meets" if pct(t_route, 99) <= 500.0 else "misses"
-    print(f"split decision p99 {pct(t_route, 99) / 1e3:.3f} ms {verdict} the 0.5 ms target "
-          f"(Libra reports 13.7-17.5 ms per request)")
+    for label, xs in (("wall-clock", t_route), ("thread CPU time", cpu_route)):
+        verdict = "meets" if pct(xs, 99) <= 500.0 else "misses"
+        print(f"split decision p99 ({label}) {pct(xs, 99) / 1e3:.3f} ms {verdict} the 0.5 ms target "
+              f"(Libra §6.5: under 18 ms per request, 2 GPUs)")
     print(f"decisions: {dict(kinds)}; reasons: {dict(reasons)}")
 
 

@@ -271,7 +271,7 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
             if sink.started:
                 await _stream_error(sink, UpstreamError(err.message))
                 _observe_done(st, ex, sink, None, "502")
-                return sink.response  # type: ignore[return-value]
+                return sink.answer()
             exclude.append(err.instance)
             if attempt < st.config.max_retries:
                 st.metrics.retries.labels("before-stream").inc()
@@ -279,7 +279,7 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
         except RouterHTTPError as err:
             if sink.started:
                 await _stream_error(sink, err)
-                return sink.response  # type: ignore[return-value]
+                return sink.answer()
             return _finish_error(st, ex, err)
         finally:
             st.policy.on_finish(info.request_id, st.clock())
@@ -292,7 +292,7 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
     if out.status != 200:
         if sink.started:  # cannot happen: non-200 answers come before any event
             await _stream_error(sink, UpstreamError(f"upstream answered HTTP {out.status}"))
-            return sink.response  # type: ignore[return-value]
+            return sink.answer()
         st.metrics.responses.labels(ex.endpoint, str(out.status)).inc()
         return web.Response(status=out.status, body=out.body or b"", content_type="application/json")
     _observe_done(st, ex, sink, out, "200")
@@ -300,7 +300,7 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
         return web.Response(status=200, body=out.body or b"", content_type="application/json")
     await sink.send(DONE, tokens=0)
     await sink.close()
-    return sink.response  # type: ignore[return-value]
+    return sink.answer()
 
 
 def _observe_done(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome | None, status: str) -> None:

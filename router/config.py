@@ -121,7 +121,7 @@ class RouterConfig(_Strict):
     registry: Literal["static", "etcd", "kubernetes"] = "static"
     etcd: EtcdConfig = Field(default_factory=EtcdConfig)
     instances: tuple[InstanceConfig, ...] = ()
-    timeouts: Timeouts = Field(default_factory=Timeouts)
+    timeouts: Timeouts = Timeouts()
     max_retries: int = Field(2, ge=0, le=10)
     """Other instances tried when one fails before anything was streamed."""
     eject_after_failures: int = Field(3, ge=1)

@@ -212,8 +212,9 @@ async def run_disaggregated(pool: UpstreamPool, ex: Exchange, a: str, b: str, si
     if out.status != 200 or out.data is None:
         return out
     kv = out.data.get("kv_transfer_params")
-    usage = out.data.get("usage") or {}
-    p_exact = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else ex.prompt.count
+    u = out.data.get("usage")
+    pt = u.get("prompt_tokens") if isinstance(u, dict) else None
+    p_exact = pt if isinstance(pt, int) else ex.prompt.count
     body = dict(ex.body)
     if isinstance(kv, dict) and handoff_is_safe(p_exact, 0, block_size, remote_block_count(kv)):
         body["kv_transfer_params"] = kv
@@ -351,7 +352,8 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     gen = choice.get("token_ids")
     p_ids = choice.get("prompt_token_ids") or (list(ids) if ids is not None else None)
-    usage = out.data.get("usage") if isinstance(out.data.get("usage"), dict) else {}
+    u = out.data.get("usage")
+    usage: dict[str, Any] = u if isinstance(u, dict) else {}
     p = int(usage.get("prompt_tokens") or (len(p_ids) if p_ids else ex.prompt.count))
     if not isinstance(gen, list) or len(gen) < k + 1 or choice.get("finish_reason") != "length":
         # A finished on its own (stop, EOS) before the handoff point: its answer is the whole answer

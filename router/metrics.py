@@ -62,7 +62,7 @@ class RouterMetrics:
         self.predicted_output_tokens = Histogram("fulcrum_router_predicted_output_tokens", "Predicted output length, tokens", buckets=_TOKENS, registry=r)
         self.output_tokens = Histogram("fulcrum_router_output_tokens", "Generated length (OSL), tokens", buckets=_TOKENS, registry=r)
         self.ttft = Histogram("fulcrum_router_ttft_seconds", "Time to first token seen by the client", buckets=_SECONDS, registry=r)
-        self.itl = Histogram("fulcrum_router_itl_seconds", "Gap between streamed events", buckets=_ITL, registry=r)
+        self.itl = Histogram("fulcrum_router_itl_seconds", "Gap between successive writes of tokens to the client (events an upstream read delivered together leave in one write)", buckets=_ITL, registry=r)
         self.tpot = Histogram("fulcrum_router_tpot_seconds", "Time per output token after the first", buckets=_ITL, registry=r)
         self.e2e = Histogram("fulcrum_router_e2e_seconds", "Request latency end to end", buckets=_SECONDS, registry=r)
         self.routed = Counter("fulcrum_router_routed_requests", "Requests by how they ran", ["kind"], registry=r)

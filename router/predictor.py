@@ -38,10 +38,15 @@ predicted pace (remaining busy time falls one second per second; the step positi
 :meth:`InstancePredictor.finish` removes a micro-request that finished before its predicted end (an early EOS,
 or an over-predicted output length) and takes its remaining cost off the instance.
 
-Approximations (documented, tested against :func:`simulate_virtual_batches`, the pass-by-pass reference):
-the decode-bearing steps of the timeline are taken to be contiguous from now; the leftover prefill budget during
-a new prompt's prefill is the one at its admission step; the KV-cache capacity is not modelled (the engine's
-concurrency limit is); decode tokens never starve (budget ≥ ``max_num_seqs``, as vLLM requires by default).
+Approximations (tested against :func:`simulate_virtual_batches`, the pass-by-pass reference: over 300 random
+queues of up to 64 micro-requests the drain time agreed to 0.2% on average, worst 7% with a 128-token budget,
+within 1% at budgets of 2048 and 8192): the decode-bearing steps of the timeline are taken to be contiguous from
+now; the leftover prefill budget during a new prompt's prefill is the one at its admission step; the step
+position moves linearly in time over the queue's horizon (a slow first step, e.g. a long prefill, puts it a few
+steps ahead); the KV-cache capacity is not modelled (the engine's concurrency limit is); decode tokens never
+starve (budget ≥ ``max_num_seqs``, as vLLM requires by default). A step mixing prompt chunks and decode tokens
+pays one fixed cost (one forward pass); ``fulcrum.simulator``'s engine charges a decode step plus the chunk's
+prefill time, intercept included for a prompt's first chunk, so the two differ by up to ``ttft(0)`` per such step.
 
 Pure: no I/O, no clock (``now`` is passed in, seconds on the router's monotonic clock).
 """
@@ -153,6 +158,13 @@ def split_parts(prompt_tokens: int, output_tokens: int, split_token: int) -> tup
     return (p, 0, s - p), (0, s, d - s + p)
 
 
+def _nearest_tp(available: Sequence[int], tp: int) -> int:
+    """``tp`` if measured, else the nearest measured TP (ties: the smaller one). ``available`` non-empty."""
+    if tp in available:
+        return tp
+    return min(available, key=lambda a: (abs(a - tp), a))
+
+
 def _fit_decode(batch: Sequence[float], context: Sequence[float], seconds: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
     """NNLS fit of ``t = w + m·b + k·b·c`` to a decode grid, rows weighted by 1/t (relative error).
 
@@ -189,6 +201,8 @@ class StepCostModel:
         decode_fit_max_rel_error: largest relative error of ``w + m·b + k·b·c`` on the profile's decode grid.
         prefill_table: the profile's prefill table at this TP (prompt chunk o..o+q costs
             ``ttft(o + q) − ttft(o)``, so the chunks of one prompt add up to ``ttft(P) − ttft(0)``).
+        prefill_tp: the TP whose prefill table is used (``tp`` when the profile measured it).
+        decode_tp: the TP whose decode table is used (``tp`` when the profile measured it).
     """
 
     tp: int
@@ -198,22 +212,28 @@ class StepCostModel:
     decode_per_context_token_s: float
     decode_fit_max_rel_error: float
     prefill_table: PrefillTable
+    prefill_tp: int = 0
+    decode_tp: int = 0
     _ttft_cache: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_profile(cls, profile: PerformanceProfile, tp: int) -> "StepCostModel":
         """Build the cost model of TP ``tp``.
 
+        A table the profile lacks at this TP is taken from the nearest measured TP (ties: the smaller, slower
+        one), unscaled — the simulator's rule for auxiliary prefill (``fulcrum.simulator.instances``): DOPD's
+        profile, for instance, has prefill only at TP=1 and decode only at TP=2. :attr:`prefill_tp` and
+        :attr:`decode_tp` say which tables were used.
+
         Raises:
-            ProfileError: the profile has no prefill or no decode table at this TP.
+            ProfileError: ``tp < 1``.
         """
-        if tp not in profile.prefill or tp not in profile.decode:
-            raise ProfileError(
-                f"profile {profile.name!r} needs both a prefill and a decode table at TP={tp} for the split "
-                f"predictor (prefill TPs {profile.prefill_tps}, decode TPs {profile.decode_tps})"
-            )
-        table = profile.prefill[tp]
-        dec = profile.decode[tp]
+        if tp < 1:
+            raise ProfileError(f"tensor-parallel size must be >= 1, got {tp}")
+        prefill_tp = _nearest_tp(profile.prefill_tps, tp)
+        decode_tp = _nearest_tp(profile.decode_tps, tp)
+        table = profile.prefill[prefill_tp]
+        dec = profile.decode[decode_tp]
         w, m, k, err = _fit_decode(dec.batch, dec.context, dec.seconds)
         return cls(
             tp=tp,
@@ -223,6 +243,8 @@ class StepCostModel:
             decode_per_context_token_s=k,
             decode_fit_max_rel_error=err,
             prefill_table=table,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
         )
 
     def ttft(self, tokens: int) -> float:
@@ -298,8 +320,8 @@ class InstancePredictor:
         costs: the step cost model of the instance's TP.
         max_num_batched_tokens: the engine's per-step token budget, tokens (≥ 1).
         max_num_seqs: the engine's concurrency limit, requests (≥ 1).
-        max_entries: bound on remembered micro-requests whose ``finish`` never came (oldest predicted-done
-            ones are forgotten first).
+        max_entries: soft bound on remembered micro-requests whose ``finish`` never came: beyond it, the
+            oldest are forgotten as soon as they are predicted done.
 
     Raises:
         ValueError: a limit below 1.
@@ -397,12 +419,13 @@ class InstancePredictor:
         return pr
 
     def _forget_done(self, sigma: int) -> None:
+        """Drop the oldest remembered micro-requests while they are predicted done (amortised O(1))."""
         entries = self._entries
-        for rid in list(entries):
-            if len(entries) <= self.max_entries:
+        while len(entries) > self.max_entries:
+            oldest = next(iter(entries))
+            if entries[oldest].end_step > sigma:
                 break
-            if entries[rid].end_step <= sigma:
-                del entries[rid]
+            del entries[oldest]
 
     def finish(self, request_id: str, now: float) -> None:
         """The micro-request ``request_id`` finished at ``now``; forget it.
@@ -518,7 +541,8 @@ class ExecutionPredictor:
 
     Args:
         profile: the model's performance profile; None = no timing data, every lookup answers None (the
-            split policy then takes its cold-start path).
+            split policy then takes its cold-start path). A TP the profile did not measure borrows the nearest
+            measured TP's tables (:meth:`StepCostModel.from_profile`).
         max_entries: passed to each :class:`InstancePredictor`.
     """
 
@@ -529,7 +553,7 @@ class ExecutionPredictor:
         self._instances: dict[str, InstancePredictor] = {}
 
     def costs(self, tp: int) -> StepCostModel | None:
-        """The step cost model of TP ``tp``, or None when there is no profile or it lacks that TP."""
+        """The step cost model of TP ``tp``, or None when there is no profile (or ``tp`` < 1)."""
         if tp not in self._costs:
             model: StepCostModel | None = None
             if self.profile is not None:

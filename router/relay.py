@@ -146,6 +146,11 @@ class ClientSink:
                 self.next_token_at = now
                 self.watch_next = False
 
+    def answer(self) -> web.StreamResponse:
+        """The streamed response (only after the first ``send``)."""
+        assert self.response is not None, "nothing was streamed"
+        return self.response
+
     async def close(self) -> None:
         """Finish the stream."""
         if self.response is not None:
@@ -191,7 +196,8 @@ async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, 
     except UpstreamFailure as err:
         pool.record_failure(iid, err.cause)
         raise
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    u = data.get("usage")
+    usage: dict[str, Any] = u if isinstance(u, dict) else {}
     ct = int(usage.get("completion_tokens") or 0)
     pt = usage.get("prompt_tokens")
     ticket.add_tokens(ct)
@@ -253,16 +259,17 @@ async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, b
             return Outcome(resp.status, await resp.read())
         splitter = EventSplitter()
         async for chunk in resp.content.iter_any():
+            out: list[bytes] = []
+            tokens = 0
             for ev in splitter.feed(chunk):
-                payload = event_payload(ev)
-                if payload is None:
-                    continue
-                if payload == b"[DONE]":
+                if ev.startswith(b"data: [DONE]"):
                     done = True
                     continue
+                if not ev.startswith(b"data:"):
+                    continue  # comments and keep-alives are not relayed
                 n = 1
-                if transform is not None or b'"usage":{' in payload or b'"usage": {' in payload or b'"error"' in payload:
-                    obj = _parse_json(payload, iid)
+                if transform is not None or b'"usage":{' in ev or b'"usage": {' in ev or b'"error"' in ev:
+                    obj = _parse_json(event_payload(ev) or b"", iid)
                     if is_usage_only(obj):
                         state.usage = obj["usage"]
                         if not ex.client_usage:
@@ -275,16 +282,21 @@ async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, b
                     else:
                         n = count_event_tokens(obj)
                     if transform is not None:
-                        out = transform(obj)
-                        if out is None:
+                        new = transform(obj)
+                        if new is None:
                             continue
-                        ev = b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
-                if n:
-                    ticket.add_tokens(n)
-                    state.counted += n
-                if first_deadline.when() is not None:
-                    first_deadline.reschedule(None)
-                await sink.send(ev, tokens=n)
+                        ev = b"data: " + json.dumps(new, separators=(",", ":")).encode() + b"\n\n"
+                out.append(ev)
+                tokens += n
+            if not out:
+                continue
+            if tokens:
+                ticket.add_tokens(tokens)
+                state.counted += tokens
+            if first_deadline.when() is not None:
+                first_deadline.reschedule(None)
+            # the events one upstream read completed leave in one write (they arrived together)
+            await sink.send(out[0] if len(out) == 1 else b"".join(out), tokens=tokens)
         if not done:
             raise UpstreamFailure(iid, "broken", f"{iid} ended the stream before [DONE]")
     return None

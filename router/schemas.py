@@ -82,7 +82,7 @@ class CompletionRequest(_Common):
         if not p:
             raise BadRequest("prompt must not be empty", param="prompt")
         if isinstance(p[0], int):
-            return [int(t) for t in p]  # type: ignore[arg-type]
+            return [int(t) for t in p]
         if len(p) > 1:
             raise BadRequest(
                 f"batched prompts ({len(p)}) are not supported by the router: send one request per prompt",

@@ -70,7 +70,7 @@ def upstream_message(raw: bytes, status: int) -> str:
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"][:500]
+            return str(err["message"])[:500]
         for key in ("message", "detail", "error"):
             if isinstance(data.get(key), str):
                 return str(data[key])[:500]

@@ -7,8 +7,9 @@ Per request of P prompt tokens and predicted D output tokens (L = P + D):
 1. **Pair.** The two instances with the least predicted busy time (the execution predictor's virtual queues;
    ties → fewer in-flight requests and queued prompt passes → round-robin): A, which may prefill (role
    "prefill"/"both"), runs α = tokens 1..s; B ≠ A, which may decode (role "decode"/"both"), runs β = s+1..L.
-2. **Cold start** (Alg. 1 lines 1–2): without timing data for either instance (no profile, or none at its TP),
-   pure disaggregation, φ = P/L.
+2. **Cold start** (Alg. 1 lines 1–2): without timing data (no performance profile), pure disaggregation,
+   φ = P/L. (Libra seeds its clocks from the first request; here the profile is the offline data, so the
+   predictor has timing from the start and an idle pair is already balanced by the search.)
 3. **Bounded binary search** (lines 3–10): φ starts at P/L (pure disaggregation) in [lo, hi] = [0, 1] narrowed by
    the roles (a "prefill" A cannot decode: φ ≤ P/L; a "decode" B cannot prefill: φ ≥ P/L). Each probe splits at
    s = ⌈φ·L⌉, asks the predictor for T_A and T_B — the instants at which each would have drained all its work
@@ -39,7 +40,6 @@ from typing import Any
 from fulcrum.ratio.profile import PerformanceProfile, profile_from_dict
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.round_robin import decode_candidates, prefill_candidates
 from fulcrum.router.predictor import ExecutionPredictor, InstancePredictor, split_micro_requests, split_parts
 
 __all__ = ["SplitPolicy", "SplitSearch", "search_split_point", "resolve_profile_param"]
@@ -189,20 +189,28 @@ class SplitPolicy:
     def _predictor(self, inst: InstanceView) -> InstancePredictor | None:
         return self.predictor.instance(inst.id, inst.tp, inst.max_num_batched_tokens, inst.max_num_seqs)
 
-    def _load(self, inst: InstanceView, now: float) -> tuple[float, float]:
-        pred = self._predictor(inst)
-        busy = pred.busy_s(now) if pred is not None else 0.0
-        return busy, inst.inflight + inst.queued_prefill_tokens / max(inst.max_num_batched_tokens, 1)
-
-    def _pair(self, instances: Sequence[InstanceView], now: float) -> tuple[InstanceView | None, InstanceView | None]:
-        """(A, B): the least-loaded prefill-capable instance and the least-loaded other decode-capable one;
-        equally loaded instances take turns."""
-        loaded = [(self._load(i, now), i) for i in instances if i.available]
+    def _pair(
+        self, instances: Sequence[InstanceView], now: float
+    ) -> tuple[InstanceView | None, InstanceView | None, dict[str, InstancePredictor | None]]:
+        """(A, B, predictors): the least-loaded prefill-capable instance and the least-loaded other
+        decode-capable one, by predicted busy time, then in-flight requests and queued prompt passes; equally
+        loaded instances take turns. Also remembers each view for ``on_start``."""
+        get = self.predictor.instance
+        views = self._views
+        preds: dict[str, InstancePredictor | None] = {}
+        loaded: list[tuple[tuple[float, float], InstanceView]] = []
+        for i in instances:
+            views[i.id] = i
+            if not (i.healthy and not i.draining):
+                continue
+            pred = preds[i.id] = get(i.id, i.tp, i.max_num_batched_tokens, i.max_num_seqs)
+            busy = pred.busy_s(now) if pred is not None else 0.0
+            loaded.append(((busy, i.inflight + i.queued_prefill_tokens / max(i.max_num_batched_tokens, 1)), i))
         turn = self._turn
         self._turn += 1
         a = _rotating_min([x for x in loaded if x[1].role != "decode"], turn)
         b = _rotating_min([x for x in loaded if x[1].role != "prefill" and x[1] is not a], turn)
-        return a, b
+        return a, b, preds
 
     # -- route -------------------------------------------------------------------------------------------------
 
@@ -227,9 +235,7 @@ class SplitPolicy:
         Raises:
             NoInstanceError: no available instance may decode the request.
         """
-        for inst in instances:
-            self._views[inst.id] = inst
-        a, b = self._pair(instances, now)
+        a, b, preds = self._pair(instances, now)
         p = req.prompt_tokens
         d = max(req.predicted_output_tokens, 1)
         total = p + d
@@ -243,9 +249,9 @@ class SplitPolicy:
                 kind="colocated", first=b.id, split_token=p + req.max_tokens,
                 reason="single-instance: no second instance to split with",
             ))
-        pa, pb = self._predictor(a), self._predictor(b)
+        pa, pb = preds.get(a.id), preds.get(b.id)
         if pa is None or pb is None or p <= 0:
-            why = "no timing data for TP=" + str(a.tp if pa is None else b.tp) if p > 0 else "empty prompt"
+            why = "empty prompt" if p <= 0 else "no performance profile"
             return self._count(self._decide(req, a, b, p, f"cold-start: {why}; pure disaggregation"))
         lo = 0.0 if b.role == "both" else p / total
         hi = 1.0 if a.role == "both" else p / total

@@ -67,11 +67,15 @@ def test_step_costs_reproduce_the_profile_they_come_from():
         assert c.prefill_s(0, 700) + c.prefill_s(700, 1348) == pytest.approx(c.prefill_s(0, 2048))
 
 
-def test_step_cost_model_needs_both_tables_at_the_tp():
+def test_a_tp_the_profile_did_not_measure_borrows_the_nearest_tables():
     dopd = builtin_profile("dopd-llama70b-fp8-h100")  # prefill at TP=1 only, decode at TP=2 only
-    with pytest.raises(ProfileError, match="TP=2"):
-        StepCostModel.from_profile(dopd, 2)
-    assert ExecutionPredictor(dopd).instance("x", tp=2) is None
+    c = StepCostModel.from_profile(dopd, 2)
+    assert (c.prefill_tp, c.decode_tp) == (1, 2)
+    assert c.prefill_fixed_s + c.prefill_s(0, 1200) == pytest.approx(dopd.ttft(1200, 1))
+    assert StepCostModel.from_profile(PROFILE, 3).decode_tp == 2  # tie between 2 and 4: the smaller
+    with pytest.raises(ProfileError):
+        StepCostModel.from_profile(PROFILE, 0)
+    assert ExecutionPredictor(dopd).instance("x", tp=2) is not None
     assert ExecutionPredictor(None).instance("x", tp=4) is None
 
 
@@ -186,6 +190,13 @@ def test_finishing_early_takes_the_remaining_work_off_the_instance():
     assert ip.busy_s(t) == pytest.approx(left * COSTS.decode_fixed_s + COSTS.decode_s(ctx, left), rel=0.1)
     assert ip.busy_s(t) < alone - t + 0.2  # nothing of the long request is left but its share of step 0
     ip.finish("unknown", t)  # ignored
+
+
+def test_memory_stays_bounded_when_finish_notifications_never_come():
+    ip = InstancePredictor(COSTS, max_entries=10)
+    for i in range(100):
+        ip.commit(str(i), MicroRequest(100, 0, 10), float(i))  # each is done long before the next
+    assert len(ip) == 10 and "99" in ip and "0" not in ip
 
 
 def test_probe_stays_cheap_with_thousands_of_queued_requests():

@@ -109,7 +109,10 @@ def test_ten_thousand_generated_requests_give_no_5xx_no_crash_and_no_leaked_work
     @given(batch=st.lists(request, min_size=BATCH, max_size=BATCH), route=routing)
     def fuzz(batch: list[tuple[str, bytes]], route: tuple[str, int]) -> None:
         harness.policy.kind, harness.policy.k = route
-        loop.run_until_complete(asyncio.gather(*(one(p, b) for p, b in batch)))
+        async def run_batch() -> None:
+            await asyncio.gather(*(one(p, b) for p, b in batch))
+
+        loop.run_until_complete(run_batch())
         sent["requests"] += len(batch)
         assert harness.router_inflight() == 0 and harness.router_tokens() == (0, 0)
         assert harness.engines_active() == 0

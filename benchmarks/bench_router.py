@@ -1,0 +1,335 @@
+"""Router overhead against a fast FAKE backend, side by side with the Rust ``vllm-router`` from PyPI.
+
+Run: ``python benchmarks/bench_router.py [--requests 2000] [--concurrency 32] [--stream-tokens 2000]``
+
+Three targets serve the same requests from the same backend:
+
+- ``direct``: the backend itself (the baseline every "added" number is measured against);
+- ``fulcrum``: ``fulcrum router`` (``python -m fulcrum router``) with the ``round_robin`` policy, once with
+  ``token_count: estimate`` (no extra round trip: like for like with vllm-router, which does not tokenize) and
+  once with ``token_count: tokenize`` (one ``/tokenize`` call per request, the default, for exact lengths);
+- ``vllm-router``: ``vllm-router --policy round_robin`` (``pip install vllm-router``; when it cannot be started
+  the benchmark says so and prints only ours).
+
+The backend is a FAKE engine built for speed (raw asyncio HTTP/1.1, keep-alive, answers at once): a
+non-streamed completion is a fixed JSON; a streamed one sends ``max_tokens`` SSE events, one write each.
+Each target runs in its own process; the load generator (aiohttp, keep-alive) runs in this one.
+
+Measured per target:
+
+- latency, one request at a time (``--latency-requests``): p50 and p99; "added" = target − direct;
+- throughput at ``--concurrency`` requests in flight (``--requests`` in all): requests/s;
+- streaming relay: ``--stream-requests`` streams of ``--stream-tokens`` events, 4 at a time: events (tokens)/s
+  received by the client.
+
+Aims (issue 3): at least 0.5× vllm-router's requests/s and at most 2 ms p99 added latency.
+Numbers depend on the machine; every process shares its cores (on a 2-core machine, backend, router and load
+generator compete), so read them side by side, never alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------- fake backend
+_MAX_TOKENS = re.compile(rb'"max_tokens"\s*:\s*(\d+)')
+_STREAM = re.compile(rb'"stream"\s*:\s*true')
+_WHOLE = json.dumps({
+    "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake-model",
+    "choices": [{"index": 0, "text": "abcdefghijklmnop", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+    "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24},
+}).encode()
+_EVENT = b'data: {"id":"cmpl-fake","object":"text_completion","created":0,"model":"fake-model","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}\n\n'
+_USAGE = b'data: {"id":"cmpl-fake","object":"text_completion","created":0,"model":"fake-model","choices":[],"usage":{"prompt_tokens":8,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class FastFakeBackend(asyncio.Protocol):
+    """A FAKE OpenAI-compatible backend answering as fast as asyncio can (benchmark only)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t: asyncio.Transport = transport  # type: ignore[assignment]
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            head_end = self.buf.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buf[:head_end]
+            m = re.search(rb"(?i)content-length:\s*(\d+)", head)
+            n = int(m.group(1)) if m else 0
+            if len(self.buf) < head_end + 4 + n:
+                return
+            body = self.buf[head_end + 4 : head_end + 4 + n]
+            self.buf = self.buf[head_end + 4 + n :]
+            self.answer(head.split(b" ", 2)[:2], body)
+
+    def answer(self, line: list[bytes], body: bytes) -> None:
+        method, path = line[0], line[1]
+        if method == b"GET":
+            payload = b"{}" if path != b"/v1/models" else json.dumps(
+                {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
+            self.t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            return
+        if path == b"/tokenize":
+            payload = b'{"count":8,"max_model_len":4096,"tokens":[1,2,3,4,5,6,7,8]}'
+            self.t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            return
+        if not _STREAM.search(body):
+            self.t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(_WHOLE), _WHOLE))
+            return
+        m = _MAX_TOKENS.search(body)
+        n = int(m.group(1)) if m else 16
+        self.t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(n):
+            self.t.write(_chunk(_EVENT))
+        self.t.write(_chunk(_USAGE % (n, n + 8)) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+def serve_backend(port: int) -> None:
+    """Run the fake backend until killed."""
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(loop.create_server(FastFakeBackend, "127.0.0.1", port, backlog=1024))
+    try:
+        loop.run_forever()
+    finally:
+        server.close()
+
+
+# ----------------------------------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> bool:
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def start(cmd: list[str], health_url: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> subprocess.Popen[bytes] | None:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    if wait_http(health_url, timeout, proc):
+        return proc
+    stop(proc)
+    return None
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> str:
+    if proc is None:
+        return ""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    return err[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------- load
+@dataclass
+class Result:
+    p50_ms: float = float("nan")
+    p99_ms: float = float("nan")
+    rps: float = float("nan")
+    tokens_per_s: float = float("nan")
+    errors: int = 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def _latency(session, url: str, n: int) -> tuple[list[float], int]:
+    body = {"model": "fake-model", "prompt": "hello there, benchmark", "max_tokens": 16}
+    lat, errors = [], 0
+    for _ in range(n):
+        t = time.perf_counter()
+        async with session.post(url, json=body) as r:
+            await r.read()
+            errors += r.status != 200
+        lat.append(time.perf_counter() - t)
+    return lat, errors
+
+
+async def _throughput(session, url: str, n: int, conc: int) -> tuple[float, int]:
+    body = {"model": "fake-model", "prompt": "hello there, benchmark", "max_tokens": 16}
+    left = n
+    errors = 0
+
+    async def worker() -> None:
+        nonlocal left, errors
+        while left > 0:
+            left -= 1
+            async with session.post(url, json=body) as r:
+                await r.read()
+                errors += r.status != 200
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    return n / (time.perf_counter() - t), errors
+
+
+async def _stream(session, url: str, n: int, tokens: int, conc: int = 4) -> tuple[float, int]:
+    body = {"model": "fake-model", "prompt": "stream", "max_tokens": tokens, "stream": True}
+    left, got, errors = n, 0, 0
+
+    async def worker() -> None:
+        nonlocal left, got, errors
+        while left > 0:
+            left -= 1
+            async with session.post(url, json=body) as r:
+                errors += r.status != 200
+                buf = b""
+                async for chunk in r.content.iter_any():
+                    buf += chunk
+                    got += chunk.count(b'"text":"a"')
+    t = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    return got / (time.perf_counter() - t), errors
+
+
+async def measure(base: str, args: argparse.Namespace) -> Result:
+    import aiohttp
+
+    url = base + "/v1/completions"
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        await _latency(session, url, 50)  # warm-up: connections, caches
+        lat, e1 = await _latency(session, url, args.latency_requests)
+        rps, e2 = await _throughput(session, url, args.requests, args.concurrency)
+        tps, e3 = await _stream(session, url, args.stream_requests, args.stream_tokens)
+    return Result(pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, rps, tps, e1 + e2 + e3)
+
+
+# ----------------------------------------------------------------------------------------------- main
+def fulcrum_config(path: Path, backend: str, token_count: str) -> None:
+    path.write_text(
+        "model: fake-model\n"
+        f"token_count: {token_count}\n"
+        "policy: {name: round_robin}\n"
+        f"instances:\n  - {{id: b0, url: \"{backend}\"}}\n"
+        "health_interval_s: 30\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000, help="requests in the throughput run")
+    ap.add_argument("--concurrency", type=int, default=32, help="requests in flight in the throughput run")
+    ap.add_argument("--latency-requests", type=int, default=500, help="sequential requests in the latency run")
+    ap.add_argument("--stream-requests", type=int, default=8, help="streams in the relay run")
+    ap.add_argument("--stream-tokens", type=int, default=2000, help="events per stream in the relay run")
+    ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve_backend:
+        serve_backend(args.serve_backend)
+        return 0
+
+    bport = free_port()
+    backend = f"http://127.0.0.1:{bport}"
+    procs: list[subprocess.Popen[bytes]] = []
+    results: dict[str, Result] = {}
+    notes: list[str] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    try:
+        bp = start([sys.executable, __file__, "--serve-backend", str(bport)], backend + "/health", 20)
+        if bp is None:
+            print("could not start the fake backend", file=sys.stderr)
+            return 1
+        procs.append(bp)
+        results["direct"] = asyncio.run(measure(backend, args))
+
+        for mode in ("estimate", "tokenize"):
+            port = free_port()
+            cfg = tmp / f"router-{mode}.yaml"
+            fulcrum_config(cfg, backend, mode)
+            p = start([sys.executable, "-m", "fulcrum", "router", "--config", str(cfg), "--host", "127.0.0.1",
+                       "--port", str(port), "--log-level", "warning"], f"http://127.0.0.1:{port}/health", 60)
+            if p is None:
+                notes.append(f"fulcrum router ({mode}) did not start")
+                continue
+            results[f"fulcrum ({mode})"] = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
+            err = stop(p)
+            if "Traceback" in err:
+                notes.append(f"fulcrum router ({mode}) logged errors:\n{err}")
+
+        exe = shutil.which("vllm-router")
+        if exe is None:
+            notes.append("vllm-router is not installed (pip install vllm-router): only Fulcrum's router was measured")
+        else:
+            port = free_port()
+            p = start([exe, "--worker-urls", backend, "--policy", "round_robin", "--host", "127.0.0.1",
+                       "--port", str(port), "--log-level", "error", "--disable-retries", "--disable-circuit-breaker",
+                       "--health-check-interval-secs", "30"],
+                      f"http://127.0.0.1:{port}/health", 60)
+            if p is None:
+                notes.append("vllm-router could not be started: only Fulcrum's router was measured")
+            else:
+                results["vllm-router"] = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
+                stop(p)
+    finally:
+        for p in procs:
+            stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    d = results["direct"]
+    print(f"router overhead against a fast fake backend (cpu cores: {os.cpu_count()}; "
+          f"latency: {args.latency_requests} sequential requests; throughput: {args.requests} requests at "
+          f"concurrency {args.concurrency}; relay: {args.stream_requests} streams x {args.stream_tokens} tokens, 4 at a time)")
+    print(f"{'target':<22}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>9}{'relay tok/s':>13}{'errors':>8}")
+    for name, r in results.items():
+        added50 = r.p50_ms - d.p50_ms
+        added99 = r.p99_ms - d.p99_ms
+        print(f"{name:<22}{r.p50_ms:9.3f}{r.p99_ms:9.3f}{added50:9.3f}{added99:9.3f}{r.rps:9.0f}{r.tokens_per_s:13.0f}{r.errors:8d}")
+    if "vllm-router" in results and "fulcrum (estimate)" in results:
+        ratio = results["fulcrum (estimate)"].rps / results["vllm-router"].rps
+        print(f"fulcrum (estimate) / vllm-router requests/s: {ratio:.2f}x (aim >= 0.5x)")
+    if "fulcrum (estimate)" in results:
+        f = results["fulcrum (estimate)"]
+        print(f"fulcrum (estimate) added p99 latency: {f.p99_ms - d.p99_ms:.3f} ms (aim <= 2 ms)")
+    for n in notes:
+        print("note:", n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
