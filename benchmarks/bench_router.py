@@ -1,26 +1,31 @@
 """Router overhead against a fast FAKE backend, side by side with the Rust ``vllm-router`` from PyPI.
 
-Run: ``python benchmarks/bench_router.py [--requests 2000] [--concurrency 32] [--stream-tokens 2000]``
+Run: ``python benchmarks/bench_router.py [--requests 5000] [--concurrency 32] [--stream-tokens 2000]``
 
 Three targets serve the same requests from the same backend:
 
 - ``direct``: the backend itself (the baseline every "added" number is measured against);
-- ``fulcrum``: ``fulcrum router`` (``python -m fulcrum router``) with the ``round_robin`` policy, once with
-  ``token_count: estimate`` (no extra round trip: like for like with vllm-router, which does not tokenize) and
-  once with ``token_count: tokenize`` (one ``/tokenize`` call per request, the default, for exact lengths);
+- ``fulcrum``: ``fulcrum router`` (``python -m fulcrum router``) with the ``round_robin`` policy, with
+  ``token_count: estimate`` (no extra round trip: like for like with vllm-router, which does not tokenize) on
+  uvloop (when installed) and on the standard asyncio loop, and with ``token_count: tokenize`` (one
+  ``/tokenize`` call per request, the default, for exact lengths);
 - ``vllm-router``: ``vllm-router --policy round_robin`` (``pip install vllm-router``; when it cannot be started
   the benchmark says so and prints only ours).
 
 The backend is a FAKE engine built for speed (raw asyncio HTTP/1.1, keep-alive, answers at once): a
 non-streamed completion is a fixed JSON; a streamed one sends ``max_tokens`` SSE events, one write each.
-Each target runs in its own process; the load generator (aiohttp, keep-alive) runs in this one.
+Each target runs in its own process, all started before measuring; the load generator (aiohttp, keep-alive)
+runs in this one and interleaves the targets over ``--rounds`` rounds, so that a slow spell of a shared machine
+falls on all of them alike.
 
 Measured per target:
 
 - latency, one request at a time (``--latency-requests``): p50 and p99; "added" = target − direct;
 - throughput at ``--concurrency`` requests in flight (``--requests`` in all): requests/s;
 - streaming relay: ``--stream-requests`` streams of ``--stream-tokens`` events, 4 at a time: events (tokens)/s
-  received by the client.
+  received by the client;
+- CPU time of the target's process per request in the throughput run (``direct``: the backend's own), read
+  from ``/proc`` — steadier than requests/s on a shared machine.
 
 Aims (issue 3): at least 0.5× vllm-router's requests/s and at most 2 ms p99 added latency.
 Numbers depend on the machine; every process shares its cores (on a 2-core machine, backend, router and load
@@ -171,6 +176,19 @@ class Result:
     rps: float = float("nan")
     tokens_per_s: float = float("nan")
     errors: int = 0
+    cpu_us: float = float("nan")
+    """The target process's CPU time per request in the throughput phase, microseconds (all its threads)."""
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process (all threads), seconds; NaN when unknown."""
+    if pid is None:
+        return float("nan")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -227,17 +245,39 @@ async def _stream(session, url: str, n: int, tokens: int, conc: int = 4) -> tupl
     return got / (time.perf_counter() - t), errors
 
 
-async def measure(base: str, args: argparse.Namespace) -> Result:
+async def measure_all(targets: dict[str, str], pids: dict[str, int], args: argparse.Namespace) -> dict[str, Result]:
+    """Every phase interleaved over the targets in ``args.rounds`` rounds (so a slow spell of the shared
+    machine hits all of them alike); latencies pooled, rates averaged."""
     import aiohttp
 
-    url = base + "/v1/completions"
+    lat: dict[str, list[float]] = {t: [] for t in targets}
+    rps: dict[str, list[float]] = {t: [] for t in targets}
+    tps: dict[str, list[float]] = {t: [] for t in targets}
+    errors = dict.fromkeys(targets, 0)
+    cpu = dict.fromkeys(targets, 0.0)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
-        await _latency(session, url, 50)  # warm-up: connections, caches
-        lat, e1 = await _latency(session, url, args.latency_requests)
-        rps, e2 = await _throughput(session, url, args.requests, args.concurrency)
-        tps, e3 = await _stream(session, url, args.stream_requests, args.stream_tokens)
-    return Result(pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, rps, tps, e1 + e2 + e3)
+        for name, base in targets.items():
+            await _latency(session, base + "/v1/completions", 50)  # warm-up: connections, caches
+        for _ in range(args.rounds):
+            for name, base in targets.items():
+                url = base + "/v1/completions"
+                xs, e = await _latency(session, url, args.latency_requests // args.rounds)
+                lat[name] += xs
+                errors[name] += e
+            for name, base in targets.items():
+                c0 = cpu_seconds(pids.get(name))
+                r, e = await _throughput(session, base + "/v1/completions", args.requests // args.rounds, args.concurrency)
+                cpu[name] += cpu_seconds(pids.get(name)) - c0
+                rps[name].append(r)
+                errors[name] += e
+            for name, base in targets.items():
+                t, e = await _stream(session, base + "/v1/completions", max(1, args.stream_requests // args.rounds), args.stream_tokens)
+                tps[name].append(t)
+                errors[name] += e
+    n_req = (args.requests // args.rounds) * args.rounds
+    return {n: Result(pct(lat[n], 0.5) * 1e3, pct(lat[n], 0.99) * 1e3, statistics.mean(rps[n]), statistics.mean(tps[n]),
+                      errors[n], cpu[n] / n_req * 1e6) for n in targets}
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -253,11 +293,12 @@ def fulcrum_config(path: Path, backend: str, token_count: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000, help="requests in the throughput run")
+    ap.add_argument("--requests", type=int, default=5000, help="requests in the throughput run")
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight in the throughput run")
     ap.add_argument("--latency-requests", type=int, default=500, help="sequential requests in the latency run")
-    ap.add_argument("--stream-requests", type=int, default=8, help="streams in the relay run")
+    ap.add_argument("--stream-requests", type=int, default=10, help="streams in the relay run")
     ap.add_argument("--stream-tokens", type=int, default=2000, help="events per stream in the relay run")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the targets")
     ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_backend:
@@ -267,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     bport = free_port()
     backend = f"http://127.0.0.1:{bport}"
     procs: list[subprocess.Popen[bytes]] = []
-    results: dict[str, Result] = {}
+    targets: dict[str, str] = {"direct": backend}
+    pids: dict[str, int] = {}
     notes: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     try:
@@ -276,22 +318,28 @@ def main(argv: list[str] | None = None) -> int:
             print("could not start the fake backend", file=sys.stderr)
             return 1
         procs.append(bp)
-        results["direct"] = asyncio.run(measure(backend, args))
+        pids["direct"] = bp.pid
+        try:
+            import uvloop  # noqa: F401
 
-        for mode in ("estimate", "tokenize"):
+            loops = ["uvloop", "asyncio"]
+        except ImportError:
+            loops = ["asyncio"]
+            notes.append("uvloop is not installed: Fulcrum's router ran on the standard asyncio loop only")
+        for mode, loop in [("estimate", lp) for lp in loops] + [("tokenize", loops[0])]:
             port = free_port()
             cfg = tmp / f"router-{mode}.yaml"
             fulcrum_config(cfg, backend, mode)
             p = start([sys.executable, "-m", "fulcrum", "router", "--config", str(cfg), "--host", "127.0.0.1",
-                       "--port", str(port), "--log-level", "warning"], f"http://127.0.0.1:{port}/health", 60)
+                       "--port", str(port), "--log-level", "warning", "--loop", loop],
+                      f"http://127.0.0.1:{port}/health", 60)
+            name = f"fulcrum ({mode}, {loop})"
             if p is None:
-                notes.append(f"fulcrum router ({mode}) did not start")
+                notes.append(f"{name} did not start")
                 continue
-            results[f"fulcrum ({mode})"] = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
-            err = stop(p)
-            if "Traceback" in err:
-                notes.append(f"fulcrum router ({mode}) logged errors:\n{err}")
-
+            procs.append(p)
+            targets[name] = f"http://127.0.0.1:{port}"
+            pids[name] = p.pid
         exe = shutil.which("vllm-router")
         if exe is None:
             notes.append("vllm-router is not installed (pip install vllm-router): only Fulcrum's router was measured")
@@ -304,28 +352,32 @@ def main(argv: list[str] | None = None) -> int:
             if p is None:
                 notes.append("vllm-router could not be started: only Fulcrum's router was measured")
             else:
-                results["vllm-router"] = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
-                stop(p)
+                procs.append(p)
+                targets["vllm-router"] = f"http://127.0.0.1:{port}"
+                pids["vllm-router"] = p.pid
+        results = asyncio.run(measure_all(targets, pids, args))
     finally:
-        for p in procs:
-            stop(p)
+        for p in reversed(procs):
+            err = stop(p)
+            if "Traceback" in err:
+                notes.append(f"a process logged errors:\n{err}")
         shutil.rmtree(tmp, ignore_errors=True)
 
     d = results["direct"]
     print(f"router overhead against a fast fake backend (cpu cores: {os.cpu_count()}; "
           f"latency: {args.latency_requests} sequential requests; throughput: {args.requests} requests at "
-          f"concurrency {args.concurrency}; relay: {args.stream_requests} streams x {args.stream_tokens} tokens, 4 at a time)")
-    print(f"{'target':<22}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>9}{'relay tok/s':>13}{'errors':>8}")
+          f"concurrency {args.concurrency}; relay: {args.stream_requests} streams x {args.stream_tokens} tokens, 4 at a time; {args.rounds} interleaved rounds)")
+    print(f"{'target':<30}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>9}{'relay tok/s':>13}{'cpu us/req':>12}{'errors':>8}")
     for name, r in results.items():
         added50 = r.p50_ms - d.p50_ms
         added99 = r.p99_ms - d.p99_ms
-        print(f"{name:<22}{r.p50_ms:9.3f}{r.p99_ms:9.3f}{added50:9.3f}{added99:9.3f}{r.rps:9.0f}{r.tokens_per_s:13.0f}{r.errors:8d}")
-    if "vllm-router" in results and "fulcrum (estimate)" in results:
-        ratio = results["fulcrum (estimate)"].rps / results["vllm-router"].rps
-        print(f"fulcrum (estimate) / vllm-router requests/s: {ratio:.2f}x (aim >= 0.5x)")
-    if "fulcrum (estimate)" in results:
-        f = results["fulcrum (estimate)"]
-        print(f"fulcrum (estimate) added p99 latency: {f.p99_ms - d.p99_ms:.3f} ms (aim <= 2 ms)")
+        print(f"{name:<30}{r.p50_ms:9.3f}{r.p99_ms:9.3f}{added50:9.3f}{added99:9.3f}{r.rps:9.0f}{r.tokens_per_s:13.0f}{r.cpu_us:12.0f}{r.errors:8d}")
+    ours = next((n for n in results if n.startswith("fulcrum (estimate")), None)
+    if ours is not None:
+        if "vllm-router" in results:
+            ratio = results[ours].rps / results["vllm-router"].rps
+            print(f"{ours} / vllm-router requests/s: {ratio:.2f}x (aim >= 0.5x)")
+        print(f"{ours} added p99 latency: {results[ours].p99_ms - d.p99_ms:.3f} ms (aim <= 2 ms)")
     for n in notes:
         print("note:", n)
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -57,6 +58,10 @@ log = logging.getLogger(__name__)
 
 PolicyFactory = Callable[[str, Mapping[str, Any]], Policy]
 """Builds the policy named in the config with its parameters."""
+
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_ID_COUNTER = itertools.count()
+"""Request ids: a random per-process prefix and a counter (unique, and cheaper than a uuid per request)."""
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) ``max_tokens`` when a completions request leaves it out."""
@@ -177,8 +182,8 @@ async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: 
         so["include_usage"] = True
         body["stream_options"] = so
     return Exchange(
-        request_id=uuid.uuid4().hex, endpoint=endpoint, req=req, body=body, stream=stream, client_usage=client_usage,
-        prompt=prompt, max_tokens=cap, model=model or "", created=int(time.time()), t0=t0,
+        request_id=f"{_ID_PREFIX}{next(_ID_COUNTER):x}", endpoint=endpoint, req=req, body=body, stream=stream,
+        client_usage=client_usage, prompt=prompt, max_tokens=cap, model=model or "", created=int(time.time()), t0=t0,
     )
 
 
@@ -214,12 +219,12 @@ async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: Client
     if d.kind == "colocated" or d.second is None:
         return await run_colocated(st.pool, ex, d.first, sink)
     if disagg_blocker(ex) is not None:
-        st.metrics.handoff_guard.labels("not-handed-off").inc()
+        st.metrics.child(st.metrics.handoff_guard, "not-handed-off").inc()
         return await run_colocated(st.pool, ex, d.second, sink)
     if d.kind == "split" and d.handoff_after > 0:
         return await run_split(st.pool, ex, d.first, d.second, d.handoff_after, sink, st.metrics, bs)
     if d.kind == "split" and d.split_token < ex.prompt.count:
-        st.metrics.handoff_guard.labels("partial-prefix").inc()
+        st.metrics.child(st.metrics.handoff_guard, "partial-prefix").inc()
     return await run_disaggregated(st.pool, ex, d.first, d.second, sink, st.metrics, bs)
 
 
@@ -228,9 +233,9 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
     try:
         ex = await _admit(st, request, endpoint, t0)
     except RouterHTTPError as err:
-        st.metrics.responses.labels(endpoint, str(err.status)).inc()
+        st.metrics.child(st.metrics.responses, endpoint, str(err.status)).inc()
         return _error_response(err)
-    st.metrics.admitted.labels(endpoint).inc()
+    st.metrics.child(st.metrics.admitted, endpoint).inc()
     cap = ex.max_tokens if ex.max_tokens is not None else max(1, (st.config.max_model_len or ex.prompt.max_model_len or 4096) - ex.prompt.count)
     info = RequestInfo(request_id=ex.request_id, prompt_tokens=ex.prompt.count, max_tokens=cap,
                        predicted_output_tokens=st.predictor.predict(ex.prompt.count, cap))
@@ -241,11 +246,11 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
         resp = await _attempts(st, ex, info, sink)
     except ClientGone:
         st.metrics.aborts.inc()
-        st.metrics.responses.labels(endpoint, "499").inc()
+        st.metrics.child(st.metrics.responses, endpoint, "499").inc()
         return sink.response if sink.response is not None else web.Response(status=499)
     except asyncio.CancelledError:
         st.metrics.aborts.inc()
-        st.metrics.responses.labels(endpoint, "499").inc()
+        st.metrics.child(st.metrics.responses, endpoint, "499").inc()
         raise
     return resp
 
@@ -262,7 +267,7 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
                 return _finish_error(st, ex, UpstreamError(last.message))
             return _finish_error(st, ex, NoHealthyInstance(f"no healthy instance can take the request: {err}"))
         st.metrics.decision(st.policy.name, d.kind, d.reason, d.phi)
-        st.metrics.routed.labels(d.kind).inc()
+        st.metrics.child(st.metrics.routed, d.kind).inc()
         st.policy.on_start(info, d, st.clock())
         try:
             out = await _execute(st, ex, d, sink)
@@ -274,7 +279,7 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
                 return sink.answer()
             exclude.append(err.instance)
             if attempt < st.config.max_retries:
-                st.metrics.retries.labels("before-stream").inc()
+                st.metrics.child(st.metrics.retries, "before-stream").inc()
             continue
         except RouterHTTPError as err:
             if sink.started:
@@ -293,7 +298,7 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
         if sink.started:  # cannot happen: non-200 answers come before any event
             await _stream_error(sink, UpstreamError(f"upstream answered HTTP {out.status}"))
             return sink.answer()
-        st.metrics.responses.labels(ex.endpoint, str(out.status)).inc()
+        st.metrics.child(st.metrics.responses, ex.endpoint, str(out.status)).inc()
         return web.Response(status=out.status, body=out.body or b"", content_type="application/json")
     _observe_done(st, ex, sink, out, "200")
     if not ex.stream:
@@ -305,7 +310,7 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
 
 def _observe_done(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome | None, status: str) -> None:
     m = st.metrics
-    m.responses.labels(ex.endpoint, status).inc()
+    m.child(m.responses, ex.endpoint, status).inc()
     now = st.clock()
     m.e2e.observe(now - ex.t0)
     if out is None:
@@ -318,7 +323,7 @@ def _observe_done(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome 
 
 
 def _finish_error(st: RouterState, ex: Exchange, err: RouterHTTPError) -> web.Response:
-    st.metrics.responses.labels(ex.endpoint, str(err.status)).inc()
+    st.metrics.child(st.metrics.responses, ex.endpoint, str(err.status)).inc()
     return _error_response(err)
 
 
@@ -370,10 +375,18 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 # ------------------------------------------------------------------------------------------ lifecycle
-async def _watch_registry(st: RouterState) -> None:
+async def _watch_registry(st: RouterState, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+    """Follow the registry; a watch that fails is logged and started again a second later."""
     assert st.pool is not None
-    async for records in st.registry.watch():
-        st.pool.set_records(records)
+    while True:
+        try:
+            async for records in st.registry.watch():
+                st.pool.set_records(records)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the router keeps its last instance list meanwhile
+            log.exception("instance registry watch failed; keeping the last instance list and watching again")
+        await sleep(1.0)
 
 
 async def _watch_config(st: RouterState, sleep: Callable[[float], Any]) -> None:
@@ -429,7 +442,8 @@ def create_app(
         else:
             connector = aiohttp.TCPConnector(limit=st.config.connection_limit, limit_per_host=0,
                                              keepalive_timeout=60, enable_cleanup_closed=False)
-            session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
+            session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
+                                            cookie_jar=aiohttp.DummyCookieJar())
         st.pool = UpstreamPool(session, st.config, st.metrics, clock)
         st.pool.set_records(await st.registry.snapshot())
         st.metrics.attach_pool(lambda: st.pool.views() if st.pool is not None else [])

@@ -67,10 +67,10 @@ class InstanceConfig(_Strict):
     url: str
     role: Literal["prefill", "decode", "both"] = "both"
     pool: str = "default"
-    tp: int = Field(1, ge=1)
-    max_concurrency: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    kv_capacity_tokens: int = Field(0, ge=0)
+    tp: int = Field(default=1, ge=1)
+    max_concurrency: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    kv_capacity_tokens: int = Field(default=0, ge=0)
     model: str = ""
 
     def record(self) -> InstanceRecord:
@@ -93,16 +93,16 @@ class EtcdConfig(_Strict):
 class Timeouts(_Strict):
     """Upstream time limits, seconds."""
 
-    connect_s: float = Field(2.0, gt=0)
+    connect_s: float = Field(default=2.0, gt=0)
     """TCP connect to an engine; a dead pod refuses or times out fast, so short."""
-    first_token_s: float = Field(60.0, gt=0)
+    first_token_s: float = Field(default=60.0, gt=0)
     """Until the first streamed event (or a non-streamed answer's headers when ``request_s`` is larger): a
     queue of long prefills can take tens of seconds, past that the instance is treated as stuck."""
-    idle_s: float = Field(60.0, gt=0)
+    idle_s: float = Field(default=60.0, gt=0)
     """Longest silence between two streamed events once streaming."""
-    request_s: float = Field(600.0, gt=0)
+    request_s: float = Field(default=600.0, gt=0)
     """Whole upstream call (non-streamed answers arrive only at the end)."""
-    health_s: float = Field(2.0, gt=0)
+    health_s: float = Field(default=2.0, gt=0)
     """One ``/health`` probe."""
 
 
@@ -111,9 +111,9 @@ class RouterConfig(_Strict):
 
     model: str | None = None
     """Served model name; None = accept any and report the instances' names."""
-    max_model_len: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
     """Context limit, tokens; None = learn it from the engines' ``/tokenize`` answers."""
-    kv_block_size: int = Field(16, ge=1)
+    kv_block_size: int = Field(default=16, ge=1)
     """The engines' KV block size, tokens (vLLM's default 16); the handoff guard depends on it."""
     token_count: Literal["tokenize", "estimate"] = "tokenize"
     """How the prompt length is known: an engine's ``/tokenize`` (exact) or a byte estimate (no round trip)."""
@@ -121,19 +121,19 @@ class RouterConfig(_Strict):
     registry: Literal["static", "etcd", "kubernetes"] = "static"
     etcd: EtcdConfig = Field(default_factory=EtcdConfig)
     instances: tuple[InstanceConfig, ...] = ()
-    timeouts: Timeouts = Timeouts()
-    max_retries: int = Field(2, ge=0, le=10)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    max_retries: int = Field(default=2, ge=0, le=10)
     """Other instances tried when one fails before anything was streamed."""
-    eject_after_failures: int = Field(3, ge=1)
+    eject_after_failures: int = Field(default=3, ge=1)
     """Consecutive 5xx answers that eject an instance (connect errors and timeouts eject at once)."""
-    eject_base_s: float = Field(1.0, gt=0)
+    eject_base_s: float = Field(default=1.0, gt=0)
     """First ejection length; doubles on each ejection in a row, up to ``eject_max_s``."""
-    eject_max_s: float = Field(30.0, gt=0)
-    health_interval_s: float = Field(5.0, gt=0)
+    eject_max_s: float = Field(default=30.0, gt=0)
+    health_interval_s: float = Field(default=5.0, gt=0)
     """Period of the ``/health`` probes (ejected instances are re-admitted by a passing probe after backoff)."""
-    connection_limit: int = Field(1000, ge=1)
+    connection_limit: int = Field(default=1000, ge=1)
     """Pooled upstream connections, all instances together."""
-    reload_interval_s: float = Field(2.0, gt=0)
+    reload_interval_s: float = Field(default=2.0, gt=0)
     """Period of the config file's mtime check."""
 
     def records(self) -> list[InstanceRecord]:

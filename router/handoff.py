@@ -7,19 +7,29 @@ DESIGN, "The split of one request" and "A real vLLM engine on the CPU". Shared b
   ``kv_transfer_params = {"do_remote_decode": true, ...}``; its answer's ``kv_transfer_params`` go unchanged with
   the original request to engine B, which pulls the prompt's KV and generates everything. A's token is dropped.
 - **split after k tokens** (s = P + k): A gets the prompt as token ids with ``max_tokens = k + 1``,
-  ``return_token_ids`` and ``logprobs = 0`` (whose ``text_offset`` cuts A's text after token k); the client gets
-  A's first k tokens, then B continues from prompt + those k token ids with A's ``kv_transfer_params`` and
-  ``max_tokens`` reduced by k. A's (k+1)-th token is dropped (B regenerates it from the same KV). The client sees
-  one stream and one answer; ``usage`` says prompt P and completion k + B's tokens.
+  ``return_token_ids`` and ``logprobs = 0`` (each token's own string, to cut A's text after token k:
+  :func:`text_cut`); the client gets A's first k tokens, then B continues from prompt + those k token ids with
+  A's ``kv_transfer_params`` and ``max_tokens`` reduced by k. A's (k+1)-th token is dropped (B regenerates it
+  from the same KV). The client sees one stream and one answer; ``usage`` says prompt P and completion k + B's
+  tokens. Where no exact cut exists (token k ends inside a UTF-8 character), B continues from the prompt alone
+  on the same KV (k = 0): correct, only A's k tokens of work are lost. Chat requests run both parts through
+  ``/v1/completions`` on the chat-templated token ids and are answered in the chat format.
 
 **The block-coverage guard.** B must never get a prompt whose KV the transferred blocks do not cover: vLLM's
-decode engine asserts ``num_decode_blocks <= len(prefill_group)`` and dies. Seen on vLLM CPU (DESIGN): A's
-blocks cover P + k − 1 tokens when k ≥ 1 (P when k = 0), so B's prompt of P + k tokens needs one block more
-exactly when (P + k − 1) is a multiple of the block size. Two defences, both pure functions:
+decode engine asserts ``num_decode_blocks <= len(prefill_group)`` (NIXL connector, ``_apply_prefix_caching``)
+and dies. DESIGN reports, from vLLM CPU runs: A's blocks cover P + k − 1 tokens when k ≥ 1 (P when k = 0), so
+B's prompt of P + k tokens needs one block more exactly when (P + k − 1) is a multiple of the block size. Two
+defences, both pure functions:
 
-1. :func:`plan_handoff` moves k down to the nearest safe value before A runs (k = 0 is always safe);
-2. :func:`handoff_is_safe` checks B's block need against the number of ``remote_block_ids`` A actually
-   returned; when they do not cover it, B runs without the KV (it recomputes the prefix) instead of dying.
+1. :func:`plan_handoff` moves k down to the nearest value safe under that model before A runs (k = 0 is
+   always safe);
+2. :func:`handoff_is_safe` checks B's block need against what A actually returned — the number of
+   ``remote_block_ids`` and ``remote_num_tokens`` — and when they do not cover B's prompt, B runs without the
+   KV (it recomputes the prefix) instead of dying.
+
+(On vLLM CPU 0.32 with block size 32, A run with ``max_tokens = k + 1`` returned ⌈(P + k) / 32⌉ blocks and
+``remote_num_tokens = P + k`` at every k tried, boundaries included, and B continued correctly from all k
+tokens; the first defence is then only conservative, the second exact.)
 
 Partial-prefix splits (s < P) are refused (run as disaggregated): the KV connector cannot move a partial
 prompt safely (DESIGN).
@@ -44,10 +54,14 @@ __all__ = [
     "blocks_needed",
     "predicted_covered_tokens",
     "remote_block_count",
+    "remote_token_count",
     "handoff_is_safe",
     "HandoffPlan",
     "plan_handoff",
     "split_blocker",
+    "text_cut",
+    "Cut",
+    "choose_cut",
     "run_colocated",
     "run_disaggregated",
     "run_split",
@@ -96,20 +110,39 @@ def remote_block_count(kv_params: dict[str, Any] | None) -> int | None:
     return len(ids)
 
 
-def handoff_is_safe(prompt_tokens: int, k: int, block_size: int, remote_blocks: int | None = None) -> bool:
+def handoff_is_safe(prompt_tokens: int, k: int, block_size: int, remote_blocks: int | None = None,
+                    remote_tokens: int | None = None) -> bool:
     """Whether B may get a prompt of P + k tokens on A's KV.
 
     Args:
         prompt_tokens: P, tokens.
         k: A's generated tokens given to B, tokens (0 = disaggregated).
         block_size: the engines' KV block size, tokens.
-        remote_blocks: blocks A actually returned; None = use :func:`predicted_covered_tokens`.
+        remote_blocks: blocks A actually returned (``len(remote_block_ids)``); None = use
+            :func:`predicted_covered_tokens`.
+        remote_tokens: tokens A says its KV holds (``remote_num_tokens``), or None when it does not say.
 
     Returns:
-        True when ⌈(P + k) / block_size⌉ ≤ the blocks A transfers.
+        True when ⌈(P + k) / block_size⌉ equals the blocks A transfers (≤ the predicted ones when A's answer is
+        not known yet) and P + k − 1 ≤ the tokens A computed (B recomputes the last token of its prompt, as
+        vLLM's decode side always does).
     """
-    have = remote_blocks if remote_blocks is not None else blocks_needed(predicted_covered_tokens(prompt_tokens, k), block_size)
-    return blocks_needed(prompt_tokens + k, block_size) <= have
+    n = prompt_tokens + k
+    if remote_tokens is not None and n - 1 > remote_tokens:
+        return False  # B computes its prompt's last token itself; the KV must hold every token before it
+    if remote_blocks is not None:
+        # B's decode side end-trims A's block list to the blocks it needs: more blocks than A sent trips its
+        # assertion, fewer would take A's *last* blocks for the start of the prompt (wrong KV, silently)
+        return blocks_needed(n, block_size) == remote_blocks
+    return blocks_needed(n, block_size) <= blocks_needed(predicted_covered_tokens(prompt_tokens, k), block_size)
+
+
+def remote_token_count(kv_params: dict[str, Any] | None) -> int | None:
+    """``remote_num_tokens`` of A's ``kv_transfer_params`` (vLLM ≥ 0.11 sends it), or None."""
+    if not isinstance(kv_params, dict):
+        return None
+    n = kv_params.get("remote_num_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +174,67 @@ def plan_handoff(prompt_tokens: int, k: int, block_size: int, max_tokens: int | 
     while kk > 0 and not handoff_is_safe(prompt_tokens, kk, block_size):
         kk -= 1
     return HandoffPlan(k=kk, adjusted=kk != k)
+
+
+def text_cut(text: str, token_strings: list[str] | None, k: int) -> str | None:
+    """The text of A's first k tokens, cut from A's whole text, or None when no exact cut is known.
+
+    vLLM's ``logprobs.text_offset`` sums the lengths of tokens decoded one by one, which drifts from the text
+    wherever a token holds part of a UTF-8 character; so the cut removes the dropped tokens' own strings
+    (tokens k + 1 ... of ``token_strings``) from the end instead, and only where that is exact: token k and
+    every dropped token decode alone without U+FFFD (whole characters, so the cut falls on a character
+    boundary) and the text ends with their strings joined (which fails for tokenizers whose tokens decode
+    differently alone, e.g. SentencePiece's leading space). A cut inside a character is refused for a second
+    reason: a prompt ending mid-character makes vLLM's incremental detokenizer on B emit its whole prompt as
+    output (seen on vLLM CPU 0.32).
+
+    Args:
+        text: A's generated text.
+        token_strings: ``logprobs.tokens`` of A's answer (each token decoded alone), or None.
+        k: tokens handed to B (1 ≤ k < len(token_strings)).
+    """
+    if token_strings is None or not 1 <= k < len(token_strings):
+        return None
+    kept_last, dropped = token_strings[k - 1], token_strings[k:]
+    if not all(isinstance(t, str) and t for t in (kept_last, *dropped)):
+        return None
+    tail = "".join(dropped)
+    if "\ufffd" in kept_last + tail or not text.endswith(kept_last + tail):
+        return None
+    return text[: len(text) - len(tail)]
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """Where B takes over once A has answered.
+
+    Attributes:
+        k: A's tokens B continues from (0 = from the prompt alone), tokens.
+        text: the text of those k tokens (what the client gets from A).
+        use_kv: B gets A's ``kv_transfer_params`` (else B recomputes its whole prompt).
+    """
+
+    k: int
+    text: str
+    use_kv: bool
+
+
+def choose_cut(text: str, token_strings: list[str] | None, k: int, prompt_tokens: int, block_size: int,
+               remote_blocks: int | None, remote_tokens: int | None) -> Cut:
+    """The largest k' ≤ k with an exact text cut (:func:`text_cut`) whose prompt A's KV fits exactly
+    (:func:`handoff_is_safe`); else the prompt alone on the KV when that fits; else the largest exact cut
+    without the KV; else the prompt alone without it. Pure."""
+    clean: Cut | None = None
+    for kk in range(k, 0, -1):
+        t = text_cut(text, token_strings, kk)
+        if t is None:
+            continue
+        if handoff_is_safe(prompt_tokens, kk, block_size, remote_blocks, remote_tokens):
+            return Cut(kk, t, True)
+        clean = clean or Cut(kk, t, False)
+    if handoff_is_safe(prompt_tokens, 0, block_size, remote_blocks, remote_tokens):
+        return Cut(0, "", True)
+    return clean or Cut(0, "", False)
 
 
 def split_blocker(ex: Exchange) -> str | None:
@@ -216,11 +310,11 @@ async def run_disaggregated(pool: UpstreamPool, ex: Exchange, a: str, b: str, si
     pt = u.get("prompt_tokens") if isinstance(u, dict) else None
     p_exact = pt if isinstance(pt, int) else ex.prompt.count
     body = dict(ex.body)
-    if isinstance(kv, dict) and handoff_is_safe(p_exact, 0, block_size, remote_block_count(kv)):
+    if isinstance(kv, dict) and handoff_is_safe(p_exact, 0, block_size, remote_block_count(kv), remote_token_count(kv)):
         body["kv_transfer_params"] = kv
         queued = 0
     else:
-        metrics.handoff_guard.labels("no-kv" if not isinstance(kv, dict) else "fallback").inc()
+        metrics.child(metrics.handoff_guard, "no-kv" if not isinstance(kv, dict) else "fallback").inc()
         queued = p_exact
     return await _relay_b(pool, ex, b, ex.path, body, sink, metrics, "disaggregated", a_done, queued, p_exact, None)
 
@@ -239,15 +333,16 @@ async def _relay_b(pool: UpstreamPool, ex: Exchange, b: str, path: str, body: di
         sink.watch_next = False
     if out.status == 200 and sink.next_token_at is not None:
         gap = max(0.0, sink.next_token_at - a_done)
-        metrics.handoff.labels(kind).observe(gap)
+        metrics.child(metrics.handoff, kind).observe(gap)
         if "kv_transfer_params" in body:
-            metrics.kv_transfer.labels(kind).observe(gap)
+            metrics.child(metrics.kv_transfer, kind).observe(gap)
     return out
 
 
 # ----------------------------------------------------------------------------------------------- split
-def _usage(p: int, c: int) -> dict[str, int]:
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def _usage(p: int, c: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Usage of the whole request: prompt P, completion c (other fields of the engine's usage kept)."""
+    return {**(extra or {}), "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 class _Shape:
@@ -270,11 +365,11 @@ class _Shape:
             choice["stop_reason"] = stop_reason
         return {"id": self.id, "object": obj, "created": self.ex.created, "model": self.ex.model, "choices": [choice]}
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.ex.created, "model": self.ex.model, "choices": [], "usage": usage}
 
-    def whole(self, text: str, finish: str | None, stop_reason: Any, usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish: str | None, stop_reason: Any, usage: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                       "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
@@ -301,18 +396,6 @@ async def _prompt_ids(pool: UpstreamPool, ex: Exchange) -> tuple[int, ...] | Non
     return got.ids
 
 
-def _text_before(choice: dict[str, Any], k: int) -> str | None:
-    """The text of the first k generated tokens, cut at ``logprobs.text_offset[k]``."""
-    lp = choice.get("logprobs")
-    text = choice.get("text")
-    if not isinstance(lp, dict) or not isinstance(text, str):
-        return None
-    off = lp.get("text_offset")
-    if not isinstance(off, list) or len(off) <= k or not all(isinstance(o, int) for o in off[: k + 1]):
-        return None
-    return text[: off[k] - off[0]]
-
-
 async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, sink: ClientSink,
                     metrics: RouterMetrics, block_size: int) -> Outcome:
     """A generates k tokens (the client gets them), B continues on A's KV (module docstring).
@@ -328,7 +411,7 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
     if plan.colocated:
         return await run_colocated(pool, ex, a, sink)
     if plan.adjusted:
-        metrics.handoff_guard.labels("adjusted").inc()
+        metrics.child(metrics.handoff_guard, "adjusted").inc()
     if plan.k == 0 or split_blocker(ex) is not None:
         return await run_disaggregated(pool, ex, a, b, sink, metrics, block_size)
     k = plan.k
@@ -355,17 +438,27 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
     u = out.data.get("usage")
     usage: dict[str, Any] = u if isinstance(u, dict) else {}
     p = int(usage.get("prompt_tokens") or (len(p_ids) if p_ids else ex.prompt.count))
-    if not isinstance(gen, list) or len(gen) < k + 1 or choice.get("finish_reason") != "length":
+    if choice.get("finish_reason") != "length":
         # A finished on its own (stop, EOS) before the handoff point: its answer is the whole answer
         text = str(choice.get("text") or "")
         n = len(gen) if isinstance(gen, list) else int(usage.get("completion_tokens") or 0)
         return await _emit_whole(ex, shape, sink, text, choice.get("finish_reason"), choice.get("stop_reason"), _usage(p, n))
-    text_k = _text_before(choice, k)
-    if text_k is None or not p_ids:
-        log.warning("engine %s returned no token ids or text offsets: running %s colocated on %s", a, ex.request_id, b)
-        metrics.handoff_guard.labels("no-token-ids").inc()
+    if not isinstance(gen, list) or len(gen) < k + 1 or not p_ids:
+        log.warning("engine %s returned no token ids (return_token_ids unsupported?): running %s colocated on %s",
+                    a, ex.request_id, b)
+        metrics.child(metrics.handoff_guard, "no-token-ids").inc()
         return await run_colocated(pool, ex, b, sink)
+    lp = choice.get("logprobs")
+    strings = lp.get("tokens") if isinstance(lp, dict) and isinstance(lp.get("tokens"), list) else None
     kv = out.data.get("kv_transfer_params")
+    kv_ok = isinstance(kv, dict)
+    cut = choose_cut(str(choice.get("text") or ""), strings, k, p, block_size,
+                     remote_block_count(kv) if kv_ok else 0, remote_token_count(kv) if kv_ok else None)
+    if cut.k != k:
+        metrics.child(metrics.handoff_guard, "moved-cut").inc()
+    if not cut.use_kv:
+        metrics.child(metrics.handoff_guard, "fallback" if kv_ok else "no-kv").inc()
+    k, text_k = cut.k, cut.text
     b_body = dict(base, prompt=list(p_ids) + list(gen[:k]), stream=ex.stream)
     if ex.max_tokens is not None:
         b_body["max_tokens"] = ex.max_tokens - k
@@ -374,25 +467,27 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
     if ex.stream:
         b_body["stream_options"] = {"include_usage": True}
     queued = p + k
-    if isinstance(kv, dict) and handoff_is_safe(p, k, block_size, remote_block_count(kv)):
+    if cut.use_kv:
         b_body["kv_transfer_params"] = kv
         queued = 0
-    else:
-        metrics.handoff_guard.labels("fallback" if isinstance(kv, dict) else "no-kv").inc()
-    if ex.stream:
+    first_sent = [False]
+    if ex.stream and k > 0:
         await sink.send(encode_event(shape.chunk(text_k, first=True)), tokens=k)
+        first_sent[0] = True
 
     def transform(obj: dict[str, Any]) -> dict[str, Any] | None:
-        if is_usage_only(obj):
-            u = obj["usage"]
-            return shape.usage_chunk(_usage(p, k + int(u.get("completion_tokens") or 0)))
-        if "choices" in obj and "usage" in obj and isinstance(obj.get("usage"), dict) and not ex.stream:
-            ch = obj["choices"][0] if obj["choices"] else {}
-            u = obj["usage"]
+        raw_u = obj.get("usage")
+        u: dict[str, Any] = raw_u if isinstance(raw_u, dict) else {}
+        if not ex.stream:  # B's whole answer
+            ch = (obj.get("choices") or [{}])[0]
             return shape.whole(text_k + str(ch.get("text") or ""), ch.get("finish_reason"), ch.get("stop_reason"),
-                               _usage(p, k + int(u.get("completion_tokens") or 0)))
+                               _usage(p, k + int(u.get("completion_tokens") or 0), u))
+        if is_usage_only(obj):
+            return shape.usage_chunk(_usage(p, k + int(u.get("completion_tokens") or 0), u))
         ch = (obj.get("choices") or [{}])[0]
-        return shape.chunk(str(ch.get("text") or ""), ch.get("finish_reason"), ch.get("stop_reason"))
+        first = not first_sent[0]
+        first_sent[0] = True
+        return shape.chunk(str(ch.get("text") or ""), ch.get("finish_reason"), ch.get("stop_reason"), first=first)
 
     res = await _relay_b(pool, ex, b, "/v1/completions", b_body, sink, metrics, "split", a_done, queued, p + k, transform)
     if res.status == 200:
@@ -402,7 +497,7 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
 
 
 async def _emit_whole(ex: Exchange, shape: _Shape, sink: ClientSink, text: str, finish: Any, stop_reason: Any,
-                      usage: dict[str, int]) -> Outcome:
+                      usage: dict[str, Any]) -> Outcome:
     if not ex.stream:
         data = shape.whole(text, finish, stop_reason, usage)
         return Outcome(200, json.dumps(data).encode(), usage["completion_tokens"], usage["prompt_tokens"], data)

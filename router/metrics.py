@@ -10,6 +10,7 @@ request costs no gauge update. Latencies are seconds, lengths tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -74,7 +75,16 @@ class RouterMetrics:
         self.ejections = Counter("fulcrum_router_ejections", "Instances ejected", ["instance", "cause"], registry=r)
         self.retries = Counter("fulcrum_router_retries", "Upstream calls retried on another instance", ["stage"], registry=r)
         self.aborts = Counter("fulcrum_router_client_aborts", "Requests whose client went away (upstream work cancelled)", registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.upstream_errors = Counter("fulcrum_router_upstream_errors", "Upstream failures by cause", ["cause"], registry=r)
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached (the lookup costs more than the increment on the hot path)."""
+        key = (id(metric), labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*labels)
+        return got
 
     def attach_pool(self, views: Callable[[], Sequence[InstanceView]]) -> None:
         """Expose per-instance gauges read from ``views()`` at scrape time."""
@@ -83,7 +93,7 @@ class RouterMetrics:
     def decision(self, policy: str, kind: str, reason: str, phi: float | None) -> None:
         """Count one policy decision (reason: its first word)."""
         word = reason.split(maxsplit=1)[0].strip(":,;.").lower() if reason.strip() else "none"
-        self.decisions.labels(policy, kind, word[:40]).inc()
+        self.child(self.decisions, policy, kind, word[:40]).inc()
         if phi is not None and kind == "split":
             self.split_ratio.observe(phi)
 

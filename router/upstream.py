@@ -241,7 +241,7 @@ class UpstreamPool:
     # ---------------------------------------------------------------- failures
     def record_failure(self, iid: str, cause: FailureCause) -> None:
         """Count a failure; eject per the rules in the module docstring."""
-        self.metrics.upstream_errors.labels(cause).inc()
+        self.metrics.child(self.metrics.upstream_errors, cause).inc()
         st = self._states.get(iid)
         if st is None:
             return
@@ -268,7 +268,7 @@ class UpstreamPool:
         length = min(self.config.eject_base_s * 2 ** (st.ejections_in_a_row - 1), self.config.eject_max_s)
         st.ejected_until = now + length
         st.consecutive_failures = 0
-        self.metrics.ejections.labels(iid, cause).inc()
+        self.metrics.child(self.metrics.ejections, iid, cause).inc()
         log.warning("instance %s ejected for %.1f s (%s)", iid, length, cause)
 
     # ---------------------------------------------------------------- calls

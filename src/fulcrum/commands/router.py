@@ -9,6 +9,8 @@ Kubernetes ConfigMap mount); an invalid change is logged and the last good confi
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import logging
 from typing import Any
 
@@ -22,6 +24,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="event loop: uvloop where installed (auto, the default), or the standard asyncio loop")
     p.set_defaults(func=run)
 
 
@@ -43,7 +47,23 @@ def run(args: argparse.Namespace) -> int:
         registry = EtcdRegistry(config.etcd.endpoint, config.etcd.namespace, config.etcd.llmserve)
     elif config.registry == "kubernetes":
         raise ValueError("router config: registry 'kubernetes' is not implemented yet; use 'static' or 'etcd'")
+    if args.loop != "asyncio":  # optional: uvloop makes aiohttp's loop faster where it is installed
+        try:
+            import uvloop
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        except ImportError:
+            if args.loop == "uvloop":
+                raise ValueError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
     app = create_app(config, registry, config_path=args.config)
+
+    async def freeze_heap(app: web.Application) -> None:
+        # objects alive after start-up (modules, metrics, the app) never die: keep them out of the garbage
+        # collector's scans, which otherwise stall a request now and then (tail latency)
+        gc.collect()
+        gc.freeze()
+
+    app.on_startup.append(freeze_heap)
     if registry is not None:
         owned = registry
 
