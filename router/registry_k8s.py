@@ -37,7 +37,7 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Literal, cast
 
-import kubernetes  # type: ignore[import-untyped]
+import kubernetes  # type: ignore[import-untyped,unused-ignore]  # typed from 37 on
 
 from fulcrum.errors import FulcrumError
 from fulcrum.router.registry import InstanceRecord
@@ -251,9 +251,9 @@ class KubernetesRegistry:
             if cfg is None:
                 cfg = kubernetes.client.Configuration()
                 try:
-                    kubernetes.config.load_incluster_config(client_configuration=cfg)
+                    kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call,unused-ignore]
                 except kubernetes.config.ConfigException:
-                    kubernetes.config.load_kube_config(client_configuration=cfg)
+                    kubernetes.config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call,unused-ignore]
             self._api_client = kubernetes.client.ApiClient(cfg)
             self._api = kubernetes.client.DiscoveryV1Api(self._api_client)
         return self._api

@@ -46,7 +46,7 @@ from .engines import BLOCK_SIZE, Engine, EngineSpec, build_tiny_model, post_json
 pytestmark = pytest.mark.vllm
 
 COMPLETION_PROMPT = "import os\nimport sys\n\nclass Foo(object):\n    def __init__(self, x):"
-CHAT_CONTENT = "def fibonacci(n):\n    if n < 2:\n        return n"
+CHAT_CONTENT = "def fibonacci(n):"
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
@@ -181,10 +181,11 @@ async def ask(client: TestClient[Any, Any], path: str, body: dict[str, Any], str
 
 
 def split_ks(p: int) -> list[int]:
-    """k to split at for a prompt of p < 32 tokens: 1, 2 and the four k that put B's prompt P + k at
-    31, 32 (one full block), 33 (the guard's boundary, P + k − 1 = 32) and 34 tokens (two blocks)."""
-    assert p < BLOCK_SIZE - 2, f"prompt of {p} tokens: the test wants it within the first block"
-    return sorted({1, 2} | {BLOCK_SIZE - 1 - p, BLOCK_SIZE - p, BLOCK_SIZE + 1 - p, BLOCK_SIZE + 2 - p})
+    """k to split a prompt of p tokens at: 1, 2 and the five k that put B's prompt P + k at m − 1, m (full
+    blocks), m + 1 (the guard's boundary, P + k − 1 = m), m + 2 and m + 3 tokens (one block more), where m is
+    the first multiple of the block size above p."""
+    m = (p // BLOCK_SIZE + 1) * BLOCK_SIZE
+    return sorted({1, 2} | {m + d - p for d in (-1, 0, 1, 2, 3)} - {0})
 
 
 def prompt_tokens(engine: Engine, body: dict[str, Any]) -> int:
@@ -226,6 +227,7 @@ async def test_colocated_disaggregated_and_split_answers_are_identical_streamed_
     assert (after[0] - before[0], after[1] - before[1]) == (max_tokens, 0)  # all on A
     assert reference  # the tiny model writes something
 
+    kv_handoffs: list[int] = []  # B's prompt length (tokens) of each split that B ran on A's KV
     runs = [("colocated", 0)] + [("disaggregated", 0)] + [("split", k) for k in ks]
     for stream in (False, True):
         for kind, k in runs:
@@ -245,6 +247,8 @@ async def test_colocated_disaggregated_and_split_answers_are_identical_streamed_
             after = settled_generated(engines, sum(before) + max_tokens + (kind != "colocated"))
             on_a, on_b = after[0] - before[0], after[1] - before[1]
             print(f"{where}: A generated {on_a:.0f} tokens, B {on_b:.0f}")  # shown with -s or -rP
+            if kind == "split" and not guard.keys() & {"fallback", "no-kv"}:
+                kv_handoffs.append(p + max_tokens - int(on_b))  # B's prompt: P + the k'' tokens A's text was cut at
             if kind == "colocated":
                 assert (on_a, on_b) == (max_tokens, 0), where
             elif kind == "disaggregated":
@@ -253,6 +257,8 @@ async def test_colocated_disaggregated_and_split_answers_are_identical_streamed_
                 k_a = on_a - 1  # A ran with max_tokens = k' + 1 (k' = k, or below k where the guard moved it)
                 assert 1 <= k_a <= k, where
                 assert max_tokens - k_a <= on_b <= max_tokens, where  # B continued after A's k'' ≤ k' tokens
+    crossed = [w for w in kv_handoffs if w > (p // BLOCK_SIZE + 1) * BLOCK_SIZE]
+    assert crossed, f"no split handed B a prompt past the block boundary on A's KV: {kv_handoffs}"
     pulled = engine_counter(engines[1], "vllm:prompt_tokens_by_source_total", "external_kv_transfer") - pulled_before
     assert pulled >= 2 * (p - 1)  # at least each disaggregated run's prompt KV came over NIXL, not recomputed
     assert [d.kind for d in routed.policy.decisions].count("split") == 2 * len(ks)
