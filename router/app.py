@@ -27,11 +27,12 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor
 from fulcrum.router.config import ConfigWatcher, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
 from fulcrum.router.handoff import disagg_blocker, run_colocated, run_disaggregated, run_split
@@ -47,7 +48,6 @@ from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
 __all__ = [
     "PolicyFactory",
     "OutputLengthPredictor",
-    "CapPredictor",
     "RouterState",
     "ROUTER",
     "create_app",
@@ -65,27 +65,6 @@ _ID_COUNTER = itertools.count()
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) ``max_tokens`` when a completions request leaves it out."""
-
-
-class OutputLengthPredictor(Protocol):
-    """Predicts a request's output length D (tokens) and learns from finished requests."""
-
-    def predict(self, prompt_tokens: int, max_tokens: int) -> int: ...
-
-    def observe(self, prompt_tokens: int, output_tokens: int) -> None: ...
-
-
-class CapPredictor:
-    """Stand-in predictor until a learnt one is plugged in: the client's cap, at most ``ceiling`` tokens."""
-
-    def __init__(self, ceiling: int = 256) -> None:
-        self.ceiling = ceiling
-
-    def predict(self, prompt_tokens: int, max_tokens: int) -> int:
-        return max(1, min(max_tokens, self.ceiling))
-
-    def observe(self, prompt_tokens: int, output_tokens: int) -> None:
-        return None
 
 
 def default_policy_factory(name: str, params: Mapping[str, Any]) -> Policy:
@@ -417,7 +396,8 @@ def create_app(
             follows config reloads.
         policy_factory: builds ``config.policy`` (and the new policy after a reload).
         clock: monotonic seconds for timing, ejection backoff and reload checks.
-        predictor: the output-length predictor (default :class:`CapPredictor`).
+        predictor: the output-length predictor (default: a per-ISL-bucket online quantile estimate plus Libra's
+            20-token margin, :class:`fulcrum.router.length_predictor.BucketedQuantilePredictor`).
         metrics: the metrics (default: new ones on their own registry).
         health_checks: run the periodic ``/health`` probes.
         session_factory: builds the shared upstream ``ClientSession`` (default: a pooled ``TCPConnector``).
@@ -430,7 +410,7 @@ def create_app(
     st = RouterState(
         config=config, registry=reg, policy_factory=policy_factory,
         policy=policy_factory(config.policy.name, config.policy.params), metrics=metrics or RouterMetrics(),
-        predictor=predictor or CapPredictor(), clock=clock, owns_registry=owns,
+        predictor=predictor or BucketedQuantilePredictor(), clock=clock, owns_registry=owns,
         config_path=Path(config_path) if config_path is not None else None,
     )
     app = web.Application(client_max_size=64 * 1024 * 1024)
