@@ -45,7 +45,7 @@ from .engines import BLOCK_SIZE, Engine, EngineSpec, build_tiny_model, post_json
 
 pytestmark = pytest.mark.vllm
 
-COMPLETION_PROMPT = "import os\nimport sys\n\nclass Foo(object):\n    def __init__(self, x):"
+COMPLETION_PROMPT = "class Node:\n    def __init__(self, value, next=None):"
 CHAT_CONTENT = "def fibonacci(n):"
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
@@ -162,7 +162,9 @@ def settled_generated(engines: tuple[Engine, Engine], expected_total: float) -> 
     return got
 
 
-async def ask(client: TestClient[Any, Any], path: str, body: dict[str, Any], stream: bool) -> tuple[str, dict[str, int]]:
+async def ask(
+    client: TestClient[Any, Any], path: str, body: dict[str, Any], stream: bool
+) -> tuple[str, dict[str, int]]:
     """(generated text, usage) of one request through the router; fails the test on any error."""
     req = dict(body, stream=stream)
     if stream:
@@ -208,6 +210,7 @@ def guard_actions(routed: Routed) -> dict[str, float]:
 async def test_colocated_disaggregated_and_split_answers_are_identical_streamed_or_not(
     engines: tuple[Engine, Engine], routed: Routed, endpoint: str
 ) -> None:
+    body: dict[str, Any]
     if endpoint == "completions":
         path, body = "/v1/completions", {"prompt": COMPLETION_PROMPT}
     else:
@@ -236,7 +239,8 @@ async def test_colocated_disaggregated_and_split_answers_are_identical_streamed_
             routed.policy.kind, routed.policy.k = kind, k
             before, guard_before = generated(engines), guard_actions(routed)
             text, usage = await ask(routed.client, path, body, stream)
-            guard = {a: n - guard_before.get(a, 0) for a, n in guard_actions(routed).items() if n > guard_before.get(a, 0)}
+            guard = {a: n - guard_before.get(a, 0) for a, n in guard_actions(routed).items()
+                     if n > guard_before.get(a, 0)}
             where = f"{kind} k={k} stream={stream} (P={p}, B's prompt {p + k} tokens, guard {guard})"
             # the guard drops A's KV only when the text cut had to move below k (token k ends inside a UTF-8
             # character) to where A's blocks no longer match B's prompt; B then recomputes, still exactly
