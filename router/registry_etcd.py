@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -36,6 +35,7 @@ import aetcd  # type: ignore[import-untyped]
 
 from fulcrum.errors import FulcrumError
 from fulcrum.router.registry import InstanceRecord, instance_key, instance_prefix
+from fulcrum.router.backoff import Backoff
 
 __all__ = ["EtcdRegistration", "EtcdRegistry", "RegistryUnavailableError", "parse_endpoints"]
 
@@ -92,27 +92,6 @@ def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
     if not result:
         raise ValueError("no etcd endpoint given")
     return result
-
-
-class _Backoff:
-    """Capped exponential backoff with ±20 % jitter (so many workers do not reconnect in lockstep)."""
-
-    def __init__(self, initial_s: float, max_s: float) -> None:
-        if initial_s <= 0 or max_s < initial_s:
-            raise ValueError("backoff needs 0 < initial_s <= max_s")
-        self.initial_s = initial_s
-        self.max_s = max_s
-        self._next = initial_s
-        self._rng = random.Random()
-
-    def reset(self) -> None:
-        self._next = self.initial_s
-
-    def next(self) -> float:
-        """The delay to wait now, seconds; doubles the following one up to ``max_s``."""
-        delay = self._next * self._rng.uniform(0.8, 1.2)
-        self._next = min(self._next * 2.0, self.max_s)
-        return min(delay, self.max_s)
 
 
 class _Endpoints:
@@ -184,7 +163,7 @@ class EtcdRegistry:
         self._prefix = instance_prefix(namespace, llmserve).encode()
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
-        _Backoff(backoff_initial_s, backoff_max_s)  # validate now, not at the first failure
+        Backoff(backoff_initial_s, backoff_max_s)  # validate now, not at the first failure
         self._sleep = sleep
         self._client: Any = None  # shared by snapshot(); each watch() has its own
 
@@ -229,7 +208,7 @@ class EtcdRegistry:
         router keeps the last list it saw). Never raises except ``CancelledError``; closing the generator (or
         cancelling the task iterating it) releases its connection.
         """
-        backoff = _Backoff(self._backoff_initial_s, self._backoff_max_s)
+        backoff = Backoff(self._backoff_initial_s, self._backoff_max_s)
         last: list[InstanceRecord] | None = None
         failures = 0
         while True:
@@ -328,7 +307,7 @@ class EtcdRegistration:
         self._llmserve = llmserve
         self._record = record
         self._ttl_s = int(ttl_s)
-        self._backoff = _Backoff(backoff_initial_s, backoff_max_s)
+        self._backoff = Backoff(backoff_initial_s, backoff_max_s)
         self._sleep = sleep
         self._task: asyncio.Task[None] | None = None
         self._first_attempt = asyncio.Event()

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Literal, cast
 
@@ -41,6 +40,7 @@ import kubernetes  # type: ignore[import-untyped,unused-ignore]  # typed from 37
 
 from fulcrum.errors import FulcrumError
 from fulcrum.router.registry import InstanceRecord
+from fulcrum.router.backoff import Backoff
 
 __all__ = ["KubernetesRegistry", "KubernetesRegistryError", "records_from_slice"]
 
@@ -58,27 +58,6 @@ class KubernetesRegistryError(FulcrumError):
 
 class _Gone(Exception):
     """The watch's resourceVersion is too old (410): list again."""
-
-
-class _Backoff:
-    """Capped exponential backoff with ±20 % jitter."""
-
-    def __init__(self, initial_s: float, max_s: float) -> None:
-        if initial_s <= 0 or max_s < initial_s:
-            raise ValueError("backoff needs 0 < initial_s <= max_s")
-        self.initial_s = initial_s
-        self.max_s = max_s
-        self._next = initial_s
-        self._rng = random.Random()
-
-    def reset(self) -> None:
-        self._next = self.initial_s
-
-    def next(self) -> float:
-        """The delay to wait now, seconds; doubles the following one up to ``max_s``."""
-        delay = self._next * self._rng.uniform(0.8, 1.2)
-        self._next = min(self._next * 2.0, self.max_s)
-        return min(delay, self.max_s)
 
 
 def _str_map(value: Any) -> dict[str, str]:
@@ -226,7 +205,7 @@ class KubernetesRegistry:
             raise ValueError("KubernetesRegistry needs a namespace")
         if request_timeout_s <= 0 or watch_timeout_s < 1:
             raise ValueError("request_timeout_s must be > 0 and watch_timeout_s >= 1")
-        _Backoff(backoff_initial_s, backoff_max_s)  # validate now, not at the first failure
+        Backoff(backoff_initial_s, backoff_max_s)  # validate now, not at the first failure
         self.namespace = namespace
         self.label_selector = label_selector
         self._parse_args: dict[str, str] = {
@@ -330,7 +309,7 @@ class KubernetesRegistry:
         the API is away nothing is yielded, so the router keeps the last list. Never raises except
         ``CancelledError``; closing the generator shuts its watch connection down.
         """
-        backoff = _Backoff(self._backoff_initial_s, self._backoff_max_s)
+        backoff = Backoff(self._backoff_initial_s, self._backoff_max_s)
         last: list[InstanceRecord] | None = None
         failures = 0
         while True:
