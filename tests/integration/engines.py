@@ -14,6 +14,7 @@ environment is missing. docs/vllm-cpu.md has the facts these tests establish.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from typing import Any
 import pytest
 
 __all__ = [
+    "engine_pair",
     "BLOCK_SIZE",
     "Engine",
     "EngineSpec",
@@ -311,3 +313,21 @@ if __name__ == "__main__":  # manual use: start one engine and keep it until Ctr
                 time.sleep(1)
         except KeyboardInterrupt:
             pass
+
+
+@contextlib.contextmanager
+def engine_pair(work: Path) -> Iterator[tuple["Engine", "Engine"]]:
+    """Engines A (core 0) and B (core 1) with NixlConnector (``kv_both``) on the tiny model built in ``work``,
+    started together; both are stopped on exit, also when either fails to start."""
+    model = build_tiny_model(work / "tiny-model")
+    a = Engine(EngineSpec("A", cpu=0), model, work)
+    b = Engine(EngineSpec("B", cpu=1), model, work)
+    try:
+        a.start()
+        b.start()
+        a.wait_ready()
+        b.wait_ready()
+        yield a, b
+    finally:
+        b.stop()
+        a.stop()

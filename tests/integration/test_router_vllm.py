@@ -41,7 +41,7 @@ from fulcrum.router.app import ROUTER, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
 from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
 
-from .engines import BLOCK_SIZE, Engine, EngineSpec, build_tiny_model, post_json, skip_unless_vllm  # noqa: E402
+from .engines import BLOCK_SIZE, Engine, engine_pair, post_json, skip_unless_vllm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -94,18 +94,8 @@ def engines(
     (or when either fails to start)."""
     skip_unless_vllm(request.config)
     work = tmp_path_factory.mktemp("vllm-router")
-    model = build_tiny_model(work / "tiny-model")
-    a = Engine(EngineSpec("A", cpu=0), model, work)
-    b = Engine(EngineSpec("B", cpu=1), model, work)
-    try:
-        a.start()
-        b.start()
-        a.wait_ready()
-        b.wait_ready()
-        yield a, b
-    finally:
-        b.stop()
-        a.stop()
+    with engine_pair(work) as pair:
+        yield pair
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from .engines import BLOCK_SIZE, Engine, EngineSpec, build_tiny_model, post_json, post_stream, skip_unless_vllm
+from .engines import BLOCK_SIZE, Engine, engine_pair, post_json, post_stream, skip_unless_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -43,18 +43,8 @@ def engines(
     """Engines A (core 0) and B (core 1) with NixlConnector, started together; stopped after the module."""
     skip_unless_vllm(request.config)
     work = tmp_path_factory.mktemp("vllm")
-    model = build_tiny_model(work / "tiny-model")
-    a = Engine(EngineSpec("A", cpu=0), model, work)
-    b = Engine(EngineSpec("B", cpu=1), model, work)
-    try:
-        a.start()
-        b.start()
-        a.wait_ready()
-        b.wait_ready()
-        yield a, b
-    finally:
-        b.stop()
-        a.stop()
+    with engine_pair(work) as pair:
+        yield pair
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:
