@@ -27,7 +27,7 @@ from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.planner import Decision
 from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy
-from fulcrum.target import ClusterTarget
+from fulcrum.target import ClusterTarget, PoolSize
 
 __all__ = ["FulcrumPlanner", "workload_from_forecast", "workload_from_observation", "forecast_dict"]
 
@@ -117,10 +117,10 @@ class FulcrumPlanner:
         sc = self.spec.scaling
         seed = plan(WorkloadEstimate.from_means(0.0, 1024, 256), self.profile, self.spec, self.settings)
         if seed.mode == "Unified":
-            return ClusterTarget(unified=type(seed.unified)(max(sc.initial_unified, 1), seed.unified.tp), routing=seed.routing)
+            return ClusterTarget(unified=PoolSize(max(sc.initial_unified, 1), seed.unified.tp), routing=seed.routing)
         return ClusterTarget(
-            prefill=type(seed.prefill)(max(sc.initial_prefill, 1), seed.prefill.tp),
-            decode=type(seed.decode)(max(sc.initial_decode, 1), seed.decode.tp),
+            prefill=PoolSize(max(sc.initial_prefill, 1), seed.prefill.tp),
+            decode=PoolSize(max(sc.initial_decode, 1), seed.decode.tp),
             routing=seed.routing,
         )
 

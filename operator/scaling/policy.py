@@ -121,8 +121,7 @@ def apply_scaling_policy(
         hist = tuple(c for _, c in timed)
         if want.tp != have.tp and (want.replicas > 0 or have.replicas > 0):
             pools[name] = want
-            if want.replicas or have.replicas:
-                reasons.append(f"{name}: TP {have.tp}→{want.tp}, {have.replicas}→{want.replicas} instances")
+            reasons.append(f"{name}: TP {have.tp}→{want.tp}, {have.replicas}→{want.replicas} instances")
             continue
         n = have.replicas
         # Capacity already asked for but still starting will absorb the miss: react again only once every
