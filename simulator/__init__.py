@@ -19,15 +19,18 @@ Usage::
     result.summary(slo)
 """
 
-from fulcrum.simulator.cluster import PrefillQueue, SimConfig, SimResult, Simulation
+from fulcrum.simulator.cluster import PrefillQueue, Rescheduler, SimConfig, SimResult, Simulation
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, percentile, summarize
-from fulcrum.simulator.records import InstanceStatus, RequestRecord
+from fulcrum.simulator.records import DecodeInstanceView, DecodeRequestView, InstanceStatus, RequestRecord
 
 __all__ = [
     "SimConfig",
     "SimResult",
     "Simulation",
+    "Rescheduler",
+    "DecodeInstanceView",
+    "DecodeRequestView",
     "PrefillQueue",
     "RequestRecord",
     "InstanceStatus",

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,11 +58,16 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.simulator.instances import EngineInstance, Instance, InstanceState, PrefillInstance, SimRequest
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, summarize
-from fulcrum.simulator.records import InstanceStatus, RequestRecord
+from fulcrum.simulator.records import DecodeInstanceView, DecodeRequestView, InstanceStatus, RequestRecord
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
-__all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation"]
+__all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler"]
+
+Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
+"""A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
+pure planner is ``fulcrum.router.policies.rescheduling.plan_migration`` (ARES Alg. 1); the caller adapts it
+(the simulator must not import the router: it sits below it)."""
 
 _ROLES = ("prefill", "decode", "unified")
 
@@ -89,6 +94,10 @@ class SimConfig:
         max_span_steps: longest run of decode steps an engine advances at once (None = until its batch
             changes). 1 recomputes the step time from the current mean context at every step: slower,
             and the reference the span approximation is checked against.
+        reschedule_interval_s: period of the decode-rescheduling tick, seconds (ARES Alg. 1 line 3: "every
+            1 second"); 0 = no tick. At each tick the decode instances' token loads are sampled
+            (:attr:`SimResult.decode_load_samples`) and the simulation's ``rescheduler``, if any, is asked for
+            migrations.
     """
 
     pod_startup_s: float = 120.0
@@ -99,9 +108,10 @@ class SimConfig:
     drain_timeout_s: float = 600.0
     grace_s: float = 1800.0
     max_span_steps: int | None = None
+    reschedule_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("pod_startup_s", "kv_transfer_overhead_s", "drain_timeout_s", "grace_s"):
+        for name in ("pod_startup_s", "kv_transfer_overhead_s", "drain_timeout_s", "grace_s", "reschedule_interval_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -126,6 +136,11 @@ class SimResult:
         end_s: end of the run, seconds (last completion, or last arrival + grace when requests were left
             unfinished, or the time the caller had already run to, whichever is latest).
         events: kernel events handled (for benchmarks).
+        decode_load_samples: at each rescheduling tick (``SimConfig.reschedule_interval_s``), the time and the
+            token load (Σ KV tokens of decoding requests) of every ready or draining decode-capable instance.
+        migrations: decode requests migrated by the rescheduler.
+        migrated_tokens: KV tokens those migrations moved (× the profile's ``kv_bytes_per_token`` = bytes).
+        migration_seconds: Σ KV transfer time of the migrations, seconds (each pauses its request that long).
     """
 
     records: list[RequestRecord]
@@ -133,6 +148,18 @@ class SimResult:
     gpu_seconds: float
     end_s: float
     events: int = field(default=0)
+    decode_load_samples: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+    migrations: int = 0
+    migrated_tokens: int = 0
+    migration_seconds: float = 0.0
+
+    def decode_load_variance(self, since_s: float = 0.0, until_s: float = math.inf) -> float:
+        """Mean over the ticks in ``[since_s, until_s]`` of the variance of the instances' token loads (ARES
+        eq. 3), tokens²; 0 without samples. (The drain after the last arrival, when one long request is left
+        on one instance, is imbalance no rescheduler can fix: pass the last arrival as ``until_s``.)"""
+        vs = [float(np.var(loads)) for t, loads in self.decode_load_samples
+              if since_s <= t <= until_s and len(loads) > 1]
+        return float(np.mean(vs)) if vs else 0.0
 
     def gpu_seconds_between(self, start_s: float, end_s: float) -> float:
         """∫ provisioned GPUs dt over [start_s, end_s], GPU·s (from ``gpu_timeline``)."""
@@ -267,6 +294,7 @@ class Simulation:
         slo: SLOs the observations measure attainment against.
         initial: the pools at t = 0; they start READY.
         config: :class:`SimConfig`.
+        rescheduler: asked for decode migrations every ``config.reschedule_interval_s`` (None: none).
 
     Raises:
         ValueError: a malformed request.
@@ -280,6 +308,7 @@ class Simulation:
         slo: SLOSpec,
         initial: ClusterTarget,
         config: SimConfig = SimConfig(),
+        rescheduler: Rescheduler | None = None,
     ) -> None:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         reqs: list[SimRequest] = []
@@ -319,8 +348,16 @@ class Simulation:
                 inst = self._new_instance(role, size.tp, ready_at=0.0)
                 inst.state = InstanceState.READY
         self._record_gpus()
+        self._rescheduler = rescheduler
+        self._mig_target: dict[int, EngineInstance] = {}
+        self._load_samples: list[tuple[float, tuple[int, ...]]] = []
+        self._migrations = 0
+        self._migrated_tokens = 0
+        self._migration_s = 0.0
         if reqs:
             self._kernel.schedule(reqs[0].arrival, Priority.ARRIVAL, self._on_arrival, 0)
+            if config.reschedule_interval_s > 0:
+                self._kernel.schedule(config.reschedule_interval_s, Priority.TIMER, self._on_reschedule)
 
     # ---- public API --------------------------------------------------------------------------------------
 
@@ -413,6 +450,10 @@ class Simulation:
             gpu_seconds=self._gpu_seconds(end),
             end_s=end,
             events=k.processed,
+            decode_load_samples=list(self._load_samples),
+            migrations=self._migrations,
+            migrated_tokens=self._migrated_tokens,
+            migration_seconds=self._migration_s,
         )
         return self._result
 
@@ -719,6 +760,58 @@ class Simulation:
                 if dest is None:
                     break
                 dest.offer(self._unified_pending.popleft())
+
+    # ---- decode rescheduling (ARES) ----------------------------------------------------------------------
+
+    def _on_reschedule(self, _: int) -> None:
+        now = self._kernel.now
+        engines: list[EngineInstance] = []
+        for role in ("decode", "unified"):
+            for inst in self._pools[role]:
+                if isinstance(inst, EngineInstance) and inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                    engines.append(inst)
+        views: list[DecodeInstanceView] = []
+        loads: list[int] = []
+        for inst in engines:
+            dec = inst.decoding(now)
+            loads.append(sum(r.isl + g for r, g in dec))
+            views.append(DecodeInstanceView(
+                iid=inst.iid, accepting=inst.state == InstanceState.READY, kv_capacity_tokens=inst.capacity,
+                step_time_s=inst.step_time(now),
+                requests=tuple(DecodeRequestView(r.idx, r.isl, g, r.osl) for r, g in dec if not r.migrating),
+            ))
+        self._load_samples.append((now, tuple(loads)))
+        if self._rescheduler is not None and len(engines) > 1:
+            by_id = {inst.iid: inst for inst in engines}
+            for idx, iid in self._rescheduler(now, views):
+                dest = by_id.get(iid)
+                r = self._reqs[idx]
+                src = next((e for e in engines if e.running.get(idx) is r), None)
+                if dest is None or dest.state != InstanceState.READY or src is None or src is dest:
+                    continue
+                if src.request_migration(r):
+                    self._mig_target[idx] = dest
+        if self._done < len(self._reqs):
+            self._kernel.schedule(now + self._cfg.reschedule_interval_s, Priority.TIMER, self._on_reschedule)
+
+    def on_migrate_out(self, r: SimRequest, inst: EngineInstance, t: float) -> None:
+        """``r`` left ``inst`` for a migration: move its KV (``isl + generated`` tokens) to the chosen target
+        (another decode instance if that one is gone), where it rejoins with its KV ready."""
+        dest = self._mig_target.pop(r.idx, None)
+        if dest is None or dest.state != InstanceState.READY:
+            dest = self._choose_decode(r.isl + r.generated)
+        if dest is None:
+            self._engine_pending.append(r)  # nowhere to go: it will be recomputed where it lands
+            return
+        tokens = r.isl + r.generated
+        dest.incoming += 1
+        dest.incoming_tokens += tokens
+        r.dest = dest
+        delay = self._profile.kv_transfer_seconds(tokens, self._cfg.kv_link_gbps) + self._cfg.kv_transfer_overhead_s
+        self._migrations += 1
+        self._migrated_tokens += tokens
+        self._migration_s += delay
+        self._kernel.schedule(t + delay, Priority.KV_ARRIVAL, self._on_kv_arrival, r.idx)
 
     # ---- helpers: measurements ---------------------------------------------------------------------------
 

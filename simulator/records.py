@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RequestRecord", "InstanceStatus"]
+__all__ = ["RequestRecord", "InstanceStatus", "DecodeRequestView", "DecodeInstanceView"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +57,41 @@ class InstanceStatus:
     kv_capacity_tokens: float
     provisioned_at_s: float
     ready_at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequestView:
+    """A request decoding on an engine, as a decode rescheduler sees it (ARES §5.2 "Collect States").
+
+    Attributes:
+        idx: the request's index in arrival order (what a rescheduler returns to move it).
+        isl: prompt tokens.
+        generated: output tokens generated so far (its KV holds ``isl + generated`` tokens).
+        osl: its true output length — known to the simulator only; an oracle predictor may read it, a real
+            predictor must not.
+    """
+
+    idx: int
+    isl: int
+    generated: int
+    osl: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInstanceView:
+    """A decode-capable engine, as a decode rescheduler sees it.
+
+    Attributes:
+        iid: instance id.
+        accepting: ready (a possible target); False for a draining instance (a source only).
+        kv_capacity_tokens: KV cache capacity, tokens.
+        step_time_s: its decode step time for the current batch, seconds (the profile's TPOT at the batch's
+            size and mean context; the one-token step when idle).
+        requests: its decoding requests.
+    """
+
+    iid: int
+    accepting: bool
+    kv_capacity_tokens: float
+    step_time_s: float
+    requests: tuple[DecodeRequestView, ...]

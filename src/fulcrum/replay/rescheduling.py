@@ -1,0 +1,104 @@
+"""Decode rescheduling in the simulated cluster: ARES Alg. 1 (``fulcrum.router.policies.rescheduling``) adapted
+to the simulator's :data:`~fulcrum.simulator.Rescheduler` hook.
+
+The simulator sits below the router in the layers, so it cannot call the router's planner itself; this module
+(above both) joins them. A remaining-length predictor maps (ISL, generated tokens) to the predicted remaining
+output tokens N̂(r) (ARES §4); three are used by ``benchmarks/bench_rescheduling.py``:
+
+- ``oracle``: the true remaining length (the simulator knows each request's OSL) — ARES-Oracle;
+- a conditional estimate E[L − g | L > g] learnt online from finished requests
+  (``fulcrum.router.remaining_length``) — ARES with a predictor;
+- ``current``: no prediction (N̂ = the horizon: every request is assumed to run on), so only the current token
+  load decides — the paper's "vLLM + rescheduling" baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.router.policies.rescheduling import (
+    DecodeInstanceLoad,
+    DecodeRequestLoad,
+    ReschedulingConfig,
+    plan_migration,
+)
+from fulcrum.simulator import DecodeInstanceView, DecodeRequestView, Rescheduler
+
+__all__ = ["RemainingPredictor", "oracle_remaining", "current_only", "ares_rescheduler"]
+
+RemainingPredictor = Callable[[DecodeRequestView], float]
+"""(a decoding request) → predicted remaining output tokens N̂(r) >= 0."""
+
+
+def oracle_remaining(r: DecodeRequestView) -> float:
+    """The true remaining output tokens (ARES-Oracle; only a simulator can know them)."""
+    return float(max(r.osl - r.generated, 0))
+
+
+def current_only(horizon_steps: int) -> RemainingPredictor:
+    """No prediction: every request is assumed to outlive the horizon, so only current loads differ."""
+
+    def predict(_: DecodeRequestView) -> float:
+        return float(horizon_steps + 1)
+
+    return predict
+
+
+def ares_rescheduler(
+    predictor: RemainingPredictor,
+    config: ReschedulingConfig = ReschedulingConfig(),
+    *,
+    profile: PerformanceProfile | None = None,
+    link_gbps: float | None = None,
+    max_per_tick: int = 1,
+) -> Rescheduler:
+    """A simulator rescheduler running ARES Alg. 1 once per tick (up to ``max_per_tick`` migrations, each
+    planned on the state the previous one leaves).
+
+    Args:
+        predictor: N̂(r) for each decoding request.
+        config: Alg. 1 parameters; ``kv_bytes_per_token`` and ``link_gbps`` are taken from ``profile`` and
+            ``link_gbps`` when given, so the migration cost matches the simulated transfer.
+        profile: the simulated model's profile (its KV bytes per token).
+        link_gbps: the simulated KV link, GB/s (``SimConfig.kv_link_gbps``).
+        max_per_tick: migrations per tick (the paper executes one per period).
+
+    The hysteresis state (request and instance cooldowns) lives in the returned closure.
+    """
+    import dataclasses
+
+    if profile is not None:
+        config = dataclasses.replace(config, kv_bytes_per_token=float(profile.kv_bytes_per_token))
+    if link_gbps is not None:
+        config = dataclasses.replace(config, link_gbps=float(link_gbps))
+    last_moved: dict[str, float] = {}
+    last_received: dict[str, float] = {}
+
+    def reschedule(now: float, views: Sequence[DecodeInstanceView]) -> list[tuple[int, int]]:
+        loads = [
+            DecodeInstanceLoad(
+                id=str(v.iid),
+                requests=tuple(DecodeRequestLoad(str(r.idx), r.isl + r.generated, predictor(r)) for r in v.requests),
+                kv_capacity_tokens=v.kv_capacity_tokens, step_time_s=v.step_time_s, accepting=v.accepting,
+            )
+            for v in views
+        ]
+        out: list[tuple[int, int]] = []
+        for _ in range(max_per_tick):
+            m = plan_migration(loads, config, now_s=now, last_moved_s=last_moved, last_received_s=last_received)
+            if m is None:
+                break
+            out.append((int(m.request_id), int(m.target)))
+            last_moved[m.request_id] = now
+            last_received[m.target] = now
+            req = next(r for i in loads if i.id == m.source for r in i.requests if r.id == m.request_id)
+            loads = [
+                dataclasses.replace(i, requests=tuple(r for r in i.requests if r.id != m.request_id)) if i.id == m.source
+                else dataclasses.replace(i, requests=i.requests + (req,)) if i.id == m.target
+                else i
+                for i in loads
+            ]
+        return out
+
+    return reschedule
