@@ -19,16 +19,18 @@ Usage::
     result.summary(slo)
 """
 
-from fulcrum.simulator.cluster import PrefillQueue, Rescheduler, SimConfig, SimResult, Simulation
+from fulcrum.simulator.cluster import PrefillQueue, Rescheduler, RoleBalancer, SimConfig, SimResult, Simulation
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, percentile, summarize
-from fulcrum.simulator.records import DecodeInstanceView, DecodeRequestView, InstanceStatus, RequestRecord
+from fulcrum.simulator.records import DecodeInstanceView, DecodeRequestView, InstanceStatus, RequestRecord, RoleView
 
 __all__ = [
     "SimConfig",
     "SimResult",
     "Simulation",
     "Rescheduler",
+    "RoleBalancer",
+    "RoleView",
     "DecodeInstanceView",
     "DecodeRequestView",
     "PrefillQueue",

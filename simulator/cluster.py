@@ -58,13 +58,23 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.simulator.instances import EngineInstance, Instance, InstanceState, PrefillInstance, SimRequest
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, summarize
-from fulcrum.simulator.records import DecodeInstanceView, DecodeRequestView, InstanceStatus, RequestRecord
+from fulcrum.simulator.records import (
+    DecodeInstanceView,
+    DecodeRequestView,
+    InstanceStatus,
+    RequestRecord,
+    RoleView,
+)
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
-__all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler"]
+__all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler", "RoleBalancer"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
+RoleBalancer = Callable[[float, Sequence[RoleView]], Sequence[tuple[int, str]]]
+"""A role balancer: (now s, ready P and D instances) → role changes as (instance iid, "prefill" | "decode").
+The pure planner is ``fulcrum.router.policies.role_reassignment.plan_role_change`` (BanaServe Alg. 1 with a
+role flip); ``fulcrum.replay.roles`` adapts it."""
 """A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
 pure planner is ``fulcrum.router.policies.rescheduling.plan_migration`` (ARES Alg. 1); the caller adapts it
 (the simulator must not import the router: it sits below it)."""
@@ -141,6 +151,7 @@ class SimResult:
         migrations: decode requests migrated by the rescheduler.
         migrated_tokens: KV tokens those migrations moved (× the profile's ``kv_bytes_per_token`` = bytes).
         migration_seconds: Σ KV transfer time of the migrations, seconds (each pauses its request that long).
+        role_changes: instances moved between prefill and decode duty by the role balancer.
     """
 
     records: list[RequestRecord]
@@ -152,6 +163,7 @@ class SimResult:
     migrations: int = 0
     migrated_tokens: int = 0
     migration_seconds: float = 0.0
+    role_changes: int = 0
 
     def decode_load_variance(self, since_s: float = 0.0, until_s: float = math.inf) -> float:
         """Mean over the ticks in ``[since_s, until_s]`` of the variance of the instances' token loads (ARES
@@ -240,6 +252,10 @@ class PrefillQueue:
             return s.popleft()
         return lg.popleft()
 
+    def oldest_enqueued(self) -> float | None:
+        """Queue-entry time of the oldest queued request, seconds (None when empty)."""
+        return self._oldest().enq if self else None
+
     def _oldest(self) -> SimRequest:
         s, lg = self._short, self._long
         if s and (not lg or s[0].qseq < lg[0].qseq):
@@ -295,6 +311,7 @@ class Simulation:
         initial: the pools at t = 0; they start READY.
         config: :class:`SimConfig`.
         rescheduler: asked for decode migrations every ``config.reschedule_interval_s`` (None: none).
+        role_balancer: asked for role changes at the same ticks (None: fixed roles).
 
     Raises:
         ValueError: a malformed request.
@@ -309,6 +326,7 @@ class Simulation:
         initial: ClusterTarget,
         config: SimConfig = SimConfig(),
         rescheduler: Rescheduler | None = None,
+        role_balancer: RoleBalancer | None = None,
     ) -> None:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         reqs: list[SimRequest] = []
@@ -349,6 +367,11 @@ class Simulation:
                 inst.state = InstanceState.READY
         self._record_gpus()
         self._rescheduler = rescheduler
+        self._role_balancer = role_balancer
+        self._reassign: dict[int, str] = {}  # draining instance → the role it takes once drained
+        self._role_changes = 0
+        self._last_tick = 0.0
+        self._busy_at_tick: dict[int, float] = {}
         self._mig_target: dict[int, EngineInstance] = {}
         self._load_samples: list[tuple[float, tuple[int, ...]]] = []
         self._migrations = 0
@@ -454,6 +477,7 @@ class Simulation:
             migrations=self._migrations,
             migrated_tokens=self._migrated_tokens,
             migration_seconds=self._migration_s,
+            role_changes=self._role_changes,
         )
         return self._result
 
@@ -556,6 +580,11 @@ class Simulation:
             self._kernel.cancel(inst.drain_handle)
             inst.drain_handle = None
         self._pools[inst.role].remove(inst)
+        role = self._reassign.pop(inst.iid, None)
+        if role is not None:  # a role change: the same GPUs take the other duty, weights already loaded
+            now = self._kernel.now
+            new = self._new_instance(role, inst.tp, ready_at=now)
+            new.ready_handle = self._kernel.schedule(now, Priority.READY, self._on_ready, new.iid)
         self._record_gpus()
 
     def _on_drain_timeout(self, iid: int) -> None:
@@ -781,6 +810,9 @@ class Simulation:
                 requests=tuple(DecodeRequestView(r.idx, r.isl, g, r.osl) for r, g in dec if not r.migrating),
             ))
         self._load_samples.append((now, tuple(loads)))
+        if self._role_balancer is not None:
+            for iid, role in self._role_balancer(now, self._role_views(now)):
+                self.reassign(iid, role)
         if self._rescheduler is not None and len(engines) > 1:
             by_id = {inst.iid: inst for inst in engines}
             for idx, iid in self._rescheduler(now, views):
@@ -793,6 +825,63 @@ class Simulation:
                     self._mig_target[idx] = dest
         if self._done < len(self._reqs):
             self._kernel.schedule(now + self._cfg.reschedule_interval_s, Priority.TIMER, self._on_reschedule)
+
+    def _role_views(self, now: float) -> list[RoleView]:
+        window = now - self._last_tick
+        self._last_tick = now
+        oldest = self._pq.oldest_enqueued()
+        queue_p = min((now - oldest) / (self._slo.ttft_ms / 1000.0), 1.0) if oldest is not None else 0.0
+        tpot_slo = self._slo.tpot_ms / 1000.0
+        views: list[RoleView] = []
+        for inst in self._pools["prefill"]:
+            if inst.state != InstanceState.READY:
+                continue
+            assert isinstance(inst, PrefillInstance)
+            busy = inst.busy_seconds(now)
+            prev = self._busy_at_tick.get(inst.iid)
+            self._busy_at_tick[inst.iid] = busy
+            span = window if prev is not None else now - inst.ready_at
+            compute = min((busy - (prev or 0.0)) / span, 1.0) if span > 0 else 0.0
+            views.append(RoleView(inst.iid, "prefill", inst.tp, compute, queue_p))
+        for inst in self._pools["decode"]:
+            if inst.state != InstanceState.READY:
+                continue
+            assert isinstance(inst, EngineInstance)
+            compute = min(inst.step_time(now) / tpot_slo, 1.0) if inst.n_dec else 0.0
+            memory = min(inst.projected_tokens(now) / inst.capacity, 1.0) if inst.capacity > 0 else 1.0
+            views.append(RoleView(inst.iid, "decode", inst.tp, compute, memory))
+        return views
+
+    def reassign(self, iid: int, role: str) -> bool:
+        """Move a ready P or D instance to the other duty without a restart (DESIGN principle 2: ``kv_both``
+        instances; BanaServe's adaptive reallocation). It takes no new work of its old duty at once; a decode
+        instance hands its running requests to the other decode instances (the decode-rescheduling handoff);
+        once it holds nothing it takes the new duty, with no start-up delay. Returns False when ``iid`` is not
+        a ready P/D instance, ``role`` is its current one, or the profile has no table for its TP in ``role``.
+        """
+        inst = self._by_id.get(iid)
+        if inst is None or inst.state != InstanceState.READY or role not in ("prefill", "decode") or inst.role == role:
+            return False
+        if inst.role not in ("prefill", "decode"):
+            return False
+        tables = self._profile.prefill if role == "prefill" else self._profile.decode
+        if inst.tp not in tables:
+            return False
+        if role == "decode" and sum(1 for i in self._pools["prefill"] if i.state == InstanceState.READY) < 2:
+            return False  # the last prefill instance stays
+        if role == "prefill" and sum(1 for i in self._pools["decode"] if i.state == InstanceState.READY) < 2:
+            return False  # the last decode instance stays
+        self._reassign[iid] = role
+        self._role_changes += 1
+        now = self._kernel.now
+        if isinstance(inst, EngineInstance):
+            decoding = inst.decoding(now)
+            self._drain(inst)
+            for r, _ in decoding:
+                inst.request_migration(r)  # the target is chosen when it leaves (least-loaded decode instance)
+        else:
+            self._drain(inst)
+        return True
 
     def on_migrate_out(self, r: SimRequest, inst: EngineInstance, t: float) -> None:
         """``r`` left ``inst`` for a migration: move its KV (``isl + generated`` tokens) to the chosen target

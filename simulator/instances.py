@@ -250,10 +250,17 @@ class PrefillInstance(Instance):
         self._profile = profile
         self.batch: list[SimRequest] | None = None
         self._event: int | None = None
+        self._busy_done = 0.0
+        self._started = 0.0
 
     @property
     def load(self) -> int:
         return len(self.batch) if self.batch else 0
+
+    def busy_seconds(self, t: float) -> float:
+        """Seconds spent prefilling from creation to ``t`` (the compute utilisation of BanaServe eq. 32 is its
+        rate of change)."""
+        return self._busy_done + (t - self._started if self.batch is not None else 0.0)
 
     @property
     def idle(self) -> bool:
@@ -265,6 +272,7 @@ class PrefillInstance(Instance):
         assert self.batch is None and batch
         duration = self._profile.prefill_batch_time([r.isl for r in batch], self.tp)
         self.batch = batch
+        self._started = self._kernel.now
         self._event = self._kernel.schedule(self._kernel.now + duration, Priority.PREFILL_DONE, self._on_done)
         return duration
 
@@ -273,6 +281,7 @@ class PrefillInstance(Instance):
         assert batch is not None
         self.batch = None
         self._event = None
+        self._busy_done += self._kernel.now - self._started
         self._host.on_prefill_done(self, batch)
 
     def evict_all(self) -> list[SimRequest]:

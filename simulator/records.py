@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RequestRecord", "InstanceStatus", "DecodeRequestView", "DecodeInstanceView"]
+__all__ = ["RequestRecord", "InstanceStatus", "DecodeRequestView", "DecodeInstanceView", "RoleView"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,3 +95,28 @@ class DecodeInstanceView:
     kv_capacity_tokens: float
     step_time_s: float
     requests: tuple[DecodeRequestView, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RoleView:
+    """A ready P or D instance, as a role balancer sees it (BanaServe eq. 32).
+
+    Attributes:
+        iid: instance id. role: "prefill" | "decode". tp: tensor-parallel size.
+        compute: compute utilisation in [0, 1] — P: busy fraction over the last tick; D: decode step time over
+            the TPOT SLO, capped at 1.
+        memory: memory utilisation in [0, 1] — P: the prefill queue's oldest wait over the TTFT SLO, capped at 1
+            (the queue is the P side's pressure; its KV lives only until transferred); D: KV cache in use over
+            capacity.
+    """
+
+    iid: int
+    role: str
+    tp: int
+    compute: float
+    memory: float
+
+    @property
+    def utilisation(self) -> float:
+        """U_d = compute + memory, in [0, 2]."""
+        return self.compute + self.memory

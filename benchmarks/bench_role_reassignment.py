@@ -1,0 +1,93 @@
+"""Role reassignment against fixed roles, on a real trace whose ISL/OSL mix shifts (issue 5, item 4).
+
+The trace: the first ``--minutes`` of the Azure code-completion trace of 2023 (long prompts, short outputs:
+mean ISL 2047, mean OSL 27) followed, without a gap, by the first ``--minutes`` of the Azure conversation trace
+(mean ISL 1154, mean OSL 211) — a prefill-heavy hour turning into a decode-heavy one. Both are bundled
+(``fulcrum.data``). Arrival rates are scaled by ``--scale`` to load the cluster.
+
+Cluster: a pool of same-TP ``kv_both`` instances (Splitwise's Llama-2-70B H100 profile at TP 4), started as
+``--prefill`` P + ``--decode`` D. Three runs on the same GPUs:
+
+- ``fixed``: roles never change (what a planner that restarts pods does between its intervals);
+- ``roles``: BanaServe Alg. 1 with a role flip (``fulcrum.router.policies.role_reassignment``) every second:
+  an instance moves duty in place, a decode instance handing its requests over first;
+- ``roles+ares``: the same plus ARES decode rescheduling with the oracle remaining length.
+
+Printed: SLO attainment (TTFT and TPOT at the 90th percentile), TTFT/TPOT p90, goodput, role changes, and the
+ratio of each run's attainment to the fixed baseline measured in the same run.
+
+Run: ``python benchmarks/bench_role_reassignment.py [--minutes 20] [--scale 1.0] [--prefill 3 --decode 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from fulcrum.api.llmserve import SLOSpec
+from fulcrum.data import bundled_trace_path
+from fulcrum.ratio.profiles import builtin_profile
+from fulcrum.replay.rescheduling import ares_rescheduler, oracle_remaining
+from fulcrum.replay.roles import role_balancer
+from fulcrum.router.policies.rescheduling import ReschedulingConfig
+from fulcrum.router.policies.role_reassignment import RoleBalanceConfig
+from fulcrum.simulator import SimConfig, Simulation
+from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.traces.reader import load_trace
+from fulcrum.workload import Request
+
+
+def shifted_trace(minutes: float, scale: float) -> list[Request]:
+    """Azure code (first ``minutes``) then Azure conversation (first ``minutes``), arrivals ÷ ``scale``."""
+    window = minutes * 60.0
+    out: list[Request] = []
+    offset = 0.0
+    for name in ("azure-code-2023", "azure-conv-2023"):
+        reqs = [r for r in load_trace(bundled_trace_path(name)).requests if r.arrival_s < window]
+        out.extend(Request(arrival_s=offset + r.arrival_s / scale, isl=r.isl, osl=r.osl) for r in reqs)
+        offset += window / scale
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=20.0, help="minutes of each trace (default 20)")
+    ap.add_argument("--scale", type=float, default=1.0, help="arrival-rate multiplier (default 1)")
+    ap.add_argument("--prefill", type=int, default=2, help="initial prefill instances (default 2)")
+    ap.add_argument("--decode", type=int, default=2, help="initial decode instances (default 2)")
+    ap.add_argument("--tp", type=int, default=4, help="TP of every instance (default 4)")
+    args = ap.parse_args()
+
+    profile = builtin_profile("splitwise-llama2-70b-h100")
+    slo = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
+    reqs = shifted_trace(args.minutes, args.scale)
+    target = ClusterTarget(prefill=PoolSize(args.prefill, args.tp), decode=PoolSize(args.decode, args.tp))
+    cfg = SimConfig(pod_startup_s=0, reschedule_interval_s=1.0)
+    print(f"trace: {len(reqs)} requests over {reqs[-1].arrival_s / 60:.1f} min (azure-code then azure-conv, "
+          f"×{args.scale}); cluster {args.prefill}P+{args.decode}D at TP {args.tp} = "
+          f"{(args.prefill + args.decode) * args.tp} GPUs; SLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms @ p{slo.percentile:.0f}")
+    runs = {
+        "fixed": {},
+        "roles": {"role_balancer": role_balancer(RoleBalanceConfig())},
+        "roles+ares": {"role_balancer": role_balancer(RoleBalanceConfig()),
+                       "rescheduler": ares_rescheduler(oracle_remaining, ReschedulingConfig(), profile=profile,
+                                                       link_gbps=cfg.kv_link_gbps)},
+    }
+    print(f"{'run':<12} {'SLO att.':>9} {'TTFT p90 s':>11} {'TPOT p90 ms':>12} {'goodput tok/s':>14} "
+          f"{'role chg':>9} {'migr.':>6} {'wall s':>7} {'vs fixed':>9}")
+    base = None
+    for name, hooks in runs.items():
+        t0 = time.perf_counter()
+        res = Simulation(reqs, profile, slo, target, cfg, **hooks).finish()  # type: ignore[arg-type]
+        wall = time.perf_counter() - t0
+        s = res.summary(slo)
+        if base is None:
+            base = s["slo_attainment"]
+        ratio = s["slo_attainment"] / base if base > 0 else float("inf")
+        print(f"{name:<12} {s['slo_attainment']:>9.3f} {s['ttft_p_s']:>11.2f} {s['tpot_p_s'] * 1000:>12.1f} "
+              f"{s['goodput_tokens_per_s']:>14.0f} {res.role_changes:>9d} {res.migrations:>6d} {wall:>7.1f} {ratio:>8.2f}×")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
