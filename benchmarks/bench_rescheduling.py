@@ -30,7 +30,7 @@ from fulcrum.api.llmserve import SLOSpec
 from fulcrum.data import bundled_trace_path
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.rescheduling import RemainingPredictor, ares_rescheduler, current_only, oracle_remaining
-from fulcrum.router.policies.rescheduling import ReschedulingConfig
+from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
 from fulcrum.simulator import SimConfig, Simulation
 from fulcrum.target import ClusterTarget, PoolSize
 from fulcrum.traces.reader import load_trace

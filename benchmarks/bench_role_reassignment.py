@@ -9,7 +9,7 @@ Cluster: a pool of same-TP ``kv_both`` instances (Splitwise's Llama-2-70B H100 p
 ``--prefill`` P + ``--decode`` D. Three runs on the same GPUs:
 
 - ``fixed``: roles never change (what a planner that restarts pods does between its intervals);
-- ``roles``: BanaServe Alg. 1 with a role flip (``fulcrum.router.policies.role_reassignment``) every second:
+- ``roles``: BanaServe Alg. 1 with a role flip (``fulcrum.rebalancing.role_reassignment``) every second:
   an instance moves duty in place, a decode instance handing its requests over first;
 - ``roles+ares``: the same plus ARES decode rescheduling with the oracle remaining length.
 
@@ -29,8 +29,8 @@ from fulcrum.data import bundled_trace_path
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.rescheduling import ares_rescheduler, oracle_remaining
 from fulcrum.replay.roles import role_balancer
-from fulcrum.router.policies.rescheduling import ReschedulingConfig
-from fulcrum.router.policies.role_reassignment import RoleBalanceConfig
+from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
+from fulcrum.rebalancing.role_reassignment import RoleBalanceConfig
 from fulcrum.simulator import SimConfig, Simulation
 from fulcrum.target import ClusterTarget, PoolSize
 from fulcrum.traces.reader import load_trace

@@ -48,12 +48,12 @@ def test_import_contracts_hold(tmp_path):
 
 
 def test_planning_packages_type_check_strictly(tmp_path):
-    """STYLE.md §14: mypy --strict holds where the logic is (forecast, ratio, scaling, simulator)."""
+    """STYLE.md §14: mypy --strict holds where the logic is (forecast, ratio, scaling, simulator, rebalancing)."""
     pytest.importorskip("mypy", reason="mypy is not installed (pip install -e '.[test]')")
     root = assemble_package(tmp_path / "pkg")
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"), "--cache-dir", str(tmp_path / "cache"),
-         "-p", "fulcrum.forecast", "-p", "fulcrum.ratio", "-p", "fulcrum.scaling", "-p", "fulcrum.simulator"],
+         "-p", "fulcrum.forecast", "-p", "fulcrum.ratio", "-p", "fulcrum.scaling", "-p", "fulcrum.simulator", "-p", "fulcrum.rebalancing"],
         cwd=root, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fulcrum.router.policies.rescheduling import (
+from fulcrum.rebalancing.decode_rescheduling import (
     DecodeInstanceLoad,
     DecodeRequestLoad,
     ReschedulingConfig,

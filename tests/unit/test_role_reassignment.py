@@ -11,7 +11,7 @@ import pytest
 from fulcrum.api.llmserve import SLOSpec
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.roles import role_balancer
-from fulcrum.router.policies.role_reassignment import (
+from fulcrum.rebalancing.role_reassignment import (
     InstanceUtilisation,
     RoleBalanceConfig,
     RoleBounds,

@@ -10,7 +10,7 @@ import numpy as np
 from fulcrum.api.llmserve import SLOSpec
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.rescheduling import ares_rescheduler, current_only, oracle_remaining
-from fulcrum.router.policies.rescheduling import ReschedulingConfig
+from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
 from fulcrum.simulator import DecodeInstanceView, SimConfig, Simulation
 from fulcrum.target import ClusterTarget, PoolSize
 from fulcrum.workload import Request

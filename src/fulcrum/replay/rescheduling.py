@@ -1,4 +1,4 @@
-"""Decode rescheduling in the simulated cluster: ARES Alg. 1 (``fulcrum.router.policies.rescheduling``) adapted
+"""Decode rescheduling in the simulated cluster: ARES Alg. 1 (``fulcrum.rebalancing.decode_rescheduling``) adapted
 to the simulator's :data:`~fulcrum.simulator.Rescheduler` hook.
 
 The simulator sits below the router in the layers, so it cannot call the router's planner itself; this module
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.router.policies.rescheduling import (
+from fulcrum.rebalancing.decode_rescheduling import (
     DecodeInstanceLoad,
     DecodeRequestLoad,
     ReschedulingConfig,

@@ -1,5 +1,5 @@
 """Role reassignment in the simulated cluster: BanaServe Alg. 1 with a role flip
-(``fulcrum.router.policies.role_reassignment``) adapted to the simulator's :data:`~fulcrum.simulator.RoleBalancer`
+(``fulcrum.rebalancing.role_reassignment``) adapted to the simulator's :data:`~fulcrum.simulator.RoleBalancer`
 hook. The simulator measures each instance's compute and memory utilisation (:class:`~fulcrum.simulator.RoleView`);
 this closure keeps the hysteresis state (last flip, per-instance dwell) between ticks.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from fulcrum.router.policies.role_reassignment import (
+from fulcrum.rebalancing.role_reassignment import (
     InstanceUtilisation,
     RoleBalanceConfig,
     RoleBounds,
