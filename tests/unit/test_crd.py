@@ -101,11 +101,22 @@ def test_crd_names_group_version_and_scope() -> None:
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
 
 
-def test_status_is_an_open_subresource_and_there_is_no_scale_subresource() -> None:
+def test_status_is_an_open_subresource_and_scale_points_at_the_total_replicas() -> None:
     version = _version(build_crd())
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.scaling.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert status["type"] == "object" and status["x-kubernetes-preserve-unknown-fields"] is True
+    scaling = spec_schema()["properties"]["scaling"]["properties"]
+    assert scaling["replicas"]["type"] == "integer" and scaling["replicas"]["nullable"] is True
+    assert scaling["replicaOwner"]["enum"] == ["Operator", "External"]
+    assert scaling["replicaOwner"]["default"] == "Operator"
 
 
 def test_printer_columns_show_mode_pools_ratio_forecast_slo_and_age() -> None:
@@ -116,9 +127,13 @@ def test_printer_columns_show_mode_pools_ratio_forecast_slo_and_age() -> None:
         "Decode": ".status.pools.decode.ready",
         "Ratio": ".status.plan.ratio",
         "Forecast RPS": ".status.forecast.rate",
-        "SLO": ".status.sloAttainment",
+        "SLO Attainment": ".status.sloAttainment",
         "Age": ".metadata.creationTimestamp",
+        "Unified": ".status.pools.unified.ready",
+        "Owner": ".spec.scaling.replicaOwner",
     }
+    wide_only = {c["name"] for c in _version(build_crd())["additionalPrinterColumns"] if c.get("priority", 0) > 0}
+    assert wide_only == {"Unified", "Owner"}
 
 
 # --- structural schema ---------------------------------------------------------------------------
@@ -128,8 +143,14 @@ def test_schema_is_structural() -> None:
     root = _version(build_crd())["schema"]["openAPIV3Schema"]
     forbidden = {"$ref", "$defs", "anyOf", "allOf", "oneOf", "not", "title", "prefixItems", "const", "additionalProperties"}
     for path, node in _walk(root, "<root>"):
-        assert not forbidden & node.keys(), f"{path}: {sorted(forbidden & node.keys())}"
-        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), f"{path}: no type"
+        keys = node.keys() - {"additionalProperties"} if isinstance(node.get("additionalProperties"), dict) else node.keys()
+        assert not forbidden & keys, f"{path}: {sorted(forbidden & keys)}"
+        if "additionalProperties" in node:  # a map: a value schema, never properties too
+            assert isinstance(node["additionalProperties"], dict) and "properties" not in node, path
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields") or (
+            node.get("x-kubernetes-int-or-string") is True), f"{path}: no type"
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node, f"{path}: int-or-string has no type"
         for key in ("exclusiveMinimum", "exclusiveMaximum"):
             if key in node:
                 assert node[key] is True, f"{path}: {key} must be the OpenAPI v3.0 boolean form"
@@ -163,6 +184,50 @@ def test_spec_schema_keeps_the_model_constraints_in_openapi_v3_0_form() -> None:
     assert props["mode"]["enum"] == [m.value for m in Mode]
     assert props["router"]["properties"]["policy"]["enum"] == [p.value for p in RouterPolicy]
     assert props["router"]["properties"]["prefillQueue"]["enum"] == ["direct", "nats"]
+
+
+def test_every_property_has_a_description_for_kubectl_explain() -> None:
+    root = _version(build_crd())["schema"]["openAPIV3Schema"]
+    missing = [
+        path for path, node in _walk(root["properties"]["spec"], "spec")
+        if not node.get("description") and not (path.endswith("[]") and node.get("type") != "object")
+    ]  # scalar list items are described by their list
+    assert missing == []
+
+
+def test_new_fields_have_the_types_kubernetes_needs() -> None:
+    props = spec_schema()["properties"]
+    engine = props["engine"]["properties"]
+    assert engine["kind"]["enum"] == ["vllm", "sim"] and engine["kind"]["default"] == "vllm"
+    cpu = engine["resources"]["properties"]["requests"]["properties"]["cpu"]
+    assert cpu["x-kubernetes-int-or-string"] is True and "type" not in cpu
+    placement = props["placement"]["properties"]
+    assert placement["nodeSelector"]["additionalProperties"] == {"type": "string"}
+    assert placement["tolerations"]["type"] == "array"
+    assert placement["tolerations"]["items"]["properties"]["effect"]["enum"] == ["NoSchedule", "PreferNoSchedule", "NoExecute"]
+    node_affinity = placement["affinity"]["properties"]["nodeAffinity"]
+    assert node_affinity["type"] == "object" and node_affinity["x-kubernetes-preserve-unknown-fields"] is True
+    assert props["connectors"]["default"] == {"etcd": "", "nats": ""}
+    assert props["scaling"]["properties"]["drainTimeoutSeconds"]["default"] == 300
+
+
+@pytest.mark.parametrize(("value", "ok"), [(4, True), ("500m", True), ("16Gi", True), (0.5, True), ("1e3", True),
+                                           ("lots", False), ("16 Gi", False), (True, False)])
+def test_resource_quantities_accept_numbers_and_kubernetes_quantity_strings(value: Any, ok: bool) -> None:
+    spec = {"model": {"name": "m"}, "engine": {"resources": {"requests": {"cpu": value}}}}
+    if ok:
+        parsed = parse_llmserve({"spec": spec}).spec.engine.resources.requests.cpu
+        assert parsed == str(value)
+    else:
+        with pytest.raises(SpecError, match="spec.engine.resources.requests.cpu"):
+            parse_llmserve({"spec": spec})
+
+
+def test_metadata_name_leaves_room_for_the_child_object_names() -> None:
+    parse_llmserve({"metadata": {"name": "a" * 55}, "spec": {"model": {"name": "m"}}})
+    for bad in ("a" * 56, "1abc", "Abc"):
+        with pytest.raises(SpecError, match="metadata.name"):
+            parse_llmserve({"metadata": {"name": bad}, "spec": {"model": {"name": "m"}}})
 
 
 def test_kubernetes_defaulting_of_a_minimal_spec_gives_what_pydantic_gives() -> None:
@@ -211,6 +276,21 @@ _CEL_CASES: list[tuple[str, dict[str, Any]]] = [
     ("tp above given node size", {"gpu": {"gpusPerNode": 4}, "scaling": {"tpPrefill": 8}}),
     ("tp above max GPUs", {"scaling": {"maxGPUs": 2, "minGPUs": 1, "tpUnified": 4}}),
     ("tp null", {"scaling": {"tpUnified": None}}),
+    ("external with replicas", {"scaling": {"replicaOwner": "External", "replicas": 4}}),
+    ("external without replicas", {"scaling": {"replicaOwner": "External"}}),
+    ("external with null replicas", {"scaling": {"replicaOwner": "External", "replicas": None}}),
+    ("operator ignores replicas", {"scaling": {"replicaOwner": "Operator", "replicas": 3}}),
+    ("external zero replicas, min 0", {"scaling": {"replicaOwner": "External", "replicas": 0, "minGPUs": 0}}),
+    ("external zero replicas, min 1", {"scaling": {"replicaOwner": "External", "replicas": 0}}),
+    ("replicas at max GPUs", {"scaling": {"replicas": 64}}),
+    ("replicas above max GPUs", {"scaling": {"replicas": 65}}),
+    ("replicas too few for min GPUs", {"gpu": {"gpusPerNode": 2}, "scaling": {"minGPUs": 10, "replicas": 4}}),
+    ("replicas enough for min GPUs", {"gpu": {"gpusPerNode": 2}, "scaling": {"minGPUs": 10, "replicas": 5}}),
+    ("nats queue with a url", {"router": {"prefillQueue": "nats"}, "connectors": {"nats": "nats://nats:4222"}}),
+    ("nats queue without a url", {"router": {"prefillQueue": "nats"}}),
+    ("nats queue with an empty url", {"router": {"prefillQueue": "nats"}, "connectors": {"nats": ""}}),
+    ("direct queue without a url", {"router": {"prefillQueue": "direct"}, "connectors": {"etcd": "etcd:2379"}}),
+    ("sim engine", {"engine": {"kind": "sim"}}),
 ]
 
 

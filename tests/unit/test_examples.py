@@ -15,7 +15,9 @@ from fulcrum.errors import SpecError
 from fulcrum.ratio.profiles import builtin_profile
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-NAMES = ["llmserve-disaggregated-70b-h100.yaml", "llmserve-unified-14b-a100.yaml", "llmserve-auto.yaml"]
+NAMES = [
+    "llmserve-disaggregated-70b-h100.yaml", "llmserve-unified-14b-a100.yaml", "llmserve-auto.yaml", "llmserve-sim.yaml",
+]
 
 
 def _load(name: str) -> LLMServe:

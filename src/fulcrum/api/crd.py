@@ -10,7 +10,12 @@ Conversion to a *structural* schema (what Kubernetes requires of a CRD):
 - every ``$ref`` is inlined from ``$defs``; the field's own ``description``/``default`` win over the
   referenced definition's;
 - ``title`` and ``additionalProperties: false`` are dropped (the API server prunes unknown fields;
-  ``kubectl``'s field validation reports them);
+  ``kubectl``'s field validation reports them); a map (``dict[str, X]``) keeps ``additionalProperties: X``
+  and has no ``properties``; an open object (``dict[str, Any]``) becomes
+  ``x-kubernetes-preserve-unknown-fields: true`` (e.g. ``placement.affinity.nodeAffinity``, passed through to
+  the pods and validated by the API server when the Deployment is applied);
+- a Kubernetes quantity (``engine.resources``) is ``x-kubernetes-int-or-string: true`` without a type, so
+  that ``cpu: 4`` and ``cpu: 500m`` are both accepted;
 - ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true``; any other union is an error;
 - ``prefixItems`` (tuples) becomes ``type: array`` with one ``items`` schema (all positions must share
   it) and ``minItems``/``maxItems``;
@@ -21,18 +26,25 @@ Conversion to a *structural* schema (what Kubernetes requires of a CRD):
   objects (``spec.gpu``, ``spec.scaling``…) exactly as pydantic does and the CEL rules below always see
   their fields. ``default: null`` is dropped (absent and null mean the same to the model).
 
-Cross-field rules of the model become CEL ``x-kubernetes-validations``: ``minGPUs <= maxGPUs`` on
-``spec.scaling``; exactly one non-empty source on ``spec.profile``; each fixed TP at most
-``gpu.gpusPerNode`` and ``scaling.maxGPUs`` on ``spec``. The rules rely on the object defaults above
-(defaulting runs before validation, so ``spec.scaling`` and ``spec.gpu`` and their limits are always
-present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use ``fieldPath``,
-so the CRD needs Kubernetes 1.28 or newer (CEL validation itself is on by default since 1.25).
+Cross-field rules of the model become CEL ``x-kubernetes-validations``: ``minGPUs <= maxGPUs``,
+``replicaOwner: External`` requires ``replicas``, and ``replicas <= maxGPUs`` on ``spec.scaling``; exactly one
+non-empty source on ``spec.profile``; on ``spec``: each fixed TP at most ``gpu.gpusPerNode`` and
+``scaling.maxGPUs``, ``scaling.replicas × gpu.gpusPerNode >= scaling.minGPUs`` (an instance uses 1 to
+gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``. The rules rely on the object
+defaults above (defaulting runs before validation, so ``spec.scaling``, ``spec.gpu``, ``spec.connectors`` and
+their members are always present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use
+``fieldPath``, so the CRD needs Kubernetes 1.28 or newer (CEL validation itself is on by default since 1.25).
 
 ``status`` is an open object (``x-kubernetes-preserve-unknown-fields``) written by the operator.
-Subresources: ``status`` only. There is deliberately no ``scale`` subresource: an ``LLMServe`` runs
-several pools (prefill, decode, unified; one per GPU type × TP) whose sizes the planner sets, so no
-single ``spec`` integer is "the replica count" (``spec.scaling.maxGPUs`` is a budget in GPUs, not
-replicas). Exposing one would invite an HPA or KEDA to fight the planner over it.
+
+Subresources: ``status`` and ``scale`` (``specReplicasPath: .spec.scaling.replicas``, ``statusReplicasPath:
+.status.replicas``, ``labelSelectorPath: .status.selector``), so ``kubectl scale``, an HPA or KEDA can set the
+total instance count. Who owns that count is a rule of the spec, not of the API: with
+``spec.scaling.replicaOwner: Operator`` (the default) the planner sizes every pool and ignores
+``spec.scaling.replicas`` (a scale write changes nothing, so an autoscaler cannot fight the planner); with
+``External`` the operator obeys ``spec.scaling.replicas`` as the total and only splits it between the pools
+(prefill, decode, unified) by the planned P/D ratio. ``status.replicas`` is the number of ready instances in
+all pools and ``status.selector`` the label selector of their pods (what an HPA reads for pod metrics).
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ __all__ = [
     "SHORT_NAMES",
     "CRD_NAME",
     "PRINTER_COLUMNS",
+    "SCALE_SUBRESOURCE",
     "build_crd",
     "spec_schema",
     "render_crd_yaml",
@@ -66,7 +79,7 @@ SINGULAR = "llmserve"
 SHORT_NAMES = ("llms",)
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
-PRINTER_COLUMNS: tuple[dict[str, str], ...] = (
+PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
     {"name": "Mode", "type": "string", "jsonPath": ".spec.mode", "description": "Serving mode."},
     {
         "name": "Prefill",
@@ -93,14 +106,36 @@ PRINTER_COLUMNS: tuple[dict[str, str], ...] = (
         "description": "Forecast request rate for the next interval, requests/s.",
     },
     {
-        "name": "SLO",
+        "name": "SLO Attainment",
         "type": "number",
         "jsonPath": ".status.sloAttainment",
         "description": "Fraction of recent requests meeting both TTFT and TPOT targets.",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {
+        "name": "Unified",
+        "type": "integer",
+        "jsonPath": ".status.pools.unified.ready",
+        "description": "Ready unified (kv_both) instances.",
+        "priority": 1,
+    },
+    {
+        "name": "Owner",
+        "type": "string",
+        "jsonPath": ".spec.scaling.replicaOwner",
+        "description": "Who sets the total instance count: Operator or External.",
+        "priority": 1,
+    },
 )
-"""``additionalPrinterColumns`` of ``kubectl get llmserves``; the operator writes the status fields."""
+"""``additionalPrinterColumns`` of ``kubectl get llmserves`` (priority 1 = only with ``-o wide``); the operator
+writes the status fields."""
+
+SCALE_SUBRESOURCE: dict[str, str] = {
+    "specReplicasPath": ".spec.scaling.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
+"""The ``scale`` subresource: the total instance count (obeyed with ``replicaOwner: External`` only)."""
 
 # Keys a structural schema node may carry after conversion (anything else from pydantic is an error,
 # so that a model change producing an unsupported construct fails the tests instead of the cluster).
@@ -129,11 +164,36 @@ def _given(field: str) -> str:
 
 
 # CEL rules by the property path of the spec node they are attached to (() = spec itself). They
-# mirror the model validators ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits.
+# mirror the model validators ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits and
+# LLMServeSpec._replicas_and_connectors.
 _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
-    (): [_tp_rule("tpPrefill"), _tp_rule("tpDecode"), _tp_rule("tpUnified")],
+    (): [
+        _tp_rule("tpPrefill"),
+        _tp_rule("tpDecode"),
+        _tp_rule("tpUnified"),
+        {
+            "rule": "!has(self.scaling.replicas) || self.scaling.replicas * self.gpu.gpusPerNode >= self.scaling.minGPUs",
+            "message": "scaling.replicas × gpu.gpusPerNode must be >= scaling.minGPUs",
+            "fieldPath": ".scaling.replicas",
+        },
+        {
+            "rule": "self.router.prefillQueue != 'nats' || size(self.connectors.nats) > 0",
+            "message": "router.prefillQueue nats requires connectors.nats",
+            "fieldPath": ".connectors.nats",
+        },
+    ],
     ("scaling",): [
-        {"rule": "self.minGPUs <= self.maxGPUs", "message": "minGPUs must be <= maxGPUs", "fieldPath": ".minGPUs"}
+        {"rule": "self.minGPUs <= self.maxGPUs", "message": "minGPUs must be <= maxGPUs", "fieldPath": ".minGPUs"},
+        {
+            "rule": "self.replicaOwner != 'External' || has(self.replicas)",
+            "message": "replicaOwner External requires replicas",
+            "fieldPath": ".replicas",
+        },
+        {
+            "rule": "!has(self.replicas) || self.replicas <= self.maxGPUs",
+            "message": "replicas must be <= maxGPUs (an instance uses at least one GPU)",
+            "fieldPath": ".replicas",
+        },
     ],
     ("profile",): [
         {
@@ -193,13 +253,19 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...
         if key in node:
             raise ValueError(f"{where}: `{key}` cannot be expressed in a structural schema")
     out: dict[str, Any] = {}
-    if "type" not in node:
+    if node.get("x-kubernetes-int-or-string") is True:
+        out["x-kubernetes-int-or-string"] = True  # no type: int or string (a Kubernetes quantity)
+    elif "type" not in node:
         raise ValueError(f"{where}: schema node without a type")
-    out["type"] = node["type"]
+    else:
+        out["type"] = node["type"]
     if "description" in node:
         out["description"] = node["description"]
+    extra = node.get("additionalProperties", False)
     for key, value in node.items():
-        if key in _DROPPED_KEYS or key in ("type", "description", "properties", "items", "prefixItems"):
+        if key in _DROPPED_KEYS or key in (
+            "type", "description", "properties", "items", "prefixItems", "x-kubernetes-int-or-string",
+        ):
             continue
         if key in ("exclusiveMinimum", "exclusiveMaximum"):
             bound = "minimum" if key == "exclusiveMinimum" else "maximum"
@@ -216,11 +282,20 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...
             raise ValueError(f"{where}: unsupported JSON-schema keyword {key!r}")
     if nullable:
         out["nullable"] = True
-    if node["type"] == "object":
+    kind = node.get("type")
+    if kind == "object" and isinstance(extra, dict):  # a map: dict[str, X]
+        if node.get("properties"):
+            raise ValueError(f"{where}: an object cannot have both properties and additionalProperties")
+        out["additionalProperties"] = _structural(extra, defs, path)
+    elif kind == "object" and extra is True:  # an open object: dict[str, Any]
+        if node.get("properties"):
+            raise ValueError(f"{where}: an open object cannot have properties")
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    elif kind == "object":
         out["properties"] = {
             name: _structural(child, defs, (*path, name)) for name, child in node.get("properties", {}).items()
         }
-    if node["type"] == "array":
+    if kind == "array":
         out["items"] = _array_items(node, defs, path, where)
     rules = _VALIDATIONS.get(path)
     if rules:
@@ -272,7 +347,7 @@ def build_crd() -> dict[str, Any]:
         the CRD as a plain mapping, ready for ``yaml.safe_dump`` or ``kubectl apply``: group
         ``fulcrum.dev``, one version ``v1alpha1`` (served, storage), namespaced, kind ``LLMServe``
         (plural ``llmserves``, singular ``llmserve``, short name ``llms``), structural schema of the
-        spec with CEL rules, an open status, the status subresource and the printer columns
+        spec with CEL rules, an open status, the status and scale subresources and the printer columns
         :data:`PRINTER_COLUMNS`. Deterministic: the same model gives the same mapping.
     """
     root_doc = (LLMServe.__doc__ or "").strip()
@@ -312,7 +387,7 @@ def build_crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": schema},
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": dict(SCALE_SUBRESOURCE)},
                     "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
                 }
             ],

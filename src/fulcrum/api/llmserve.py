@@ -12,10 +12,20 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from fulcrum.errors import SpecError
@@ -24,9 +34,14 @@ __all__ = [
     "API_VERSION",
     "KIND",
     "Mode",
+    "EngineKind",
+    "ReplicaOwner",
     "ForecasterMethod",
     "RouterPolicy",
+    "Quantity",
     "ModelSpec",
+    "ResourceQuantities",
+    "ResourcesSpec",
     "EngineSpec",
     "GPUSpec",
     "SLOSpec",
@@ -34,6 +49,10 @@ __all__ = [
     "ScalingSpec",
     "ProfileRef",
     "RouterSpec",
+    "Toleration",
+    "Affinity",
+    "PlacementSpec",
+    "ConnectorsSpec",
     "LLMServeSpec",
     "ObjectMeta",
     "LLMServe",
@@ -67,6 +86,30 @@ class Mode(str, Enum):
     AUTO = "Auto"
 
 
+class EngineKind(str, Enum):
+    """What runs in the worker pods.
+
+    - ``vllm``: ``fulcrum worker`` in ``spec.engine.image`` (vLLM with NIXL), ``nvidia.com/gpu`` = TP per pod.
+    - ``sim``: ``fulcrum sim-worker`` in the Fulcrum control-plane image, an OpenAI-compatible emulator timed
+      by ``spec.profile``; no GPU (GPU-free clusters, the quick start and the e2e test).
+    """
+
+    VLLM = "vllm"
+    SIM = "sim"
+
+
+class ReplicaOwner(str, Enum):
+    """Who sets the total instance count.
+
+    - ``Operator``: the planner (forecast → P/D plan); ``spec.scaling.replicas`` is ignored.
+    - ``External``: an HPA or KEDA writes ``spec.scaling.replicas`` through the scale subresource; the
+      operator splits that total between the pools by the planned P/D ratio.
+    """
+
+    OPERATOR = "Operator"
+    EXTERNAL = "External"
+
+
 class ForecasterMethod(str, Enum):
     """Forecasting method for each load series (see ``fulcrum.forecast``)."""
 
@@ -86,6 +129,36 @@ class RouterPolicy(str, Enum):
     LOAD_AWARE = "load_aware"
 
 
+# The Kubernetes resource.Quantity syntax (k8s.io/apimachinery/pkg/api/resource), e.g. 500m, 4, 16Gi, 1e3.
+_QUANTITY = re.compile(
+    r"^[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+def _quantity_to_str(value: Any) -> Any:
+    """YAML ``cpu: 4`` is an int; a Kubernetes quantity is int-or-string: keep its text."""
+    if isinstance(value, bool):
+        return value  # rejected by the str check
+    if isinstance(value, (int, float)):
+        return repr(value) if isinstance(value, float) else str(value)
+    return value
+
+
+def _check_quantity(value: str) -> str:
+    if not _QUANTITY.match(value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 500m, 4, 16Gi)")
+    return value
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_to_str),
+    AfterValidator(_check_quantity),
+    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+]
+"""A Kubernetes resource quantity (``500m``, ``4``, ``16Gi``); numbers are accepted and kept as text."""
+
+
 class ModelSpec(_Model):
     """The served model."""
 
@@ -93,11 +166,35 @@ class ModelSpec(_Model):
     served_name: str | None = Field(default=None, description="Name clients use in the OpenAI API; defaults to `name`.")
 
 
+class ResourceQuantities(_Model):
+    """CPU and memory of one worker container (GPUs are set by the operator: ``nvidia.com/gpu`` = TP)."""
+
+    cpu: Quantity | None = Field(default=None, description="CPU cores, a Kubernetes quantity (e.g. 8 or 500m); unset = none.")
+    memory: Quantity | None = Field(default=None, description="Memory, a Kubernetes quantity (e.g. 64Gi); unset = none.")
+
+
+class ResourcesSpec(_Model):
+    """Requests and limits of the worker container besides GPUs."""
+
+    requests: ResourceQuantities = Field(default_factory=ResourceQuantities, description="What the scheduler reserves per worker pod.")
+    limits: ResourceQuantities = Field(default_factory=ResourceQuantities, description="The most a worker pod may use.")
+
+
 class EngineSpec(_Model):
     """The inference engine of every worker."""
 
-    image: str = Field(default="ghcr.io/fulcrum-llm/worker:0.1.0", min_length=1, description="Worker image (vLLM with NIXL).")
-    extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments, appended verbatim.")
+    kind: EngineKind = Field(
+        default=EngineKind.VLLM,
+        description="`vllm`: pools run `fulcrum worker` (real vLLM) in `image` with TP GPUs each; `sim`: pools run "
+        "`fulcrum sim-worker` (an emulator timed by spec.profile) in the Fulcrum image, without GPUs.",
+    )
+    image: str = Field(default="ghcr.io/fulcrum-llm/worker:0.1.0", min_length=1, description="Worker image (vLLM with NIXL); unused for kind `sim`.")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra arguments appended verbatim: to `vllm serve` (after `--`) for kind `vllm`, to "
+        "`fulcrum sim-worker` for kind `sim` (e.g. [--time-scale, \"0.1\"]).",
+    )
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="CPU and memory requests/limits of each worker container.")
     max_model_len: int = Field(default=8192, ge=16, le=2_097_152, description="Maximum context length in tokens (prompt + output).")
     block_size: int = Field(default=16, ge=1, le=1024, description="KV cache block size in tokens.")
 
@@ -105,7 +202,7 @@ class EngineSpec(_Model):
 class GPUSpec(_Model):
     """The accelerator type of the pools. Defaults describe an NVIDIA H100 SXM 80 GB."""
 
-    type: str = Field(default="H100", min_length=1, description="GPU type; also the node-selector value.")
+    type: str = Field(default="H100", min_length=1, description="GPU type; the node-selector value of placement.gpuTypeLabel when that is set.")
     memory_gib: float = Field(default=80.0, gt=0, le=4096, alias="memoryGiB", description="Memory per GPU in GiB.")
     hbm_bandwidth_gbps: float = Field(default=3350.0, gt=0, alias="hbmBandwidthGBps", description="HBM bandwidth per GPU in GB/s.")
     gpus_per_node: int = Field(default=8, ge=1, le=64, alias="gpusPerNode", description="GPUs per node; bounds TP.")
@@ -150,12 +247,31 @@ class ScalingSpec(_Model):
     initial_prefill: int = Field(default=1, ge=0, description="Prefill instances at start (and for policy `static`).")
     initial_decode: int = Field(default=1, ge=0, description="Decode instances at start (and for policy `static`).")
     initial_unified: int = Field(default=1, ge=0, description="Unified instances at start in Unified mode (and for policy `static`).")
-    forecaster: ForecasterSpec = Field(default_factory=ForecasterSpec)
+    forecaster: ForecasterSpec = Field(default_factory=ForecasterSpec, description="Load forecaster settings.")
+    replica_owner: ReplicaOwner = Field(
+        default=ReplicaOwner.OPERATOR,
+        description="Who sets the total instance count: `Operator` (the planner; `replicas` is ignored) or `External` "
+        "(an HPA/KEDA writes `replicas` through the scale subresource; the operator splits it by the planned ratio).",
+    )
+    replicas: int | None = Field(
+        default=None, ge=0, le=4096,
+        description="Total worker instances, all pools together; obeyed only when replicaOwner is External (required "
+        "then). An instance uses 1 to gpu.gpusPerNode GPUs, so replicas <= maxGPUs and replicas × gpusPerNode >= minGPUs.",
+    )
+    drain_timeout_seconds: int = Field(
+        default=300, ge=0, le=86_400,
+        description="Longest wait for a scaled-in instance's in-flight requests to finish before it is deleted; pods get "
+        "this plus 30 s of termination grace.",
+    )
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "ScalingSpec":
         if self.min_gpus > self.max_gpus:
             raise ValueError(f"minGPUs ({self.min_gpus}) must be <= maxGPUs ({self.max_gpus})")
+        if self.replica_owner is ReplicaOwner.EXTERNAL and self.replicas is None:
+            raise ValueError("replicaOwner External requires replicas")
+        if self.replicas is not None and self.replicas > self.max_gpus:
+            raise ValueError(f"replicas ({self.replicas}) exceeds maxGPUs ({self.max_gpus}): an instance uses >= 1 GPU")
         return self
 
 
@@ -182,17 +298,85 @@ class RouterSpec(_Model):
     prefill_queue: Literal["direct", "nats"] = Field(default="direct", description="`nats` sends prefill jobs through a JetStream work queue (DOPD §V-C).")
 
 
+class Toleration(_Model):
+    """A Kubernetes pod toleration (core/v1 Toleration), copied onto every worker pod."""
+
+    key: str | None = Field(default=None, description="Taint key the toleration applies to; unset with operator Exists = every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="`Exists` or `Equal` (the Kubernetes default).")
+    value: str | None = Field(default=None, description="Taint value to match with operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(default=None, description="Taint effect to match; unset = all.")
+    toleration_seconds: int | None = Field(default=None, description="How long a NoExecute taint is tolerated, seconds; unset = forever.")
+
+
+class Affinity(_Model):
+    """Kubernetes pod affinity (core/v1 Affinity) for the worker pods; each member is passed through unchanged
+    and validated by the API server when the Deployment is applied."""
+
+    node_affinity: dict[str, Any] | None = Field(default=None, description="core/v1 NodeAffinity, e.g. requiredDuringSchedulingIgnoredDuringExecution.")
+    pod_affinity: dict[str, Any] | None = Field(default=None, description="core/v1 PodAffinity.")
+    pod_anti_affinity: dict[str, Any] | None = Field(default=None, description="core/v1 PodAntiAffinity.")
+
+
+class PlacementSpec(_Model):
+    """Where worker pods may run. The router pods get none of it (they need no GPU)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every worker pod requires.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the worker pods tolerate (e.g. nvidia.com/gpu:NoSchedule).")
+    affinity: Affinity = Field(default_factory=Affinity, description="Node and pod affinity of the worker pods.")
+    gpu_type_label: str = Field(
+        default="",
+        description="Node label whose value must equal gpu.type (e.g. nvidia.com/gpu.product, or your own); "
+        "\"\" = no automatic GPU-type selector. Ignored for engine kind `sim`.",
+    )
+
+
+class ConnectorsSpec(_Model):
+    """Endpoints of the optional connectors (DOPD §V-C)."""
+
+    etcd: str = Field(
+        default="",
+        description="etcd endpoint host:port of the instance registry (workers register with a lease, the router "
+        "watches); \"\" = the router reads the pool Services' EndpointSlices instead.",
+    )
+    nats: str = Field(
+        default="",
+        description="NATS URL (nats://host:4222) of the JetStream prefill queue; required when router.prefillQueue "
+        "is `nats`; \"\" = prefill requests go directly to an instance.",
+    )
+
+
 class LLMServeSpec(_Model):
     """What to serve, on which GPUs, under which SLOs and limits."""
 
-    model: ModelSpec
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    gpu: GPUSpec = Field(default_factory=GPUSpec)
-    slo: SLOSpec = Field(default_factory=SLOSpec)
-    mode: Mode = Field(default=Mode.DISAGGREGATED)
-    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
-    profile: ProfileRef = Field(default_factory=lambda: ProfileRef(name="dopd-llama70b-fp8-h100"))
-    router: RouterSpec = Field(default_factory=RouterSpec)
+    model: ModelSpec = Field(description="The served model.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="The inference engine of every worker.")
+    gpu: GPUSpec = Field(default_factory=GPUSpec, description="The accelerator of the pools.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency targets at a percentile.")
+    mode: Mode = Field(
+        default=Mode.DISAGGREGATED,
+        description="`Disaggregated` (prefill and decode pools), `Unified` (one pool of kv_both instances) or `Auto` "
+        "(the planner picks whichever needs fewer GPUs; all three pools exist).",
+    )
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec, description="Limits, cadence and replica ownership of the planner loop.")
+    profile: ProfileRef = Field(
+        default_factory=lambda: ProfileRef(name="dopd-llama70b-fp8-h100"),
+        description="The performance profile the planner (and sim workers) use.",
+    )
+    router: RouterSpec = Field(default_factory=RouterSpec, description="Router settings.")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Node selection for the worker pods.")
+    connectors: ConnectorsSpec = Field(default_factory=ConnectorsSpec, description="etcd and NATS endpoints (empty = not used).")
+
+    @model_validator(mode="after")
+    def _replicas_and_connectors(self) -> "LLMServeSpec":
+        sc = self.scaling
+        if sc.replicas is not None and sc.replicas * self.gpu.gpus_per_node < sc.min_gpus:
+            raise ValueError(
+                f"scaling.replicas ({sc.replicas}) × gpu.gpusPerNode ({self.gpu.gpus_per_node}) is below "
+                f"scaling.minGPUs ({sc.min_gpus})"
+            )
+        if self.router.prefill_queue == "nats" and not self.connectors.nats:
+            raise ValueError("router.prefillQueue nats requires connectors.nats")
+        return self
 
     @model_validator(mode="after")
     def _tp_fits(self) -> "LLMServeSpec":
@@ -212,7 +396,11 @@ class ObjectMeta(_Model):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow", frozen=True)
 
-    name: str = Field(default="llmserve", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    name: str = Field(
+        default="llmserve", min_length=1, max_length=55, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+        description="A DNS-1035 label of at most 55 characters, so that the Services `<name>-prefill`, "
+        "`<name>-decode`, `<name>-unified` and `<name>-router` are valid names too.",
+    )
     namespace: str = Field(default="default", min_length=1, max_length=63)
 
 
