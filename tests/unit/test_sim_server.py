@@ -1,0 +1,366 @@
+"""The sim-worker's HTTP surface (aiohttp test servers on 127.0.0.1): OpenAI answers, errors, metrics, timing that
+follows the profile, client aborts, and the NIXL kv_transfer_params protocol between two sim-workers — directly
+and through the real router with the disaggregated and split policies, where every run must give the colocated
+tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+pytest_asyncio = pytest.importorskip("pytest_asyncio")
+
+from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+
+from fakes.fake_policy import FakePolicy  # noqa: E402
+from fakes.sse_client import answer_text, parse_stream  # noqa: E402
+from fulcrum.ratio.profiles import builtin_profile  # noqa: E402
+from fulcrum.router.app import create_app, default_policy_factory  # noqa: E402
+from fulcrum.router.config import parse_config  # noqa: E402
+from fulcrum.worker.sim_engine import SimEngineConfig, greedy_token  # noqa: E402
+from fulcrum.worker.sim_server import SimServerSettings, SimWorker, create_sim_app  # noqa: E402
+
+pytestmark = pytest.mark.asyncio
+
+PROFILE = builtin_profile("splitwise-llama2-70b-h100")
+MODEL = "sim-model"
+BS = 16
+
+
+def expected(prompt: list[int], n: int) -> str:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(greedy_token(seq))
+    return bytes(seq[len(prompt):]).decode()
+
+
+def tokens_of(text: str) -> list[int]:
+    return list(text.encode())
+
+
+class Sim:
+    def __init__(self, worker: SimWorker, client: TestClient[Any, Any]) -> None:
+        self.worker = worker
+        self.client = client
+
+    @property
+    def url(self) -> str:
+        return str(self.client.make_url("")).rstrip("/")
+
+    def metric(self, name: str, **labels: str) -> float:
+        v = self.worker.metrics.registry.get_sample_value(name, {"model_name": MODEL, **labels})
+        return 0.0 if v is None else v
+
+
+@pytest_asyncio.fixture
+async def sim():
+    made: list[Sim] = []
+
+    async def make(engine_id: str = "w0", time_scale: float = 0.01, kv_capacity_tokens: int = 50_000,
+                   **settings: Any) -> Sim:
+        worker = SimWorker(PROFILE, SimEngineConfig(tp=2, kv_capacity_tokens=kv_capacity_tokens, block_size=BS,
+                                                    time_scale=time_scale),
+                           SimServerSettings(model=MODEL, engine_id=engine_id, max_model_len=4096, **settings))
+        client: TestClient[Any, Any] = TestClient(TestServer(create_sim_app(worker), handler_cancellation=True))
+        await client.start_server()
+        s = Sim(worker, client)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        await s.client.close()
+
+
+# ------------------------------------------------------------------------------------------------ the API
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_stream_or_not_give_the_greedy_tokens_and_usage(sim, chat: bool, stream: bool) -> None:
+    s = await sim()
+    if chat:
+        msgs = [{"role": "user", "content": "hello"}]
+        body: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": 12}
+        prompt = tokens_of("<|user|>hello\n<|assistant|>")
+        path = "/v1/chat/completions"
+    else:
+        body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 12}
+        prompt = tokens_of("the quick brown fox")
+        path = "/v1/completions"
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    r = await s.client.post(path, json=body)
+    assert r.status == 200, await r.text()
+    if stream:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        text, usage, chunks, done_once = parse_stream(await r.read())
+        assert done_once
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    else:
+        data = await r.json()
+        text, usage = answer_text(data), data["usage"]
+        assert data["choices"][0]["finish_reason"] == "length"
+    assert text == expected(prompt, 12)
+    assert usage == {"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}
+
+
+async def test_token_ids_logprobs_and_stop_strings_are_answered_like_vllm(sim) -> None:
+    s = await sim()
+    prompt = tokens_of("abc")
+    full = expected(prompt, 30)
+    r = await s.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 30, "return_token_ids": True,
+                                                     "logprobs": 0})
+    data = await r.json()
+    ch = data["choices"][0]
+    assert ch["token_ids"] == tokens_of(full) and ch["prompt_token_ids"] == prompt
+    assert "".join(ch["logprobs"]["tokens"]) == full and ch["logprobs"]["text_offset"][:2] == [0, 1]
+    stop = full[10:12]
+    r = await s.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 30, "stop": [stop],
+                                                     "ignore_eos": True})
+    data = await r.json()
+    ch = data["choices"][0]
+    assert (ch["text"], ch["finish_reason"], ch["stop_reason"]) == (full[:full.index(stop)], "stop", stop)
+    await asyncio.sleep(0.05)
+    assert s.worker.busy == 0 and s.worker.engine.free_blocks == s.worker.engine.config.num_blocks
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"prompt": "x" * 4000, "max_tokens": 200}, 400, "maximum context length is 4096 tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
+    ({"prompt": "hi", "max_tokens": "3"}, 400, "max_tokens must be a positive integer"),
+    ({"prompt": [1, 2, 999]}, 400, "out of vocabulary"),
+    ({"prompt": ""}, 400, "prompt must be"),
+    ({"prompt": "hi", "n": 2}, 400, "n = 1"),
+    ({"prompt": "hi", "model": "other"}, 404, "does not exist"),
+    ({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, 400, "remote_host"),
+])
+async def test_bad_requests_get_a_4xx_with_the_reason(sim, body: dict[str, Any], status: int, needle: str) -> None:
+    s = await sim()
+    r = await s.client.post("/v1/completions", json=body)
+    assert r.status == status
+    assert needle in (await r.json())["error"]["message"]
+
+
+async def test_a_body_that_is_not_json_gets_400(sim) -> None:
+    s = await sim()
+    r = await s.client.post("/v1/completions", data=b"{nope")
+    assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
+
+
+async def test_tokenize_models_health_and_metrics_speak_vllms_names(sim) -> None:
+    s = await sim()
+    r = await s.client.post("/tokenize", json={"prompt": "héllo"})
+    assert (await r.json()) == {"count": 6, "max_model_len": 4096, "tokens": tokens_of("héllo")}
+    r = await s.client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert (await r.json())["tokens"] == tokens_of("<|user|>hi\n<|assistant|>")
+    models = await (await s.client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
+    assert (await s.client.get("/health")).status == 200
+    await s.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5})
+    text = await (await s.client.get("/metrics")).text()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_prompt_tokens_count",
+                 "vllm:request_generation_tokens_count"):
+        assert f'{name}{{model_name="{MODEL}"}}' in text, name
+    assert s.metric("vllm:generation_tokens_total") == 5 and s.metric("vllm:prompt_tokens_total") == 5
+    s.worker.start_draining()
+    assert (await s.client.get("/health")).status == 503
+
+
+# ------------------------------------------------------------------------------------------------ timing
+async def test_at_low_load_measured_ttft_and_tpot_track_the_profile(sim) -> None:
+    scale = 1.0  # the profile's own time: HTTP overhead (a few ms) stays well inside 10%
+    s = await sim(time_scale=scale)
+    isl, n = 1000, 24
+    prompt = [(5 * i) % 200 + 32 for i in range(isl)]
+    t0 = time.monotonic()
+    r = await s.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "stream": True})
+    times: list[float] = []
+    async for line in r.content:
+        if line.startswith(b"data: {") and b'"text": ""' not in line:
+            times.append(time.monotonic())
+    assert len(times) == n
+    ttft = times[0] - t0
+    tpot = (times[-1] - times[0]) / (n - 1)
+    assert ttft == pytest.approx(scale * PROFILE.ttft(isl, 2), rel=0.10)
+    assert tpot == pytest.approx(scale * PROFILE.tpot(1, isl + n / 2, 2), rel=0.10)
+    # the server's own histograms agree
+    assert s.metric("vllm:time_to_first_token_seconds_sum") == pytest.approx(scale * PROFILE.ttft(isl, 2), rel=0.10)
+    assert s.metric("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(tpot, rel=0.10)
+
+
+async def test_a_client_that_goes_away_aborts_its_request_and_frees_its_kv(sim) -> None:
+    s = await sim(time_scale=1.0)
+    r = await s.client.post("/v1/completions", json={"prompt": "x" * 500, "max_tokens": 2000, "stream": True})
+    await r.content.readline()  # the first token arrived: it runs
+    assert s.worker.engine.num_running == 1
+    r.close()
+    for _ in range(100):
+        if s.worker.busy == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert s.worker.busy == 0 and s.worker.engine.free_blocks == s.worker.engine.config.num_blocks
+
+
+# ------------------------------------------------------------------------------------------------ KV transfer
+async def prefill_on(a: Sim, prompt: list[int], k: int) -> dict[str, Any]:
+    r = await a.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": k + 1, "return_token_ids": True,
+                                                     "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status == 200
+    return dict(await r.json())
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 16])
+async def test_a_handoff_after_k_tokens_pulls_the_kv_from_the_other_worker_and_continues_identically(sim, k) -> None:
+    a, b = await sim("wa"), await sim("wb")
+    prompt = [(7 * i + 3) % 200 + 32 for i in range(30)]  # P + k − 1 is a block multiple at k = 3
+    data = await prefill_on(a, prompt, k)
+    kv = data["kv_transfer_params"]
+    assert kv["remote_engine_id"] == "wa" and kv["remote_num_tokens"] == 30 + k
+    assert len(kv["remote_block_ids"]) == -(-(30 + k) // BS)
+    assert kv["remote_port"] == a.client.port and kv["do_remote_prefill"] is True
+    assert a.worker.engine.num_held == 1
+    gen = data["choices"][0]["token_ids"][:k]
+    r = await b.client.post("/v1/completions", json={"prompt": prompt + gen, "max_tokens": 10, "kv_transfer_params": kv})
+    assert r.status == 200, await r.text()
+    assert tokens_of((await r.json())["choices"][0]["text"]) == tokens_of(expected(prompt, 10 + k))[k:]
+    assert a.worker.engine.num_held == 0 and a.worker.engine.free_blocks == a.worker.engine.config.num_blocks
+    assert b.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 30 + k - 1
+    assert b.metric("vllm:nixl_num_failed_transfers_total") == 0
+
+
+async def test_a_prompt_the_transferred_kv_does_not_cover_gets_400_with_the_reason(sim) -> None:
+    a, b = await sim("wa"), await sim("wb")
+    prompt = [(3 * i) % 100 + 40 for i in range(32)]
+    data = await prefill_on(a, prompt, 2)
+    kv = data["kv_transfer_params"]
+    gen = data["choices"][0]["token_ids"]
+    # all 3 generated tokens: the KV holds P + 2, the prompt needs P + 2 before its last token — one too many
+    r = await b.client.post("/v1/completions", json={"prompt": prompt + gen + [65], "max_tokens": 4,
+                                                     "kv_transfer_params": kv})
+    assert r.status == 400
+    assert "needs" in (msg := (await r.json())["error"]["message"]) and "vLLM" in msg
+    # fewer blocks than the prompt needs
+    data = await prefill_on(a, prompt, 2)
+    kv = dict(data["kv_transfer_params"], remote_block_ids=data["kv_transfer_params"]["remote_block_ids"][:1])
+    r = await b.client.post("/v1/completions", json={"prompt": prompt + gen[:2], "max_tokens": 4, "kv_transfer_params": kv})
+    assert r.status == 400 and "KV blocks" in (await r.json())["error"]["message"]
+    assert a.worker.engine.num_held == 0  # the refused pulls still freed A's blocks
+
+
+async def test_a_failed_pull_recomputes_the_prompt_and_counts_the_failure(sim) -> None:
+    a, b = await sim("wa"), await sim("wb")
+    prompt = tokens_of("recompute me please")
+    kv = (await prefill_on(a, prompt, 0))["kv_transfer_params"]
+    assert a.worker.take_kv(kv["remote_request_id"], "wa") is not None  # someone else pulled it already
+    r = await b.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "kv_transfer_params": kv})
+    assert r.status == 200 and (await r.json())["choices"][0]["text"] == expected(prompt, 6)
+    assert b.metric("vllm:nixl_num_failed_transfers_total") == 1
+    assert b.metric("vllm:prompt_tokens_by_source_total", source="local_compute") == len(prompt)
+
+
+async def test_the_kv_transfer_time_from_the_profile_delays_the_decode_side(sim) -> None:
+    # 300 tokens × 327,680 B/token at 0.5 GB/s = 0.197 s of transfer (time_scale 1)
+    a, b = await sim("wa", time_scale=0.01), await sim("wb", time_scale=1.0, kv_transfer_gbps=0.5)
+    prompt = [(11 * i) % 90 + 33 for i in range(300)]
+    kv = (await prefill_on(a, prompt, 0))["kv_transfer_params"]
+    t0 = time.monotonic()
+    r = await b.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv})
+    took = time.monotonic() - t0
+    assert r.status == 200
+    xfer = PROFILE.kv_transfer_seconds(300, 0.5)
+    assert xfer == pytest.approx(0.197, rel=0.01)
+    assert xfer <= took <= xfer + PROFILE.ttft(300, 2) * 0.2 + 0.05  # transfer, then one tiny step
+    assert b.metric("vllm:nixl_xfer_time_seconds_sum") == pytest.approx(xfer)
+
+
+# ------------------------------------------------------------------------------------------------ via the router
+async def router_over(a: Sim, b: Sim, policy: Any, roles: tuple[str, str] = ("prefill", "decode")) -> TestClient[Any, Any]:
+    cfg = parse_config({
+        "model": MODEL, "kv_block_size": BS,
+        "instances": [{"id": "wa", "url": a.url, "role": roles[0]}, {"id": "wb", "url": b.url, "role": roles[1]}],
+        "policy": policy if isinstance(policy, dict) else {"name": "round_robin"},
+        "timeouts": {"connect_s": 1.0, "first_token_s": 10.0, "idle_s": 10.0, "request_s": 30.0, "health_s": 1.0},
+    })
+    factory = default_policy_factory if isinstance(policy, dict) else (lambda name, params: policy)
+    client: TestClient[Any, Any] = TestClient(TestServer(create_app(cfg, policy_factory=factory, health_checks=False),
+                                                         handler_cancellation=True))
+    await client.start_server()
+    return client
+
+
+async def ask(client: TestClient[Any, Any], body: dict[str, Any], stream: bool) -> tuple[str, dict[str, Any]]:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    req = dict(body, stream=stream)
+    if stream:
+        req["stream_options"] = {"include_usage": True}
+    r = await client.post(path, json=req)
+    assert r.status == 200, await r.text()
+    if stream:
+        text, usage, _, done_once = parse_stream(await r.read())
+        assert done_once and usage is not None
+        return text, usage
+    data = await r.json()
+    return answer_text(data), data["usage"]
+
+
+PROMPT = [(7 * i + 3) % 200 + 32 for i in range(30)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body", [
+    {"prompt": PROMPT, "max_tokens": 24},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+     "max_tokens": 9},
+])
+async def test_through_the_router_the_disaggregated_policy_gives_the_colocated_tokens(sim, body, stream) -> None:
+    a, b = await sim("wa"), await sim("wb")
+    colocated, cu = await ask(a.client, body, stream)
+    router = await router_over(a, b, {"name": "disaggregated", "params": {"ultra_short_tokens": 0}})
+    try:
+        text, usage = await ask(router, body, stream)
+    finally:
+        await router.close()
+    assert text == colocated and usage == cu
+    assert b.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == cu["prompt_tokens"] - 1
+    assert b.metric("vllm:nixl_num_failed_transfers_total") == 0
+    assert a.worker.engine.num_held == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 17])
+async def test_through_the_router_a_split_after_k_tokens_gives_the_colocated_tokens(sim, k, stream) -> None:
+    a, b = await sim("wa"), await sim("wb")
+    body = {"prompt": PROMPT, "max_tokens": 24}
+    colocated, cu = await ask(a.client, body, stream)
+    router = await router_over(a, b, FakePolicy("split", k, pair=("wa", "wb")))
+    try:
+        text, usage = await ask(router, body, stream)
+    finally:
+        await router.close()
+    assert text == colocated and usage == cu
+    moved = b.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert moved >= 30 + k - 2  # B continued on A's KV from (nearly) all k tokens (the guard may move k by one)
+    assert b.metric("vllm:nixl_num_failed_transfers_total") == 0 and a.worker.engine.num_held == 0
+
+
+async def test_through_the_router_libras_split_policy_gives_the_colocated_tokens(sim) -> None:
+    a, b = await sim("wa"), await sim("wb")
+    bodies = [{"prompt": [(13 * i + j) % 150 + 40 for i in range(20 + 37 * j)], "max_tokens": 8 + 5 * j}
+              for j in range(6)]
+    want = [await ask(a.client, body, False) for body in bodies]
+    router = await router_over(a, b, {"name": "split", "params": {"profile": PROFILE.name, "kv_block_tokens": BS}},
+                               roles=("both", "both"))
+    try:
+        got = await asyncio.gather(*(ask(router, body, True) for body in bodies))
+    finally:
+        await router.close()
+    assert list(got) == want
+    pulled = [s.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") for s in (a, b)]
+    assert sum(pulled) > 0  # the policy handed requests off (both instances may prefill and decode)
+    assert all(s.metric("vllm:nixl_num_failed_transfers_total") == 0 and s.worker.engine.num_held == 0 for s in (a, b))
