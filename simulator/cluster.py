@@ -71,13 +71,13 @@ from fulcrum.workload import Request
 __all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler", "RoleBalancer"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
+"""A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
+pure planner is ``fulcrum.rebalancing.decode_rescheduling.plan_migration`` (ARES Alg. 1); the caller adapts it
+(the simulator sits below the planners' callers in the layers)."""
 RoleBalancer = Callable[[float, Sequence[RoleView]], Sequence[tuple[int, str]]]
 """A role balancer: (now s, ready P and D instances) → role changes as (instance iid, "prefill" | "decode").
-The pure planner is ``fulcrum.router.policies.role_reassignment.plan_role_change`` (BanaServe Alg. 1 with a
+The pure planner is ``fulcrum.rebalancing.role_reassignment.plan_role_change`` (BanaServe Alg. 1 with a
 role flip); ``fulcrum.replay.roles`` adapts it."""
-"""A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
-pure planner is ``fulcrum.router.policies.rescheduling.plan_migration`` (ARES Alg. 1); the caller adapts it
-(the simulator must not import the router: it sits below it)."""
 
 _ROLES = ("prefill", "decode", "unified")
 
