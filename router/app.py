@@ -10,6 +10,13 @@ One request: validate (400) → count the prompt (``fulcrum.router.tokens``) →
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message. An engine's 4xx is
 the client's error and is relayed as is.
 
+Prefill legs (router config ``prefill_queue``): ``direct`` POSTs them to the policy's instance A; ``nats`` publishes
+each engine call that carries ``kv_transfer_params.do_remote_decode`` (the ``disaggregated`` prefill leg and the
+``split`` A leg) as a job on the NATS JetStream prefill queue, awaits a prefill worker's reply (the engine's answer
+with its ``kv_transfer_params``) and sends the decode leg as in the direct case (:class:`QueuedPrefillPool`, DOPD
+§V-C). Draining (router config ``draining``): the listed instances are shown to every policy as draining, so they
+get no new requests, while the calls in flight on them finish; a reload applies a new list at once.
+
 Client disconnects cancel the upstream calls (their connections are closed, which aborts the work in vLLM):
 while streaming the failed write notices it; before that, the server must run with ``handler_cancellation=True``
 (``fulcrum router`` does; so do the tests).
@@ -33,7 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor
-from fulcrum.router.config import ConfigWatcher, RouterConfig
+from fulcrum.router.config import ConfigWatcher, PrefillQueueConfig, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
 from fulcrum.router.handoff import disagg_blocker, run_colocated, run_disaggregated, run_split
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -47,11 +54,14 @@ from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
 
 __all__ = [
     "PolicyFactory",
+    "QueuedPrefillPool",
+    "is_prefill_leg",
     "OutputLengthPredictor",
     "RouterState",
     "ROUTER",
     "create_app",
     "default_policy_factory",
+    "apply_draining",
 ]
 
 log = logging.getLogger(__name__)
@@ -107,12 +117,150 @@ class RouterState:
                 new = new.model_copy(update={"policy": self.config.policy})
         if self.owns_registry and isinstance(self.registry, StaticRegistry) and new.instances != self.config.instances:
             self.registry.replace(new.records())
+        old = self.config
         self.config = new
         if self.pool is not None:
             self.pool.update_config(new)
+            apply_draining(self.pool, new.draining)
+            if new.prefill_queue != old.prefill_queue and isinstance(self.pool, QueuedPrefillPool):
+                retired = self.pool.use_queue(new.prefill_queue)
+                if retired is not None:
+                    self.tasks.append(asyncio.create_task(_retire_queue(retired, old.prefill_queue.timeout_s),
+                                                          name="router-prefill-queue-retire"))
 
 
 ROUTER: web.AppKey[RouterState] = web.AppKey("fulcrum_router", RouterState)
+
+
+# ------------------------------------------------------------------------------------------ draining
+def apply_draining(pool: UpstreamPool, draining: tuple[str, ...] | list[str]) -> None:
+    """Mark exactly the instances in ``draining`` as draining (ids not registered are ignored).
+
+    A draining instance is shown to the policies with ``draining = True`` (every policy skips it) and is left
+    out of the fallback and side calls; the calls already in flight on it are untouched and finish."""
+    names = set(draining)
+    for iid in pool.ids():
+        st = pool.state(iid)
+        was, st.draining = st.draining, iid in names
+        if st.draining != was:
+            log.info("instance %s %s", iid, "draining: no new requests" if st.draining else "no longer draining")
+
+
+# ------------------------------------------------------------------------------------------ prefill queue
+_ENGINE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def is_prefill_leg(path: str, body: Mapping[str, Any]) -> bool:
+    """Whether an engine call is a prefill leg for the queue: a generation call whose ``kv_transfer_params`` ask
+    the engine to keep its KV for a remote decode (``do_remote_decode``) — the disaggregated prefill and the split
+    A leg (``fulcrum.router.handoff``)."""
+    kv = body.get("kv_transfer_params")
+    return path in _ENGINE_PATHS and isinstance(kv, Mapping) and kv.get("do_remote_decode") is True
+
+
+def _new_queue(cfg: PrefillQueueConfig) -> Any:
+    """A :class:`fulcrum.router.prefill_queue.NatsPrefillQueue` for ``cfg`` (connects on first use); imported
+    here so that a router without the queue does not load nats-py."""
+    from fulcrum.router.prefill_queue import NatsPrefillQueue
+
+    return NatsPrefillQueue(cfg.servers(), cfg.stream, cfg.subject_prefix, durable=cfg.durable,
+                            ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver, name="fulcrum-router",
+                            connect_timeout_s=cfg.connect_timeout_s)
+
+
+async def _retire_queue(queue: Any, wait_s: float, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+    """Close a replaced queue once the jobs still waiting on it are answered (or after ``wait_s`` seconds)."""
+    waited = 0.0
+    try:
+        while queue.waiting and waited < wait_s:
+            await sleep(0.1)
+            waited += 0.1
+    finally:
+        await queue.close()
+
+
+class QueuedPrefillPool(UpstreamPool):
+    """The upstream pool, with prefill legs through the NATS JetStream prefill queue when one is in use.
+
+    ``post_json`` of a prefill leg (:func:`is_prefill_leg`) publishes ``{"path", "body"}`` as a job, awaits a
+    prefill worker's reply ``{"status", "body"}`` (``fulcrum.router.prefill_queue.engine_handler``) and returns it
+    as the engine's answer, so the handoff code runs unchanged and the decode leg follows as in the direct case.
+    Every other call, and every call while no queue is in use (``prefill_queue.kind: direct``), goes over HTTP.
+    The instance the policy chose for the prefill keeps the router's accounting of the job (any puller may run
+    it: the queue balances prefills by itself, DOPD §V-C).
+
+    Outcomes (``fulcrum_router_prefill_jobs{outcome}``): ``ok``; ``failed`` — the workers' engines failed on
+    every delivery → :class:`UpstreamFailure` (the router retries the request, then 502 with the worker's error);
+    ``timeout`` — no worker replied within ``prefill_queue.timeout_s`` — and ``unavailable`` — NATS unreachable —
+    → 503 with the reason, or with ``on_timeout: direct`` the prefill leg over HTTP to the chosen instance
+    (``direct``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefill_queue: Any | None = None
+
+    def use_queue(self, cfg: PrefillQueueConfig) -> Any | None:
+        """Switch to the queue ``cfg`` describes (None for ``kind: direct``); returns the queue it replaced."""
+        old = self.prefill_queue
+        self.prefill_queue = _new_queue(cfg) if cfg.kind == "nats" else None
+        return old
+
+    async def post_json(self, iid: str, path: str, body: dict[str, Any],
+                        total_s: float | None = None) -> tuple[int, bytes, Any]:
+        """As :meth:`UpstreamPool.post_json`; a prefill leg goes through the queue when one is in use.
+
+        Raises:
+            UpstreamFailure: as the direct call; for a queued job, "status" when it failed on every delivery
+                and "broken" when the reply is malformed.
+            NoHealthyInstance: (queued, ``on_timeout: unavailable``) no worker replied in time, or NATS is
+                unreachable; the message says which.
+        """
+        queue = self.prefill_queue
+        if queue is None or not is_prefill_leg(path, body):
+            return await super().post_json(iid, path, body, total_s)
+        from fulcrum.router.prefill_queue import PrefillJobError, PrefillQueueError, PrefillTimeoutError
+
+        cfg = self.config.prefill_queue
+        m = self.metrics
+        t0 = self.clock()
+        m.prefill_jobs_waiting.inc()
+        try:
+            reply = await queue.submit({"path": path, "body": body}, timeout_s=cfg.timeout_s)
+        except PrefillTimeoutError:
+            outcome, reason = "timeout", f"no prefill worker replied within {cfg.timeout_s:g} s (prefill queue {cfg.stream})"
+        except PrefillJobError as err:
+            m.child(m.prefill_jobs, "failed").inc()
+            raise UpstreamFailure(iid, "status", f"prefill failed on every worker: {err}", 502) from err
+        except PrefillQueueError as err:
+            outcome, reason = "unavailable", f"the prefill queue is unavailable: {err}"
+        else:
+            m.child(m.prefill_jobs, "ok").inc()
+            m.prefill_job_seconds.observe(max(0.0, self.clock() - t0))
+            return _queued_answer(iid, reply)
+        finally:
+            m.prefill_jobs_waiting.dec()
+        m.child(m.prefill_jobs, outcome).inc()
+        if cfg.on_timeout == "direct" and iid in self.ids():
+            log.warning("%s; prefilling on %s over HTTP", reason, iid)
+            m.child(m.prefill_jobs, "direct").inc()
+            return await super().post_json(iid, path, body, total_s)
+        log.warning("%s", reason)
+        raise NoHealthyInstance(f"no prefill capacity for the request: {reason}")
+
+
+def _queued_answer(iid: str, reply: Mapping[str, Any]) -> tuple[int, bytes, Any]:
+    """A worker's reply ``{"status", "body"}`` as ``post_json``'s (status, raw, parsed-or-None).
+
+    Raises:
+        UpstreamFailure: "broken" when the reply is not of that shape."""
+    status, data = reply.get("status"), reply.get("body")
+    if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status < 600:
+        raise UpstreamFailure(iid, "broken", "a prefill worker replied without an HTTP status")
+    raw = json.dumps(data).encode()
+    if status >= 500:
+        raise UpstreamFailure(iid, "status", f"prefill worker's engine answered HTTP {status}", status)
+    return status, raw, data if status == 200 else None
 
 
 def _json_response(status: int, data: Any) -> web.Response:
@@ -180,6 +328,9 @@ def _route(st: RouterState, info: RequestInfo, exclude: list[str]) -> RouteDecis
     ids = set(st.pool.ids())
     if decision.first not in ids or (decision.second is not None and decision.second not in ids):
         log.error("policy %s chose an unknown instance (%s, %s)", st.policy.name, decision.first, decision.second)
+        return _fallback_decision(st, exclude, "policy-error")
+    if st.config.draining and any(i is not None and st.pool.state(i).draining for i in (decision.first, decision.second)):
+        log.error("policy %s chose a draining instance (%s, %s)", st.policy.name, decision.first, decision.second)
         return _fallback_decision(st, exclude, "policy-error")
     return decision
 
@@ -361,11 +512,36 @@ async def _watch_registry(st: RouterState, sleep: Callable[[float], Any] = async
         try:
             async for records in st.registry.watch():
                 st.pool.set_records(records)
+                apply_draining(st.pool, st.config.draining)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the router keeps its last instance list meanwhile
             log.exception("instance registry watch failed; keeping the last instance list and watching again")
         await sleep(1.0)
+
+
+async def _watch_queue_depth(st: RouterState, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+    """Every ``prefill_queue.depth_interval_s``: ``fulcrum_router_prefill_queue_depth`` = jobs not yet taken.
+
+    Also connects a new queue ahead of the first request. Failures are logged once per outage; the gauge keeps
+    its last value meanwhile."""
+    failing = False
+    while True:
+        pool = st.pool
+        queue = pool.prefill_queue if isinstance(pool, QueuedPrefillPool) else None
+        if queue is not None:
+            try:
+                st.metrics.prefill_queue_depth.set(await queue.depth())
+                if failing:
+                    log.info("prefill queue depth readable again")
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - NATS away: routing reports it per request
+                if not failing:
+                    log.warning("cannot read the prefill queue depth: %s", err)
+                failing = True
+        await sleep(st.config.prefill_queue.depth_interval_s)
 
 
 async def _watch_config(st: RouterState, sleep: Callable[[float], Any]) -> None:
@@ -424,12 +600,16 @@ def create_app(
                                              keepalive_timeout=60, enable_cleanup_closed=False)
             session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
                                             cookie_jar=aiohttp.DummyCookieJar())
-        st.pool = UpstreamPool(session, st.config, st.metrics, clock)
+        pool = QueuedPrefillPool(session, st.config, st.metrics, clock)
+        pool.use_queue(st.config.prefill_queue)
+        st.pool = pool
         st.pool.set_records(await st.registry.snapshot())
+        apply_draining(st.pool, st.config.draining)
         st.metrics.attach_pool(lambda: st.pool.views() if st.pool is not None else [])
         st.tasks.append(asyncio.create_task(_watch_registry(st), name="router-registry"))
         if health_checks:
             st.tasks.append(asyncio.create_task(st.pool.health_loop(), name="router-health"))
+        st.tasks.append(asyncio.create_task(_watch_queue_depth(st), name="router-prefill-queue-depth"))
         if st.config_path is not None:
             st.watcher = ConfigWatcher(st.config_path, st.config, st.apply_config, clock)
             st.tasks.append(asyncio.create_task(_watch_config(st, asyncio.sleep), name="router-config"))
@@ -441,6 +621,8 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         st.tasks.clear()
+        if isinstance(st.pool, QueuedPrefillPool) and st.pool.prefill_queue is not None:
+            await st.pool.prefill_queue.close()
         if st.pool is not None:
             await st.pool.session.close()
         if owns:

@@ -11,6 +11,8 @@ Example::
     instances:
       - {id: w0, url: "http://10.0.0.5:8000", role: both}
     timeouts: {connect_s: 2, first_token_s: 60, idle_s: 60, request_s: 600}
+    prefill_queue: {kind: nats, url: "nats://nats:4222", stream: PREFILL_PROD_LLAMA, subject_prefix: fulcrum.prefill.prod.llama}
+    draining: [w3]                            # instances that get no new requests (scale-in); in-flight ones finish
 
 :class:`ConfigWatcher` polls the file's modification time with an injected clock (a ConfigMap mount changes by
 an atomic symlink swap, which inotify-free polling sees); an invalid new file keeps the last good config and
@@ -20,12 +22,13 @@ is logged.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fulcrum.errors import FulcrumError
 from fulcrum.router.registry import InstanceRecord
@@ -37,6 +40,7 @@ __all__ = [
     "Timeouts",
     "EtcdConfig",
     "KubernetesConfig",
+    "PrefillQueueConfig",
     "RouterConfig",
     "load_config",
     "parse_config",
@@ -122,6 +126,74 @@ class Timeouts(_Strict):
     """One ``/health`` probe."""
 
 
+_STREAM_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+_SUBJECT = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+
+
+class PrefillQueueConfig(_Strict):
+    """How prefill legs reach prefill instances (DOPD §V-C "Connector").
+
+    ``kind: direct`` (default): the router POSTs each prefill leg to the instance the policy chose.
+    ``kind: nats``: the prefill leg of a ``disaggregated`` decision (and the A leg of a ``split`` one: any engine
+    call carrying ``kv_transfer_params.do_remote_decode``) is published as a job on a NATS JetStream work queue;
+    prefill instances pull jobs (``fulcrum.router.prefill_queue.run_prefill_worker`` beside each engine), run
+    them on their engine and reply with the engine's answer (its ``kv_transfer_params``); the decode leg is then
+    sent as in the direct case. The names must match the workers' (``QueueLayout.for_llmserve`` derives them
+    per LLMServe). The YAML shorthand ``prefill_queue: nats`` is ``{kind: nats}`` with every default.
+    """
+
+    kind: Literal["direct", "nats"] = "direct"
+    url: str = "nats://127.0.0.1:4222"
+    """NATS server URL(s), comma-separated for several."""
+    stream: str = "FULCRUM_PREFILL"
+    """JetStream stream (one per LLMServe; letters, digits, ``_`` and ``-``)."""
+    subject_prefix: str = "fulcrum.prefill"
+    """Jobs are published on ``<subject_prefix>.jobs``."""
+    durable: str = "prefill-workers"
+    """The one durable pull consumer every worker shares."""
+    ack_wait_s: float = Field(default=30.0, gt=0)
+    """A job held this long without an ack or heartbeat (its worker died) is redelivered, seconds."""
+    max_deliver: int = Field(default=3, ge=1)
+    """Deliveries of a failing job before the router gets the worker's error (502)."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Longest wait for a worker's reply, publish included, seconds: as ``timeouts.first_token_s``, a queue of
+    long prefills can take tens of seconds; past it the request gets 503 (or ``on_timeout: direct``)."""
+    on_timeout: Literal["unavailable", "direct"] = "unavailable"
+    """What a job nobody took in time (or an unreachable NATS) becomes: ``unavailable`` answers 503 with the
+    reason (the operator scales prefill out on the queue depth); ``direct`` sends the prefill leg to the
+    policy's chosen instance over HTTP instead."""
+    depth_interval_s: float = Field(default=1.0, gt=0)
+    """Period of the queue-depth read behind ``fulcrum_router_prefill_queue_depth``, seconds."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """Longest wait for a NATS connection, seconds (retried on the next job or depth read when it fails)."""
+
+    @field_validator("stream", "durable")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _STREAM_NAME.match(v):
+            raise ValueError(f"{v!r} is not a JetStream name (letters, digits, '_' and '-' only)")
+        return v
+
+    @field_validator("subject_prefix")
+    @classmethod
+    def _subject(cls, v: str) -> str:
+        if not _SUBJECT.match(v):
+            raise ValueError(f"{v!r} is not a NATS subject prefix (dot-separated tokens, no wildcards)")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        for u in v.split(","):
+            if not u.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"{u.strip()!r} is not a NATS URL (nats://host:port)")
+        return v
+
+    def servers(self) -> list[str]:
+        """The NATS server URLs."""
+        return [u.strip() for u in self.url.split(",") if u.strip()]
+
+
 class RouterConfig(_Strict):
     """Everything the router reads from its config file."""
 
@@ -152,6 +224,30 @@ class RouterConfig(_Strict):
     """Pooled upstream connections, all instances together."""
     reload_interval_s: float = Field(default=2.0, gt=0)
     """Period of the config file's mtime check."""
+    prefill_queue: PrefillQueueConfig = Field(default_factory=PrefillQueueConfig)
+    """Direct HTTP prefill legs, or the NATS JetStream prefill queue (:class:`PrefillQueueConfig`)."""
+    draining: tuple[str, ...] = ()
+    """Instance ids that get no new requests from any policy while their in-flight requests finish; the operator
+    writes them before scaling in (an id not registered is ignored)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthands(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            pq = data.get("prefill_queue")
+            if isinstance(pq, str):
+                data = {**data, "prefill_queue": {"kind": pq}}
+            dr = data.get("draining")
+            if dr is None and "draining" in data:
+                data = {**data, "draining": ()}
+        return data
+
+    @field_validator("draining")
+    @classmethod
+    def _ids(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not i for i in v):
+            raise ValueError("instance ids must not be empty")
+        return tuple(dict.fromkeys(v))
 
     def records(self) -> list[InstanceRecord]:
         """The static instance list as registry records."""
@@ -244,6 +340,6 @@ class ConfigWatcher:
             return False
         self.current = new
         self._on_change(new)
-        log.info("router config reloaded from %s (policy %s, %d static instances)",
-                 self.path, new.policy.name, len(new.instances))
+        log.info("router config reloaded from %s (policy %s, %d static instances, %d draining, prefill %s)",
+                 self.path, new.policy.name, len(new.instances), len(new.draining), new.prefill_queue.kind)
         return True

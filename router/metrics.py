@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -41,6 +41,7 @@ class _InstanceCollector(Collector):
             "queued": GaugeMetricFamily("fulcrum_router_instance_queued_prefill_tokens", "Prompt tokens dispatched and not yet prefilled", labels=["instance", "role"]),
             "running": GaugeMetricFamily("fulcrum_router_instance_running_tokens", "KV tokens of running requests (context so far)", labels=["instance", "role"]),
             "healthy": GaugeMetricFamily("fulcrum_router_instance_healthy", "1 when healthy and not ejected", labels=["instance", "role"]),
+            "draining": GaugeMetricFamily("fulcrum_router_instance_draining", "1 while the router config lists the instance as draining (no new requests)", labels=["instance", "role"]),
         }
         for v in views:
             lab = [v.id, v.role]
@@ -48,6 +49,7 @@ class _InstanceCollector(Collector):
             fams["queued"].add_metric(lab, v.queued_prefill_tokens)
             fams["running"].add_metric(lab, v.running_tokens)
             fams["healthy"].add_metric(lab, 1.0 if v.available else 0.0)
+            fams["draining"].add_metric(lab, 1.0 if v.draining else 0.0)
         return list(fams.values())
 
 
@@ -77,6 +79,11 @@ class RouterMetrics:
         self.aborts = Counter("fulcrum_router_client_aborts", "Requests whose client went away (upstream work cancelled)", registry=r)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.upstream_errors = Counter("fulcrum_router_upstream_errors", "Upstream failures by cause", ["cause"], registry=r)
+        # the NATS prefill queue (router config prefill_queue.kind: nats)
+        self.prefill_queue_depth = Gauge("fulcrum_router_prefill_queue_depth", "Prefill jobs in the NATS queue not yet taken by any prefill worker (demand at admission)", registry=r)
+        self.prefill_jobs_waiting = Gauge("fulcrum_router_prefill_jobs_waiting", "Prefill jobs this router submitted and awaits a reply for", registry=r)
+        self.prefill_jobs = Counter("fulcrum_router_prefill_jobs", "Prefill jobs by outcome: ok, failed (the workers' error), timeout (no worker replied), unavailable (NATS unreachable), direct (fell back to HTTP)", ["outcome"], registry=r)
+        self.prefill_job_seconds = Histogram("fulcrum_router_prefill_job_seconds", "From publishing a prefill job to its reply (queueing + prefill)", buckets=_SECONDS, registry=r)
 
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached (the lookup costs more than the increment on the hot path)."""

@@ -20,12 +20,20 @@ Layout (one stream per LLMServe; the operator picks the names, defaults below):
 Delivery is at least once: a worker replies, then acks, and sends ``in_progress`` heartbeats every
 ``ack_wait / 3`` while the handler runs, so only a dead worker's job is redelivered; a duplicate reply is ignored.
 
+Request path (router config ``prefill_queue: {kind: nats}``): the router publishes each prefill leg as the job
+``{"path": "/v1/completions" | "/v1/chat/completions", "body": <the engine request>}``; a worker next to a prefill
+engine (:func:`run_prefill_worker`, or ``python -m fulcrum.router.prefill_queue``) POSTs the body to its engine and
+replies ``{"status": <HTTP status>, "body": <the engine's JSON answer>}`` (with ``kv_transfer_params``). An engine
+4xx is a reply (the client's error, not retried); a 5xx or an unreachable engine raises, so the job is nak'ed and
+retried on another worker.
+
 Errors::
 
     FulcrumError
     └── PrefillQueueError          NATS unreachable, stream misconfigured, queue closed
         ├── PrefillTimeoutError    no reply within the timeout (also a TimeoutError); the job was withdrawn
-        └── PrefillJobError        the worker's handler failed on every delivery (its message is kept)
+        ├── PrefillJobError        the worker's handler failed on every delivery (its message is kept)
+        └── EngineUnavailableError (worker side) the local engine failed: the job is nak'ed and retried elsewhere
 """
 
 from __future__ import annotations
@@ -36,10 +44,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiohttp
 import nats
 import nats.errors
 import nats.js.errors
@@ -58,6 +67,11 @@ __all__ = [
     "PrefillTimeoutError",
     "PrefillWorker",
     "QueueLayout",
+    "ENGINE_PATHS",
+    "EngineUnavailableError",
+    "engine_handler",
+    "run_prefill_worker",
+    "main",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,6 +127,23 @@ class QueueLayout:
             raise ValueError(f"bad subject prefix {self.subject_prefix!r}")
         if self.ack_wait_s <= 0 or self.max_age_s <= 0 or self.max_deliver < 1:
             raise ValueError("ack_wait_s and max_age_s must be > 0 and max_deliver >= 1")
+
+    @classmethod
+    def for_llmserve(cls, namespace: str, name: str, **settings: Any) -> "QueueLayout":
+        """The names of one LLMServe's queue: stream ``PREFILL_<NAMESPACE>_<NAME>`` (upper case, other characters
+        as ``_``), subjects ``fulcrum.prefill.<namespace>.<name>`` (``.`` in a name as ``_``).
+
+        Raises:
+            ValueError: an empty namespace or name, or invalid ``settings``.
+        """
+        if not namespace or not name:
+            raise ValueError("namespace and name must not be empty")
+
+        def token(x: str) -> str:
+            return "".join(c if c.isalnum() or c in "_-" else "_" for c in x)
+
+        return cls(stream=f"PREFILL_{token(namespace)}_{token(name)}".upper(),
+                   subject_prefix=f"fulcrum.prefill.{token(namespace)}.{token(name)}", **settings)
 
     @property
     def jobs_subject(self) -> str:
@@ -342,6 +373,11 @@ class NatsPrefillQueue:
         finally:
             self._pending.pop(job_id, None)
 
+    @property
+    def waiting(self) -> int:
+        """Jobs this router submitted and still waits for (count)."""
+        return len(self._pending)
+
     async def _withdraw(self, seq: int) -> None:
         """Delete a job from the stream (best effort: it may have been taken or acknowledged meanwhile)."""
         if self._js is None:
@@ -391,7 +427,9 @@ class PrefillWorker:
         connect_timeout_s: how long the first connection may take, seconds. 5 s.
 
     A failing handler: the job is nak'ed and redelivered (to any worker) until ``max_deliver`` deliveries, then
-    the router gets an error reply and the job is terminated. A job that is not JSON is terminated (logged).
+    the router gets an error reply and the job is terminated. Redelivery is immediate, except after an
+    :class:`EngineUnavailableError` (``fetch_timeout_s + 0.5`` s later, so that a worker that paused on it no
+    longer has a pull waiting that would take the job again). A job that is not JSON is terminated (logged).
     """
 
     def __init__(
@@ -421,6 +459,8 @@ class PrefillWorker:
         self._nc: NatsClient | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
         self._closing = asyncio.Event()
+        self._open = asyncio.Event()  # cleared by pause(): no new pulls
+        self._open.set()
         self._pull_loop_done: asyncio.Event | None = None  # set when run()'s pull loop has ended
         self._jobs: set[asyncio.Task[None]] = set()
 
@@ -455,6 +495,10 @@ class PrefillWorker:
         loop_done = self._pull_loop_done = asyncio.Event()
         try:
             while not self._closing.is_set():
+                if not self._open.is_set():  # paused: look again within a fetch timeout (close() stays prompt)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._open.wait(), self._fetch_timeout_s)
+                    continue
                 await slots.acquire()
                 try:
                     msgs = await self._sub.fetch(1, timeout=self._fetch_timeout_s)
@@ -487,6 +531,20 @@ class PrefillWorker:
             loop_done.set()
         if self._jobs:  # close(): let the jobs in hand finish
             await asyncio.gather(*list(self._jobs), return_exceptions=True)
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` stopped the pulling."""
+        return not self._open.is_set()
+
+    def pause(self) -> None:
+        """Take no new jobs until :meth:`resume` (the jobs in hand continue; a pull already waiting may still
+        deliver one). For a worker whose engine is failing, so that the queue gives its jobs to others."""
+        self._open.clear()
+
+    def resume(self) -> None:
+        """Pull again after :meth:`pause`."""
+        self._open.set()
 
     async def _heartbeat(self, msg: Msg) -> None:
         """Tell JetStream the job is still being worked on, every ack_wait / 3, so it is not redelivered."""
@@ -533,10 +591,13 @@ class PrefillWorker:
                 with contextlib.suppress(Exception):
                     await msg.term()
             else:
+                # an engine failure is redelivered after this worker's waiting pull has expired (and
+                # run_prefill_worker has paused it), so another worker gets the job; other failures at once
+                delay = self._fetch_timeout_s + 0.5 if isinstance(exc, EngineUnavailableError) else None
                 log.warning("prefill worker %s: job %s failed on delivery %d/%d (%s); redelivering",
                             self.worker_id, job_id, delivered, self.layout.max_deliver, exc)
                 with contextlib.suppress(Exception):
-                    await msg.nak()
+                    await msg.nak(delay=delay)
             return
         finally:
             heartbeat.cancel()
@@ -560,3 +621,208 @@ class PrefillWorker:
         if nc is not None:
             with contextlib.suppress(Exception):
                 await nc.close()
+
+
+# ------------------------------------------------------------------------------------------ beside an engine
+ENGINE_PATHS: frozenset[str] = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The engine paths a prefill job may name (anything else is refused: a job is not a general HTTP proxy)."""
+
+
+class EngineUnavailableError(PrefillQueueError):
+    """The local engine failed (5xx, refused, timed out): the job is nak'ed and retried on another worker."""
+
+
+def engine_handler(session: aiohttp.ClientSession, engine_url: str, timeout_s: float = 600.0) -> Handler:
+    """A :class:`PrefillWorker` handler that runs each job on the engine at ``engine_url``.
+
+    Job ``{"path": one of ENGINE_PATHS, "body": {...}}`` → ``POST engine_url + path`` → reply ``{"status": int,
+    "body": <the engine's JSON answer>}``. A 2xx/4xx answer is the reply (a 4xx is the client's error and is not
+    retried); a 5xx, a connection failure or ``timeout_s`` seconds without an answer raise
+    :class:`EngineUnavailableError` (nak → another worker).
+
+    Raises (from the handler): ValueError for a malformed job (after ``max_deliver`` deliveries the router gets
+    the error text), EngineUnavailableError as above.
+    """
+    base = engine_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def handle(job: dict[str, Any]) -> dict[str, Any]:
+        path, body = job.get("path"), job.get("body")
+        if path not in ENGINE_PATHS or not isinstance(body, dict):
+            raise ValueError(f"a prefill job needs path in {sorted(ENGINE_PATHS)} and an object body")
+        try:
+            async with session.post(base + str(path), json=body, timeout=timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise EngineUnavailableError(f"engine {base}: {type(exc).__name__}: {exc}") from exc
+        if status >= 500:
+            raise EngineUnavailableError(f"engine {base} answered HTTP {status}: {raw[:300].decode(errors='replace')}")
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            if status == 200:
+                raise EngineUnavailableError(f"engine {base} answered 200 with a body that is not JSON") from None
+            data = {"error": {"message": raw[:500].decode(errors="replace"), "type": "upstream_error"}}
+        return {"status": status, "body": data}
+
+    return handle
+
+
+async def _engine_ready(session: aiohttp.ClientSession, engine_url: str, stop: asyncio.Event,
+                        interval_s: float) -> bool:
+    """Wait until ``GET /health`` answers 200 (True) or ``stop`` is set (False)."""
+    timeout = aiohttp.ClientTimeout(total=max(1.0, interval_s))
+    while not stop.is_set():
+        try:
+            async with session.get(engine_url.rstrip("/") + "/health", timeout=timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+    return False
+
+
+async def run_prefill_worker(
+    nats_url: str | list[str],
+    engine_url: str,
+    *,
+    stream: str = "FULCRUM_PREFILL",
+    subject_prefix: str = "fulcrum.prefill",
+    durable: str = "prefill-workers",
+    ack_wait_s: float = 30.0,
+    max_deliver: int = 3,
+    concurrency: int = 4,
+    request_timeout_s: float = 600.0,
+    worker_id: str | None = None,
+    stop: asyncio.Event | None = None,
+    wait_for_engine: bool = True,
+    ready_interval_s: float = 0.5,
+) -> None:
+    """Pull prefill jobs for the engine at ``engine_url`` until ``stop`` is set (DOPD §V-C: P-instances poll the
+    prefill queue and dequeue requests into their local processing queues).
+
+    What a worker pod starts next to a prefill (or ``both``) engine. Waits for the engine's ``/health`` first
+    (``wait_for_engine``), so a starting vLLM takes no jobs; then runs :class:`PrefillWorker` with
+    :func:`engine_handler`. When the engine fails a job (5xx, refused, timed out) the job is nak'ed for another
+    worker and this one pauses until the engine's ``/health`` answers 200 again (probed every
+    ``ready_interval_s``), so a broken engine does not keep taking — and failing — the queue's jobs. Setting ``stop`` ends it gracefully: no new pulls, the jobs in hand finish and are
+    acknowledged. Cancelling it naks the jobs in hand (redelivered at once).
+
+    Args:
+        nats_url: NATS URL(s). engine_url: the engine's base URL, e.g. ``http://127.0.0.1:8000``.
+        stream, subject_prefix, durable, ack_wait_s, max_deliver: the queue layout (the router's values).
+        concurrency: jobs in hand at once (the engine batches them), count. 4.
+        request_timeout_s: one engine call's limit, seconds.
+        worker_id: shown in logs and replies (default: random). stop: ends the worker when set.
+
+    Raises:
+        PrefillQueueError: the first NATS connection failed (later outages are retried).
+        ValueError: invalid layout or concurrency.
+    """
+    stop = stop if stop is not None else asyncio.Event()
+    worker = PrefillWorker(nats_url, stream, subject_prefix, durable=durable, ack_wait_s=ack_wait_s,
+                           max_deliver=max_deliver, concurrency=concurrency, worker_id=worker_id)
+    connector = aiohttp.TCPConnector(limit=max(concurrency, 1) * 2)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+        if wait_for_engine and not await _engine_ready(session, engine_url, stop, ready_interval_s):
+            return
+        await worker.connect()
+        log.info("prefill worker %s: pulling %s for %s", worker.worker_id, worker.layout.jobs_subject, engine_url)
+        base = engine_handler(session, engine_url, request_timeout_s)
+        recovery: list[asyncio.Task[None]] = []
+
+        async def recover() -> None:
+            if await _engine_ready(session, engine_url, stop, ready_interval_s):
+                log.info("prefill worker %s: engine %s healthy again; pulling", worker.worker_id, engine_url)
+                worker.resume()
+
+        async def handler(job: dict[str, Any]) -> dict[str, Any]:
+            try:
+                return await base(job)
+            except EngineUnavailableError as exc:
+                if not worker.paused:  # leave the queue to healthy workers until /health answers 200 again
+                    log.warning("prefill worker %s: %s; pausing until the engine is healthy", worker.worker_id, exc)
+                    worker.pause()
+                    recovery[:] = [asyncio.create_task(_delayed(ready_interval_s, recover))]
+                raise
+
+        run = asyncio.create_task(worker.run(handler))
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                await worker.close()
+            await run
+        finally:
+            stopper.cancel()
+            for t in recovery:
+                t.cancel()
+            if not run.done():
+                run.cancel()
+            await asyncio.gather(run, stopper, *recovery, return_exceptions=True)
+            await worker.close()
+
+
+async def _delayed(delay_s: float, then: Callable[[], Awaitable[None]]) -> None:
+    """``then()`` after ``delay_s`` seconds (a failing engine gets at least that long before it is probed)."""
+    await asyncio.sleep(delay_s)
+    await then()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fulcrum.router.prefill_queue --nats URL --engine URL [...]``: a prefill puller process.
+
+    SIGTERM/SIGINT stop it gracefully (jobs in hand finish). Exit 0 when stopped, 1 when NATS is unreachable,
+    2 on bad arguments.
+    """
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(prog="python -m fulcrum.router.prefill_queue",
+                                 description="Pull prefill jobs from the NATS queue and run them on one engine.")
+    ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    ap.add_argument("--engine", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--stream", default="FULCRUM_PREFILL")
+    ap.add_argument("--subject-prefix", default="fulcrum.prefill")
+    ap.add_argument("--durable", default="prefill-workers")
+    ap.add_argument("--ack-wait-s", type=float, default=30.0)
+    ap.add_argument("--max-deliver", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument("--worker-id", default=None)
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        QueueLayout(args.stream, args.subject_prefix, args.durable, args.ack_wait_s, args.max_deliver)
+        if args.concurrency < 1:
+            raise ValueError("--concurrency must be >= 1")
+    except ValueError as exc:
+        ap.error(str(exc))
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_prefill_worker(
+            [u.strip() for u in args.nats.split(",") if u.strip()], args.engine, stream=args.stream,
+            subject_prefix=args.subject_prefix, durable=args.durable, ack_wait_s=args.ack_wait_s,
+            max_deliver=args.max_deliver, concurrency=args.concurrency, request_timeout_s=args.request_timeout_s,
+            worker_id=args.worker_id, stop=stop,
+        )
+
+    try:
+        asyncio.run(go())
+    except PrefillQueueError as exc:
+        print(f"error: {exc}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -134,3 +134,48 @@ async def test_a_policy_that_cannot_be_built_keeps_the_running_one(router_harnes
 def test_the_cli_has_a_router_command():
     args = build_parser().parse_args(["router", "--config", "r.yaml", "--port", "9000"])
     assert args.command == "router" and args.port == 9000 and args.host == "0.0.0.0"
+
+
+def test_the_prefill_queue_defaults_to_direct_and_nats_takes_a_shorthand_or_a_section():
+    assert parse_config({}).prefill_queue.kind == "direct"
+    short = parse_config({"prefill_queue": "nats"}).prefill_queue
+    assert short.kind == "nats" and short.servers() == ["nats://127.0.0.1:4222"] and short.on_timeout == "unavailable"
+    full = parse_config({"prefill_queue": {"kind": "nats", "url": "nats://a:4222, nats://b:4222", "stream": "PREFILL_NS_X",
+                                           "subject_prefix": "fulcrum.prefill.ns.x", "timeout_s": 5, "on_timeout": "direct"}})
+    pq = full.prefill_queue
+    assert pq.servers() == ["nats://a:4222", "nats://b:4222"] and pq.stream == "PREFILL_NS_X" and pq.timeout_s == 5.0
+    assert pq.on_timeout == "direct"
+
+
+@pytest.mark.parametrize("section,field", [
+    ({"kind": "kafka"}, "prefill_queue.kind"),
+    ({"kind": "nats", "url": "http://nats:4222"}, "prefill_queue.url"),
+    ({"kind": "nats", "stream": "has.dots"}, "prefill_queue.stream"),
+    ({"kind": "nats", "subject_prefix": "fulcrum.>"}, "prefill_queue.subject_prefix"),
+    ({"kind": "nats", "timeout_s": 0}, "prefill_queue.timeout_s"),
+    ({"kind": "nats", "on_timeout": "retry"}, "prefill_queue.on_timeout"),
+    ({"kind": "nats", "surprise": 1}, "prefill_queue.surprise"),
+])
+def test_a_bad_prefill_queue_section_is_refused_naming_the_field(section, field):
+    with pytest.raises(RouterConfigError, match=field.replace(".", r"\.")):
+        parse_config({"prefill_queue": section})
+
+
+def test_draining_lists_instance_ids_once_each_and_null_means_none():
+    assert parse_config({}).draining == ()
+    assert parse_config({"draining": None}).draining == ()
+    assert parse_config({"draining": ["w3", "w1", "w3"]}).draining == ("w3", "w1")
+    with pytest.raises(RouterConfigError, match="draining"):
+        parse_config({"draining": [""]})
+    with pytest.raises(RouterConfigError, match="draining"):
+        parse_config({"draining": "w3"})
+
+
+def test_the_prefill_queue_names_of_an_llmserve_are_valid_config_values():
+    pytest.importorskip("nats")
+    from fulcrum.router.prefill_queue import QueueLayout
+
+    layout = QueueLayout.for_llmserve("prod", "llama-3.1")
+    cfg = parse_config({"prefill_queue": {"kind": "nats", "stream": layout.stream, "subject_prefix": layout.subject_prefix}})
+    assert cfg.prefill_queue.stream == "PREFILL_PROD_LLAMA-3_1"
+    assert cfg.prefill_queue.subject_prefix == "fulcrum.prefill.prod.llama-3_1"
