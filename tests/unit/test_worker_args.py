@@ -1,0 +1,160 @@
+"""``fulcrum worker``'s vLLM command line and environment (fulcrum.worker.vllm_args), and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fulcrum.cli import main
+from fulcrum.errors import SpecError
+from fulcrum.worker.vllm_args import (
+    SLO_SCHEDULER_CLS,
+    WorkerConfig,
+    instance_record,
+    resolve_device,
+    vllm_argv,
+    vllm_env,
+)
+
+PY = "/opt/vllm/bin/python"
+
+
+def flag(argv: list[str], name: str) -> str:
+    """The value after ``name`` in ``argv`` (fails when the flag is absent or repeated)."""
+    assert argv.count(name) == 1, f"{name} appears {argv.count(name)} times in {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def kv_config(argv: list[str]) -> dict[str, str]:
+    return dict(json.loads(flag(argv, "--kv-transfer-config")))
+
+
+def test_the_engine_runs_as_vllms_openai_server_module_with_every_managed_flag() -> None:
+    c = WorkerConfig(model="/models/llama", served_model_name="llama", tp=2, port=8100, max_model_len=4096,
+                     block_size=16, max_num_seqs=128, max_num_batched_tokens=2048)
+    argv = vllm_argv(c, PY)
+    assert argv[:3] == [PY, "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(argv, "--model") == "/models/llama"
+    assert flag(argv, "--served-model-name") == "llama"
+    assert flag(argv, "--tensor-parallel-size") == "2"
+    assert (flag(argv, "--host"), flag(argv, "--port")) == ("0.0.0.0", "8100")
+    assert flag(argv, "--max-model-len") == "4096"
+    assert flag(argv, "--block-size") == "16"
+    assert flag(argv, "--max-num-seqs") == "128"
+    assert flag(argv, "--max-num-batched-tokens") == "2048"
+    assert "--enable-prefix-caching" in argv
+
+
+def test_the_served_name_defaults_to_the_model_and_unset_lengths_are_left_to_vllm() -> None:
+    argv = vllm_argv(WorkerConfig(model="meta/llama"), PY)
+    assert flag(argv, "--served-model-name") == "meta/llama"
+    assert "--max-model-len" not in argv and "--block-size" not in argv
+
+
+@pytest.mark.parametrize(("role", "kv_role"), [("both", "kv_both"), ("prefill", "kv_producer"),
+                                                ("decode", "kv_consumer")])
+def test_each_role_gets_its_nixl_kv_role(role: str, kv_role: str) -> None:
+    c = WorkerConfig(model="m", role=role, device="cuda")  # type: ignore[arg-type]
+    assert kv_config(vllm_argv(c, PY)) == {"kv_connector": "NixlConnector", "kv_role": kv_role,
+                                           "kv_buffer_device": "cuda"}
+
+
+def test_the_kv_buffer_lives_on_the_cpu_when_the_engine_does() -> None:
+    assert kv_config(vllm_argv(WorkerConfig(model="m", device="cpu"), PY))["kv_buffer_device"] == "cpu"
+
+
+def test_without_a_kv_connector_there_is_no_transfer_config_and_no_nixl_environment() -> None:
+    c = WorkerConfig(model="m", kv_connector="none", scheduler="vllm")
+    assert "--kv-transfer-config" not in vllm_argv(c, PY)
+    assert vllm_env(c) == {}
+
+
+def test_nixl_side_channel_is_published_at_the_pod_ip_and_port() -> None:
+    env = vllm_env(WorkerConfig(model="m", nixl_host="10.1.2.3", nixl_port=5601, scheduler="vllm"))
+    assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+
+
+def test_fulcrum_scheduler_plugs_the_slo_aware_class_and_carries_the_tpot_slo() -> None:
+    c = WorkerConfig(model="m", scheduler="fulcrum", tpot_slo_ms=40.0)
+    assert flag(vllm_argv(c, PY), "--scheduler-cls") == SLO_SCHEDULER_CLS
+    assert vllm_env(c)["FULCRUM_TPOT_SLO_MS"] == "40"
+
+
+def test_vllm_scheduler_leaves_vllms_own_and_sets_no_slo() -> None:
+    c = WorkerConfig(model="m", scheduler="vllm", tpot_slo_ms=40.0)
+    assert "--scheduler-cls" not in vllm_argv(c, PY)
+    assert "FULCRUM_TPOT_SLO_MS" not in vllm_env(c)
+
+
+def test_extra_arguments_are_appended_verbatim_and_last() -> None:
+    extra = ("--enforce-eager", "--dtype", "float32", '--compilation-config={"level": 0}')
+    argv = vllm_argv(WorkerConfig(model="m", extra_args=extra), PY)
+    assert tuple(argv[-len(extra):]) == extra
+
+
+@pytest.mark.parametrize("extra", [("--port", "9"), ("--port=9",), ("--model", "x"), ("-tp", "4"),
+                                   ("--kv-transfer-config", "{}"), ("--scheduler-cls", "x.Y")])
+def test_an_extra_argument_that_repeats_a_managed_flag_is_refused_with_the_flag_to_use(extra: tuple[str, ...]) -> None:
+    with pytest.raises(SpecError, match=r"is set by fulcrum worker: use --"):
+        WorkerConfig(model="m", extra_args=extra)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"model": ""}, "--model is required"),
+    ({"tp": 0}, "--tp must be >= 1"),
+    ({"port": 70000}, "--port must be in 1..65535"),
+    ({"port": 5600, "nixl_port": 5600}, "must differ"),
+    ({"max_num_seqs": 0}, "--max-num-seqs must be >= 1"),
+    ({"role": "router"}, "--role must be prefill, decode or both"),
+    ({"role": "decode", "kv_connector": "none"}, "needs a KV connector"),
+    ({"device": "cpu", "block_size": 16}, "multiple of 32 on the CPU"),
+    ({"tpot_slo_ms": 0.0}, "--tpot-slo-ms must be > 0"),
+])
+def test_a_config_that_cannot_run_is_refused_with_the_reason(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"model": "m", **kwargs}
+    with pytest.raises(SpecError, match=message):
+        WorkerConfig(**args)  # type: ignore[arg-type]
+
+
+def test_device_auto_follows_the_gpu_and_cuda_without_one_is_an_error() -> None:
+    assert resolve_device("auto", gpu_visible=True) == "cuda"
+    assert resolve_device("auto", gpu_visible=False) == "cpu"
+    assert resolve_device("cpu", gpu_visible=True) == "cpu"
+    with pytest.raises(SpecError, match="no GPU is visible"):
+        resolve_device("cuda", gpu_visible=False)
+    with pytest.raises(SpecError, match="auto, cpu or cuda"):
+        resolve_device("tpu", gpu_visible=True)
+
+
+def test_the_registration_record_names_the_engines_url_nixl_channel_and_limits() -> None:
+    c = WorkerConfig(model="/m", served_model_name="llama", tp=4, port=8000, role="decode", pool="decode-tp4",
+                     gpu_type="H100", nixl_host="10.0.0.7", nixl_port=5600, max_num_seqs=64,
+                     max_num_batched_tokens=1024)
+    r = instance_record(c, instance_id="llama-decode-0", address="10.0.0.7", kv_capacity_tokens=123_456)
+    assert (r.id, r.url, r.role, r.pool, r.tp, r.gpu_type) == (
+        "llama-decode-0", "http://10.0.0.7:8000", "decode", "decode-tp4", 4, "H100")
+    assert (r.nixl_host, r.nixl_port, r.max_concurrency, r.max_num_batched_tokens) == ("10.0.0.7", 5600, 64, 1024)
+    assert (r.kv_capacity_tokens, r.model) == (123_456, "llama")
+
+
+def test_an_ipv6_pod_address_is_bracketed_and_no_connector_publishes_no_nixl_channel() -> None:
+    r = instance_record(WorkerConfig(model="m", kv_connector="none"), instance_id="w", address="fd00::5")
+    assert r.url == "http://[fd00::5]:8000"
+    assert (r.nixl_host, r.nixl_port) == ("", 0)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["worker", "--model", "m", "--tp", "0"], "--tp must be >= 1"),
+    (["worker", "--model", "m", "--etcd", "etcd:x"], "port is not an integer"),
+    (["worker", "--model", "m", "--etcd", "etcd:2379"], "--etcd needs --llmserve"),
+    (["worker", "--model", "m", "--health-port", "8000"], "collides"),
+    (["worker", "--model", "m", "--", "--port", "1"], "use --port instead"),
+])
+def test_the_cli_answers_bad_input_with_exit_2_and_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FULCRUM_LLMSERVE", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fulcrum worker: error:") and message in err[0]

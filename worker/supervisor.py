@@ -1,0 +1,445 @@
+"""The ``fulcrum worker`` process supervisor: run vLLM as a child, register it, drain it, stop it.
+
+Lifecycle (DESIGN.md principle 3: scale in gracefully, never drop an in-flight request; DOPD §V-C for the
+instance registry)::
+
+    starting ── child /health 200, then /v1/models 200 ──► serving ── SIGTERM/SIGINT ──► draining ──► stopped
+       │                                                     │                              │
+       └─ child exits / start-up timeout: exit 1             └─ child exits: exit ≠ 0       └─ exit 0
+
+1. **start**: the engine command (``fulcrum.worker.vllm_args.vllm_argv``) runs as a child in its own process
+   group (``start_new_session``): a terminal's Ctrl-C or Kubernetes' SIGTERM reaches only the supervisor (PID 1
+   in the container), which decides when the engine stops; and stopping the group ends vLLM's API server,
+   engine core and workers together. The child inherits stdout/stderr (the pod log).
+2. **ready**: poll the engine's ``/health`` until 200, then ``/v1/models`` until 200 with a model listed.
+3. **register**: read the KV capacity from ``/metrics`` (``vllm:cache_config_info``: ``num_gpu_blocks`` ×
+   ``block_size``), then start the registration (``fulcrum.router.registry_etcd.EtcdRegistration``: a lease
+   refreshed every TTL/3 in the background; etcd unreachable is logged and retried with backoff, never fatal).
+4. **serve** until a stop signal or the child's exit. A child that exits on its own (crash, OOM, engine dead)
+   makes the worker exit non-zero, so Kubernetes restarts the pod; the lease is revoked first.
+5. **drain** on SIGTERM/SIGINT: readiness turns 503, the registration is revoked (the router's etcd watch drops
+   the instance at once), then the engine's ``/metrics`` is polled until ``vllm:num_requests_running`` +
+   ``vllm:num_requests_waiting`` = 0 at a poll taken at least ``drain_settle_s`` after deregistration (a request
+   the router sent just before it saw the deletion still counts), or until ``drain_timeout_s`` (what was left
+   is logged). A second signal while draining skips the rest of the drain.
+6. **stop**: SIGTERM to the child's process group, SIGKILL after ``kill_grace_s``; exit 0.
+
+Readiness: vLLM's own ``/health`` stays 200 while the engine drains, so the supervisor serves a small readiness
+endpoint of its own (``GET /health`` on ``health_port``, default 8001): 200 only while *serving* and the
+engine's ``/health`` answers 200; 503 while starting, draining or when the engine is unhealthy (a JSON body
+says which). The Deployment's readiness probe targets that port; liveness can target vLLM's ``/health``.
+Kubernetes' ``terminationGracePeriodSeconds`` must exceed ``drain_timeout_s + kill_grace_s``.
+
+Adapter code: aiohttp (client and the readiness server), signals, a child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from fulcrum.router.registry import InstanceRecord
+
+__all__ = [
+    "EngineLoad",
+    "Registration",
+    "Supervisor",
+    "SupervisorSettings",
+    "kv_capacity_tokens",
+    "parse_engine_load",
+]
+
+log = logging.getLogger(__name__)
+
+State = Literal["starting", "serving", "draining", "stopped"]
+
+
+class Registration(Protocol):
+    """What the supervisor needs of a registration (``EtcdRegistration`` has it)."""
+
+    async def start(self) -> bool: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorSettings:
+    """Timings and ports of the supervisor, with the reason for each default.
+
+    Attributes:
+        engine_url: where the supervisor reaches the engine, e.g. ``http://127.0.0.1:8000`` (loopback: the engine
+            listens on 0.0.0.0 in a pod).
+        health_host: address of the readiness endpoint.
+        health_port: port of the readiness endpoint (``GET /health``); 0 = none. 8001: next to vLLM's 8000.
+        startup_timeout_s: longest wait for the engine to become ready, seconds. 1800: a 70B model's weights
+            load in minutes from a cold cache; a hung start must still end (the pod restarts).
+        poll_interval_s: period of the readiness polls during start-up, seconds.
+        drain_timeout_s: longest drain, seconds (``--drain-timeout-s``). 300: a long generation finishes.
+        drain_poll_s: period of the ``/metrics`` polls while draining, seconds.
+        drain_settle_s: the drain ends only at a poll at least this long after deregistration, seconds. 1.0: the
+            router's etcd watch sees the deletion within milliseconds; a request it sent just before counts by then.
+        kill_grace_s: time between SIGTERM and SIGKILL for the engine's process group, seconds. 20: vLLM frees
+            its GPU memory and NIXL agents in a few seconds, and drain + 20 s stays inside the pod's termination
+            grace period, which the operator sets to the drain timeout + 30 s.
+        request_timeout_s: timeout of each HTTP call to the engine, seconds.
+    """
+
+    engine_url: str = "http://127.0.0.1:8000"
+    health_host: str = "0.0.0.0"
+    health_port: int = 8001
+    startup_timeout_s: float = 1800.0
+    poll_interval_s: float = 1.0
+    drain_timeout_s: float = 300.0
+    drain_poll_s: float = 0.5
+    drain_settle_s: float = 1.0
+    kill_grace_s: float = 20.0
+    request_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("startup_timeout_s", "poll_interval_s", "drain_poll_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("drain_timeout_s", "drain_settle_s", "kill_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError("health_port must be in 0..65535")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's queue from ``/metrics``: requests running and waiting (summed over engines and models)."""
+
+    running: float
+    waiting: float
+
+    @property
+    def total(self) -> float:
+        return self.running + self.waiting
+
+
+def parse_engine_load(text: str) -> EngineLoad:
+    """``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` from a Prometheus text exposition.
+
+    Raises:
+        ValueError: the text does not parse, or either gauge is missing.
+    """
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            found[family.name] = found.get(family.name, 0.0) + sum(s.value for s in family.samples)
+    missing = {"vllm:num_requests_running", "vllm:num_requests_waiting"} - found.keys()
+    if missing:
+        raise ValueError(f"engine metrics lack {', '.join(sorted(missing))}")
+    return EngineLoad(found["vllm:num_requests_running"], found["vllm:num_requests_waiting"])
+
+
+def kv_capacity_tokens(text: str) -> int:
+    """KV cache capacity in tokens from ``vllm:cache_config_info`` (``num_gpu_blocks`` × ``block_size``); 0 when
+    the metric or its labels are missing (vLLM's CPU build reports its blocks under the same label)."""
+    with contextlib.suppress(ValueError):
+        for family in text_string_to_metric_families(text):
+            if family.name != "vllm:cache_config_info":
+                continue
+            for sample in family.samples:
+                try:
+                    return int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"])
+                except (KeyError, ValueError):
+                    continue
+    return 0
+
+
+class Supervisor:
+    """Runs one engine child through start, registration, serving, drain and stop (see the module docstring).
+
+    Args:
+        argv: the engine's command line (``vllm_argv(...)``).
+        env: the child's full environment.
+        settings: ports and timings.
+        record: the registry record to publish once ready (its ``kv_capacity_tokens`` is filled in from the
+            engine's metrics when it reports one).
+        registration: builds the registration from the final record (``EtcdRegistration(...)``); None = do not
+            register (``--etcd ""``).
+        cwd: the child's working directory (None = this process's).
+
+    ``await run()`` returns the process exit code: 0 after a requested stop (drained or not), non-zero when the
+    engine exited on its own or never became ready. ``request_stop()`` (also bound to SIGTERM/SIGINT by
+    ``run(install_signal_handlers=True)``) starts the drain.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        settings: SupervisorSettings,
+        *,
+        record: InstanceRecord | None = None,
+        registration: Callable[[InstanceRecord], Registration] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        if not argv:
+            raise ValueError("the engine command is empty")
+        if registration is not None and record is None:
+            raise ValueError("a registration needs a record")
+        self._argv = list(argv)
+        self._env = dict(env)
+        self._settings = settings
+        self._record = record
+        self._make_registration = registration
+        self._cwd = cwd
+        self._state: State = "starting"
+        self._stop = asyncio.Event()
+        self._stop_count = 0
+        self._registration: Registration | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def state(self) -> State:
+        """``starting`` | ``serving`` | ``draining`` | ``stopped``."""
+        return self._state
+
+    @property
+    def record(self) -> InstanceRecord | None:
+        """The record published (after ``serving`` it carries the KV capacity read from the engine)."""
+        return self._record
+
+    @property
+    def child_pid(self) -> int | None:
+        """The engine child's pid (= its process group id), None before start."""
+        return self._proc.pid if self._proc is not None else None
+
+    def request_stop(self) -> None:
+        """Begin the drain (or abort the start-up); a second call while draining cuts the drain short."""
+        self._stop_count += 1
+        if self._stop_count == 1:
+            log.info("worker: stop requested (state %s)", self._state)
+        else:
+            log.warning("worker: second stop request: ending the drain now")
+        self._stop.set()
+
+    async def run(self, *, install_signal_handlers: bool = False) -> int:
+        """Run the child to the end; returns the worker's exit code (see the class docstring)."""
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, self.request_stop)
+        timeout = aiohttp.ClientTimeout(total=self._settings.request_timeout_s)
+        runner: web.AppRunner | None = None
+        exited: asyncio.Task[int] | None = None
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                self._http = http
+                runner = await self._start_health_server()
+                self._proc = await asyncio.create_subprocess_exec(
+                    *self._argv, env=self._env, cwd=self._cwd, start_new_session=True
+                )
+                log.info("worker: engine started, pid %d: %s", self._proc.pid, " ".join(self._argv))
+                exited = asyncio.create_task(self._proc.wait(), name="engine-exit")
+                return await self._lifecycle(exited)
+        finally:
+            self._state = "stopped"
+            if self._registration is not None:
+                await self._registration.stop()
+                self._registration = None
+            if self._proc is not None and self._proc.returncode is None:
+                await self._terminate()
+            if exited is not None and not exited.done():
+                exited.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await exited
+            if runner is not None:
+                await runner.cleanup()
+            self._http = None
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    async def _lifecycle(self, exited: asyncio.Task[int]) -> int:
+        stop = asyncio.create_task(self._stop.wait(), name="stop-request")
+        ready = asyncio.create_task(self._wait_ready(), name="engine-ready")
+        try:
+            await asyncio.wait({exited, stop, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if exited.done():
+                return self._engine_died(exited.result(), "during start-up")
+            if stop.done():
+                log.info("worker: stopped during start-up; stopping the engine")
+                return 0
+            if not ready.result():
+                log.error("worker: engine not ready after %.0f s; stopping it", self._settings.startup_timeout_s)
+                return 1
+            await self._register()
+            self._state = "serving"
+            log.info("worker: serving at %s", self._settings.engine_url)
+            await asyncio.wait({exited, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if exited.done():
+                return self._engine_died(exited.result(), "while serving")
+            self._state = "draining"
+            await self._deregister()
+            if not await self._drain(exited):
+                return self._engine_died(exited.result(), "while draining")
+            return 0
+        finally:
+            for task in (stop, ready):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    @staticmethod
+    def _engine_died(code: int, when: str) -> int:
+        log.error("worker: the engine exited on its own %s with code %s; exiting non-zero", when, code)
+        return code if code > 0 else 1
+
+    async def _get(self, path: str) -> tuple[int, str]:
+        """GET ``engine_url + path``; (status, body), or (0, reason) when the engine cannot be reached."""
+        http = self._http
+        if http is None or http.closed:  # shutting down
+            return 0, "no HTTP session"
+        try:
+            async with http.get(self._settings.engine_url + path) as resp:
+                return resp.status, await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return 0, f"{type(exc).__name__}: {exc}"
+
+    async def _wait_ready(self) -> bool:
+        """Poll ``/health`` then ``/v1/models``; True when both answer, False after the start-up timeout."""
+        deadline = time.monotonic() + self._settings.startup_timeout_s
+        path = "/health"
+        while time.monotonic() < deadline:
+            status, body = await self._get(path)
+            if status == 200 and path == "/health":
+                path = "/v1/models"
+                continue
+            if status == 200 and _lists_a_model(body):
+                return True
+            await asyncio.sleep(self._settings.poll_interval_s)
+        return False
+
+    async def _register(self) -> None:
+        if self._record is None:
+            return
+        status, text = await self._get("/metrics")
+        capacity = kv_capacity_tokens(text) if status == 200 else 0
+        if capacity:
+            self._record = dataclasses.replace(self._record, kv_capacity_tokens=capacity)
+        if self._make_registration is None:
+            return
+        self._registration = self._make_registration(self._record)
+        if await self._registration.start():
+            log.info("worker: registered %s as %s", self._record.id, self._record.url)
+        else:
+            log.warning("worker: etcd unreachable; serving unregistered while the registration retries")
+
+    async def _deregister(self) -> None:
+        if self._registration is not None:
+            await self._registration.stop()
+            self._registration = None
+            log.info("worker: deregistered; draining")
+
+    async def _drain(self, exited: asyncio.Task[int]) -> bool:
+        """Wait until the engine has no request left (or the timeout, or a second stop request).
+
+        Returns False when the engine exited during the drain.
+        """
+        s = self._settings
+        started = time.monotonic()
+        deadline = started + s.drain_timeout_s
+        self._stop.clear()
+        load: EngineLoad | None = None
+        while True:
+            if exited.done():
+                return False
+            status, text = await self._get("/metrics")
+            if status == 200:
+                try:
+                    load = parse_engine_load(text)
+                except ValueError as exc:
+                    log.warning("worker: drain: cannot read the engine's load: %s", exc)
+            else:
+                log.warning("worker: drain: /metrics answered %s", status or text)
+            now = time.monotonic()
+            if load is not None and load.total == 0 and now - started >= s.drain_settle_s:
+                log.info("worker: drained in %.1f s", now - started)
+                return True
+            if now >= deadline or self._stop.is_set():
+                why = "drain timeout" if now >= deadline else "second stop request"
+                left = f"{load.running:g} running, {load.waiting:g} waiting" if load else "unknown (no metrics)"
+                log.warning("worker: %s after %.1f s with %s; stopping the engine", why, now - started, left)
+                return True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=min(s.drain_poll_s, max(0.0, deadline - now)))
+
+    async def _terminate(self) -> None:
+        """SIGTERM the child's process group; SIGKILL after ``kill_grace_s``; reap the child."""
+        proc = self._proc
+        assert proc is not None
+        pgid = proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self._settings.kill_grace_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            await asyncio.sleep(0.1)
+        if _group_alive(pgid):
+            log.warning("worker: engine still running %.0f s after SIGTERM; SIGKILL", self._settings.kill_grace_s)
+            _signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
+            await asyncio.wait_for(proc.wait(), timeout=10.0)
+        log.info("worker: engine stopped (code %s)", proc.returncode)
+
+    async def _start_health_server(self) -> web.AppRunner | None:
+        if not self._settings.health_port:
+            return None
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self._settings.health_host, self._settings.health_port)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        return runner
+
+    async def _health(self, request: web.Request) -> web.Response:
+        """200 while serving with a healthy engine; 503 (and why) otherwise."""
+        if self._state != "serving":
+            return web.json_response({"status": self._state}, status=503)
+        status, _ = await self._get("/health")
+        if status != 200:
+            return web.json_response({"status": "engine unhealthy", "engine_health": status}, status=503)
+        return web.json_response({"status": "serving"})
+
+
+def _lists_a_model(body: str) -> bool:
+    try:
+        data: Any = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and bool(data.get("data"))
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
