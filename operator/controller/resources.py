@@ -298,8 +298,12 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
     name, namespace = serve.metadata.name, serve.metadata.namespace
     served = spec.model.served_name or spec.model.name
     etcd = ["--etcd", spec.connectors.etcd] if spec.connectors.etcd else []
+    # prefill-capable pools pull the LLMServe's prefill jobs from NATS when the router queues them (DOPD §V-C)
+    nats = (["--nats", spec.connectors.nats]
+            if spec.router.prefill_queue == "nats" and POOL_ROLES[pool] in ("prefill", "both") else [])
     common_tail = [
         *etcd,
+        *nats,
         "--namespace", namespace,
         "--llmserve", name,
         "--drain-timeout-s", str(spec.scaling.drain_timeout_seconds),

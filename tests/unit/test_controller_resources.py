@@ -396,12 +396,16 @@ def test_router_rbac_is_least_privilege_read_of_endpointslices_in_its_namespace(
 
 
 def test_a_nats_prefill_queue_is_written_with_the_llmserve_stream_names() -> None:
-    if "prefill_queue" not in RouterConfig.model_fields:
-        pytest.skip("router/config.py has no `prefill_queue` field yet (the router helper adds it)")
     from fulcrum.router.prefill_queue import QueueLayout
 
     serve = _with(_serve("llmserve-sim"), router={"prefillQueue": "nats"}, connectors={"nats": "nats://nats:4222"})
-    config = parse_config(yaml.safe_load(_by(_objects(serve), "ConfigMap", "sim-llama-70b-router")["data"]["router.yaml"]))
+    objects = _objects(serve)
+    config = parse_config(yaml.safe_load(_by(objects, "ConfigMap", "sim-llama-70b-router")["data"]["router.yaml"]))
+    # the prefill pool pulls the queue's jobs; the decode pool does not
+    args = {pool: _by(objects, "Deployment", f"sim-llama-70b-{pool}")["spec"]["template"]["spec"]["containers"][0]["args"]
+            for pool in ("prefill", "decode")}
+    assert args["prefill"][args["prefill"].index("--nats") + 1] == "nats://nats:4222"
+    assert "--nats" not in args["decode"]
     layout = QueueLayout.for_llmserve("default", "sim-llama-70b")
     queue = config.prefill_queue
     assert (queue.kind, queue.url, queue.stream, queue.subject_prefix) == (
@@ -411,8 +415,6 @@ def test_a_nats_prefill_queue_is_written_with_the_llmserve_stream_names() -> Non
 
 
 def test_draining_instances_are_written_sorted_into_the_router_config() -> None:
-    if "draining" not in RouterConfig.model_fields:
-        pytest.skip("router/config.py has no `draining` field yet (the router helper adds it)")
     serve = _serve("llmserve-sim")
     objects = _objects(serve, draining=["sim-llama-70b-decode-b", "sim-llama-70b-decode-a"])
     config = parse_config(yaml.safe_load(_by(objects, "ConfigMap", "sim-llama-70b-router")["data"]["router.yaml"]))

@@ -71,6 +71,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kv-transfer-gbps", type=_positive_float, default=50.0,
                    help="bandwidth charged for KV pulled from another worker, GB/s (default 50)")
     p.add_argument("--etcd", default="", help='etcd endpoint(s) to register in ("" = do not register)')
+    p.add_argument("--nats", default=None,
+                   help="NATS URL of the LLMServe's prefill queue (default: env FULCRUM_NATS_URL; unset = none): a "
+                        "prefill or both worker pulls prefill jobs from it (DOPD §V-C)")
+    p.add_argument("--prefill-concurrency", type=int, default=4, help="prefill jobs in hand at once (4)")
     p.add_argument("--namespace", default=None, help="namespace of the LLMServe (default: env POD_NAMESPACE)")
     p.add_argument("--llmserve", default=None, help="LLMServe name (default: env FULCRUM_LLMSERVE)")
     p.add_argument("--drain-timeout-s", type=float, default=300.0,
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from fulcrum.router.registry import InstanceRecord
     from fulcrum.router.registry_etcd import EtcdRegistration
     from fulcrum.worker.sim_engine import SimEngineConfig, nearest_tp
+    from fulcrum.worker.prefill_puller import PrefillPuller, Registrations
     from fulcrum.worker.sim_server import SimServerSettings, SimWorker, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -130,9 +135,24 @@ def run(args: argparse.Namespace) -> int:
             labels={"engine": "sim", "profile": profile.name})
         registration = EtcdRegistration(args.etcd, namespace, llmserve, record)
 
+    nats_url = args.nats if args.nats is not None else os.environ.get("FULCRUM_NATS_URL", "")
+    pull = bool(nats_url) and args.role in ("prefill", "both")
+    if pull:
+        if not llmserve:
+            raise ValueError("--nats needs the LLMServe name: --llmserve or env FULCRUM_LLMSERVE")
+        if not args.port:
+            raise ValueError("--nats needs a fixed --port (the puller calls the local engine on it)")
+        if args.prefill_concurrency < 1:
+            raise ValueError("--prefill-concurrency must be >= 1")
+
     async def main() -> int:
         worker = SimWorker(profile, engine_config, settings)
-        return await serve(worker, args.host, args.port, registration=registration,
-                           drain_timeout_s=args.drain_timeout_s)
+        reg: Any = registration
+        if pull:
+            puller = PrefillPuller(nats_url, f"http://127.0.0.1:{args.port}", namespace=namespace, llmserve=llmserve,
+                                   worker_id=instance_id, concurrency=args.prefill_concurrency)
+            log.info("pulling prefill jobs from %s (%s)", nats_url, puller.key)
+            reg = puller if registration is None else Registrations([registration, puller])
+        return await serve(worker, args.host, args.port, registration=reg, drain_timeout_s=args.drain_timeout_s)
 
     return asyncio.run(main())

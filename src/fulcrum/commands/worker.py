@@ -65,6 +65,10 @@ def add_parser(sub: Any) -> None:
     reg.add_argument("--llmserve", default=None, help="LLMServe name (default: env FULCRUM_LLMSERVE)")
     reg.add_argument("--pool", default="default", help="the pool this instance belongs to (default 'default')")
     reg.add_argument("--gpu-type", default="", help="GPU type published in the registration, e.g. H100")
+    reg.add_argument("--nats", default=None,
+                     help="NATS URL of the LLMServe's prefill queue (default: env FULCRUM_NATS_URL; unset = none): a "
+                          "prefill or both worker pulls prefill jobs from it (DOPD §V-C)")
+    reg.add_argument("--prefill-concurrency", type=int, default=4, help="prefill jobs in hand at once (4)")
     life = p.add_argument_group("lifecycle")
     life.add_argument("--health-port", type=int, default=8001,
                       help="supervisor readiness endpoint GET /health (8001; 0 = none)")
@@ -88,6 +92,7 @@ def gpu_visible() -> bool:
 def run(args: argparse.Namespace) -> int:
     from fulcrum.router.registry import InstanceRecord
     from fulcrum.router.registry_etcd import EtcdRegistration, parse_endpoints
+    from fulcrum.worker.prefill_puller import PrefillPuller, Registrations, Startable
     from fulcrum.worker.supervisor import Registration, Supervisor, SupervisorSettings
     from fulcrum.worker.vllm_args import WorkerConfig, instance_record, resolve_device, vllm_argv, vllm_env
 
@@ -117,8 +122,25 @@ def run(args: argparse.Namespace) -> int:
         if not llmserve:
             raise ValueError("--etcd needs --llmserve (or env FULCRUM_LLMSERVE)")
 
+    nats_url = args.nats if args.nats is not None else os.environ.get("FULCRUM_NATS_URL", "")
+    local_url = "http://127.0.0.1:%d" % args.port
+    puller = None
+    if nats_url and args.role in ("prefill", "both"):
+        if not llmserve:
+            raise ValueError("--nats needs --llmserve (or env FULCRUM_LLMSERVE): the queue is the LLMServe's")
+        if args.prefill_concurrency < 1:
+            raise ValueError("--prefill-concurrency must be >= 1")
+        puller = PrefillPuller(nats_url, local_url, namespace=namespace, llmserve=llmserve, worker_id=instance_id,
+                               concurrency=args.prefill_concurrency)
+    if args.etcd or puller is not None:
+
         def registration(record: InstanceRecord) -> Registration:
-            return EtcdRegistration(args.etcd, namespace, llmserve, record)
+            parts: list[Startable] = []
+            if args.etcd:
+                parts.append(EtcdRegistration(args.etcd, namespace, llmserve, record))
+            if puller is not None:
+                parts.append(puller)
+            return parts[0] if len(parts) == 1 else Registrations(parts)
 
     local = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     local = f"[{local}]" if ":" in local else local
@@ -137,4 +159,7 @@ def run(args: argparse.Namespace) -> int:
         instance_id, config.model_name, config.device, config.role, config.pool, namespace, llmserve or "-",
         args.etcd or "(not registering)",
     )
+    if puller is not None:
+        logging.getLogger("fulcrum.worker").info("worker %s: pulling prefill jobs from %s (%s)", instance_id,
+                                                 nats_url, puller.key)
     return asyncio.run(supervisor.run(install_signal_handlers=True))
