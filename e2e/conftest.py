@@ -1,0 +1,49 @@
+"""Fixtures of the end-to-end tests: they run against the Kubernetes cluster ``KUBECONFIG`` names (marker
+``cluster``) and skip, saying why, when none is reachable. Nothing here fakes a cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kubectl(*args: str, check: bool = True, timeout: float = 60.0, input_text: str | None = None) -> str:
+    """Run ``kubectl`` with the caller's KUBECONFIG; its stdout (raises CalledProcessError when ``check``)."""
+    proc = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=timeout, input=input_text)
+    if check and proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, ["kubectl", *args], proc.stdout, proc.stderr)
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def cluster() -> str:
+    """The reachable cluster's API address; skips when ``kubectl cluster-info`` fails."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the e2e tests need a cluster reachable through KUBECONFIG")
+    try:
+        out = kubectl("cluster-info", timeout=20)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+        lines = [ln for ln in (getattr(err, "stderr", "") or str(err)).splitlines() if ln.strip()]
+        detail = lines[-1].strip()[:200] if lines else str(err)
+        pytest.skip(f"no Kubernetes cluster reachable (kubectl cluster-info failed: {detail}); "
+                    f"KUBECONFIG={os.environ.get('KUBECONFIG', '~/.kube/config')}")
+    return out.splitlines()[0] if out else "cluster"
+
+
+@pytest.fixture
+def namespace(cluster: str) -> Iterator[str]:
+    """A fresh namespace, deleted afterwards (with everything in it)."""
+    ns = f"fulcrum-e2e-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", ns)
+    try:
+        yield ns
+    finally:
+        kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -1,0 +1,581 @@
+"""The kopf handlers: reconcile an ``LLMServe`` and run its control loop every ``spec.scaling.intervalSeconds``.
+
+:class:`Controller` holds the logic as plain async methods (tests call them directly, with the Kubernetes API
+faked at the HTTP layer); :func:`register` binds them to kopf:
+
+- **create / update (spec) / resume** → :meth:`Controller.reconcile`: validate the spec with the pydantic model
+  (a bad spec that slipped past the CRD schema → condition Degraded/InvalidSpec, a Warning Event, nothing
+  applied), build every object (``resources.build_objects``) for the target in force — read back from
+  ``status.pools`` after an operator restart, so a restart converges instead of resetting the pools — and
+  server-side apply it (``apply.py``), then write the status.
+- **daemon** (one per LLMServe) → :meth:`Controller.interval` every interval: observe (Prometheus) → forecast →
+  plan (``loop.py``: FulcrumPlanner or the policy the spec names) → apply scale-outs at once, drain scale-ins
+  (``drain.py``) → Events for every scale decision with its reason → status and metrics. Prometheus down or
+  empty → Degraded and the target held (never scale in blind).
+- **delete** → :meth:`Controller.deleted`: the children carry ownerReferences, so Kubernetes' garbage collector
+  deletes them; the handler only forgets the loop and its metrics (optional: deletion never waits for the
+  operator).
+
+Errors: Kubernetes API failures (after ``apply.py``'s retries) raise ``kopf.TemporaryError`` from the
+create/update handlers (kopf retries with backoff) and are counted in ``fulcrum_operator_reconcile_errors_total``;
+the daemon logs them and tries again at the next interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+import yaml
+
+from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe, parse_llmserve
+from fulcrum.errors import FulcrumError, ProfileError, SpecError
+from fulcrum.observation import Observation, ReadyCounts
+from fulcrum.ratio.profile import PerformanceProfile, load_profile, profile_from_dict
+from fulcrum.ratio.profiles import builtin_profile
+from fulcrum.target import ClusterTarget, PoolSize
+
+from fulcrum.controller.apply import Applier, ApplyReport, DRAIN_FIELD_MANAGER, KubeApiError, KubeClient
+from fulcrum.controller.drain import DELETION_COST_ANNOTATION, DrainResult, PodLoad, drain_pool, load_from_metrics
+from fulcrum.controller.loop import POOLS, ControlLoop, LoopOutcome, distribute, replica_owner
+from fulcrum.controller.metrics import OperatorMetrics
+from fulcrum.controller.observe import ObservationError, PrometheusObserver, QueryClient, Selectors
+from fulcrum.controller.resources import (
+    LABEL_LLMSERVE,
+    LABEL_POOL,
+    build_objects,
+    initial_target,
+    pool_deployment_name,
+    worker_selector,
+)
+from fulcrum.controller.status import build_status, target_from_status
+
+__all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "register", "fetch_text"]
+
+GROUP, VERSION, PLURAL = "fulcrum.dev", "v1alpha1", "llmserves"
+log = logging.getLogger("fulcrum.operator")
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Operator-wide settings (from ``fulcrum operator`` flags).
+
+    Attributes:
+        image: the Fulcrum control-plane image (router and sim-worker pods).
+        prometheus_url: where to observe; None = no observation (every interval is Degraded, nothing scales).
+        drain_poll_s: seconds between polls of a draining pod's ``/metrics`` (short enough to notice an idle
+            pod within a few seconds, long enough not to load the pods).
+        metrics_timeout_s: one ``/metrics`` read of a worker pod, seconds.
+    """
+
+    image: str
+    prometheus_url: str | None = None
+    drain_poll_s: float = 5.0
+    metrics_timeout_s: float = 3.0
+
+
+async def fetch_text(url: str, timeout_s: float) -> str:
+    """GET ``url`` (a pod's ``/metrics``) with aiohttp; raises ``OSError`` on any failure."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+            async with s.get(url) as resp:
+                if resp.status != 200:
+                    raise OSError(f"GET {url}: HTTP {resp.status}")
+                return await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        raise OSError(f"GET {url}: {err}") from err
+
+
+@dataclass
+class _Runtime:
+    """What the operator keeps per LLMServe between intervals (rebuilt from status after a restart)."""
+
+    serve: LLMServe
+    generation: int | None
+    loop: ControlLoop
+    applied: ClusterTarget
+    profile: PerformanceProfile
+    observer: PrometheusObserver | None
+    draining: list[str] = field(default_factory=list)
+    degraded: str | None = None
+    loop_previous: ClusterTarget = field(default_factory=ClusterTarget)
+    invalid_spec_event: int | None = None
+
+
+def _key(body: Mapping[str, Any]) -> str:
+    meta = body.get("metadata", {})
+    return f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    for c in (pod.get("status") or {}).get("conditions") or ():
+        if c.get("type") == "Ready":
+            return bool(c.get("status") == "True")
+    return False
+
+
+def _http_port(pod: Mapping[str, Any]) -> int:
+    for c in (pod.get("spec") or {}).get("containers") or ():
+        for p in c.get("ports") or ():
+            if p.get("name") == "http" and isinstance(p.get("containerPort"), int):
+                return int(p["containerPort"])
+    return 8000
+
+
+class Controller:
+    """The reconcile and interval logic (module doc); one per operator process.
+
+    Args:
+        kube: the Kubernetes client (retries inside).
+        settings: operator-wide settings.
+        metrics: where ``fulcrum_operator_*`` go.
+        prometheus: makes a query client for a URL (default ``prometheus_api_client.PrometheusConnect``).
+        clock: wall-clock seconds (the planner's time axis: cooldowns, stabilisation windows).
+        monotonic: monotonic seconds (drain timeouts); sleep: async sleep (drain polling).
+        now: the current UTC time (condition transition times, event timestamps).
+        fetch: GETs a URL's text (pod ``/metrics``).
+    """
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        settings: ControllerSettings,
+        *,
+        metrics: OperatorMetrics | None = None,
+        prometheus: Callable[[str], QueryClient] | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+        fetch: Callable[[str, float], Awaitable[str]] = fetch_text,
+    ) -> None:
+        self.kube = kube
+        self.applier = Applier(kube)
+        self.settings = settings
+        self.metrics = metrics or OperatorMetrics()
+        self._prometheus = prometheus or _prometheus_connect
+        self.clock = clock
+        self.monotonic = monotonic
+        self.sleep = sleep
+        self.now = now
+        self.fetch = fetch
+        self.runtimes: dict[str, _Runtime] = {}
+
+    # ----------------------------------------------------------------------------------------- parsing
+    def _parse(self, body: Mapping[str, Any]) -> LLMServe:
+        meta = body.get("metadata", {})
+        return parse_llmserve({"apiVersion": API_VERSION, "kind": KIND,
+                               "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace", "default")},
+                               "spec": dict(body.get("spec") or {})})
+
+    def _profile(self, serve: LLMServe) -> PerformanceProfile:
+        ref = serve.spec.profile
+        if ref.name:
+            return builtin_profile(ref.name)
+        if ref.path:
+            return load_profile(ref.path)
+        cm = self.kube.get("v1", "ConfigMap", serve.metadata.namespace, str(ref.config_map))
+        if cm is None:
+            raise ProfileError(f"profile ConfigMap {ref.config_map} not found in {serve.metadata.namespace}")
+        text = (cm.get("data") or {}).get("profile.yaml")
+        if not text:
+            raise ProfileError(f"profile ConfigMap {ref.config_map} has no profile.yaml")
+        try:
+            return profile_from_dict(yaml.safe_load(text), origin=f"configmap/{ref.config_map}")
+        except yaml.YAMLError as err:
+            raise ProfileError(f"profile ConfigMap {ref.config_map}: not YAML: {err}") from err
+
+    def _runtime(self, body: Mapping[str, Any], serve: LLMServe) -> _Runtime:
+        """The runtime of this LLMServe; (re)built on first sight and on every new generation (spec change)."""
+        key = _key(body)
+        meta = body.get("metadata", {})
+        gen = meta.get("generation")
+        rt = self.runtimes.get(key)
+        if rt is not None and rt.generation == gen:
+            return rt
+        profile = self._profile(serve)
+        if rt is not None and rt.serve.spec.mode == serve.spec.mode:
+            current = rt.loop.current
+        elif rt is not None:  # a mode switch replaces the pools: start from the new mode's initial pools
+            current = initial_target(serve, profile)
+        else:
+            # an operator restart: the target in force as last written to status (converge, do not reset)
+            current = target_from_status(body.get("status")) or initial_target(serve, profile)
+            if not any(getattr(current, p).replicas for p in POOLS):
+                current = initial_target(serve, profile)
+        owner, total = replica_owner(serve.spec)
+        if owner == "External" and total is not None:
+            current = distribute(total, current)
+        loop = ControlLoop(serve.spec, profile, current)
+        observer = None
+        if self.settings.prometheus_url:
+            slo = serve.spec.slo
+            observer = PrometheusObserver(self._prometheus(self.settings.prometheus_url),
+                                          Selectors.for_llmserve(serve.metadata.name, serve.metadata.namespace),
+                                          ttft_slo_s=slo.ttft_ms / 1000.0, tpot_slo_s=slo.tpot_ms / 1000.0,
+                                          percentile=slo.percentile)
+        new = _Runtime(serve=serve, generation=gen, loop=loop, applied=rt.applied if rt else current,
+                       profile=profile, observer=observer, draining=list(rt.draining) if rt else [],
+                       degraded=rt.degraded if rt else None)
+        self.runtimes[key] = new
+        return new
+
+    # ----------------------------------------------------------------------------------------- I/O helpers
+    def _objects(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget) -> list[dict[str, Any]]:
+        uid = str(body.get("metadata", {}).get("uid") or "")
+        objs: list[dict[str, Any]] = build_objects(rt.serve, target, uid=uid, image=self.settings.image, draining=rt.draining,
+                             profile=None if rt.serve.spec.profile.name else rt.profile)
+        return objs
+
+    async def _apply(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget) -> ApplyReport:
+        objs = self._objects(rt, body, target)
+        report = await asyncio.to_thread(self.applier.apply_all, objs)
+        rt.applied = target
+        pruned = await asyncio.to_thread(self.applier.prune, rt.serve.metadata.namespace,
+                                         f"{LABEL_LLMSERVE}={rt.serve.metadata.name}", objs)
+        for what in pruned:
+            log.info("%s: deleted %s (no longer part of the spec)", _key(body), what)
+        for dep, live, want in report.reverted:
+            msg = (f"Deployment {dep}: replicas edited to {live} outside the operator; reverted to {want} "
+                   "(set spec.scaling.replicaOwner: External to own the count)")
+            log.warning(msg)
+            await self.event(body, "Warning", "ReplicasReverted", msg)
+        return report
+
+    async def _ready_counts(self, serve: LLMServe) -> ReadyCounts:
+        def read() -> ReadyCounts:
+            counts: dict[str, int] = {}
+            for pool in POOLS:
+                dep = self.kube.get("apps/v1", "Deployment", serve.metadata.namespace,
+                                    pool_deployment_name(serve.metadata.name, pool))
+                counts[pool] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
+            return ReadyCounts(**counts)
+
+        return await asyncio.to_thread(read)
+
+    async def event(self, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """Post a core/v1 Event on the LLMServe; failures are logged, never raised."""
+        meta = body.get("metadata", {})
+        ns = str(meta.get("namespace", "default"))
+        ts = self.now().astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        ev = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta.get('name')}.", "namespace": ns},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta.get("name"), "namespace": ns,
+                               "uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")},
+            "reason": reason, "message": message[:1024], "type": type_,
+            "source": {"component": "fulcrum-operator"}, "reportingComponent": "fulcrum-operator",
+            "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
+        }
+        try:
+            await asyncio.to_thread(self.kube.create, ev)
+        except KubeApiError as err:
+            log.warning("could not post event %s on %s: %s", reason, _key(body), err)
+
+    async def _write_status(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+        """Merge-patch the status subresource; False when the LLMServe is gone (404)."""
+        meta = body.get("metadata", {})
+        try:
+            await asyncio.to_thread(self.kube.merge_patch, API_VERSION, KIND, str(meta.get("namespace", "default")),
+                                    str(meta.get("name")), {"status": dict(status)}, "status")
+        except KubeApiError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+    async def _invalid(self, body: Mapping[str, Any], err: Exception) -> None:
+        key = _key(body)
+        gen = body.get("metadata", {}).get("generation")
+        rt = self.runtimes.get(key)
+        log.error("%s: invalid spec, nothing applied: %s", key, err)
+        st = build_status(previous=body.get("status"), generation=gen, target=ClusterTarget(),
+                          ready=ReadyCounts(), selector="", now=self.now(), spec_error=str(err))
+        if rt is None or rt.invalid_spec_event != gen:
+            await self.event(body, "Warning", "InvalidSpec", str(err))
+            if rt is not None:
+                rt.invalid_spec_event = gen
+        await self._write_status(body, st)
+
+    # ----------------------------------------------------------------------------------------- handlers
+    async def reconcile(self, body: Mapping[str, Any]) -> bool:
+        """Create/update/resume: validate, apply every object for the target in force, write status.
+
+        Returns:
+            True when applied; False when the spec (or its profile) is invalid (status says why; nothing applied).
+
+        Raises:
+            KubeApiError: the API failed after retries (the kopf wrapper turns it into a TemporaryError).
+        """
+        try:
+            serve = self._parse(body)
+            rt = await asyncio.to_thread(self._runtime, body, serve)
+        except (SpecError, ProfileError, ValueError) as err:
+            await self._invalid(body, err)
+            return False
+        target = rt.loop.current
+        report = await self._apply(rt, body, target)
+        log.info("%s: reconciled generation %s: %d written, %d unchanged", _key(body),
+                 rt.generation, len(report.written), len(report.unchanged))
+        ready = await self._ready_counts(serve)
+        self.metrics.record_target(_key(body), target, ready)
+        st = build_status(previous=body.get("status"), generation=rt.generation, target=target, ready=ready,
+                          selector=worker_selector(serve.metadata.name), now=self.now(), degraded=rt.degraded,
+                          draining=rt.draining)
+        await self._write_status(body, st)
+        return True
+
+    def interval_of(self, body: Mapping[str, Any]) -> float:
+        """The LLMServe's planner interval, seconds (60 when its spec cannot be read)."""
+        try:
+            return float((body.get("spec") or {}).get("scaling", {}).get("intervalSeconds", 60.0))
+        except (TypeError, ValueError, AttributeError):
+            return 60.0
+
+    async def interval(self, body: Mapping[str, Any]) -> bool:
+        """One control-loop interval (module doc). Returns False when the LLMServe is gone (the daemon ends).
+
+        Raises:
+            KubeApiError: the API failed after retries while applying (the daemon logs it and goes on).
+        """
+        key = _key(body)
+        try:
+            serve = self._parse(body)
+            rt = await asyncio.to_thread(self._runtime, body, serve)
+        except (SpecError, ProfileError, ValueError) as err:
+            await self._invalid(body, err)
+            return True
+        ready = await self._ready_counts(serve)
+        obs: Observation | None = None
+        why: str | None = None
+        if rt.observer is None:
+            why = "no Prometheus configured (--prometheus-url)"
+        else:
+            try:
+                obs = await asyncio.to_thread(rt.observer.observe, self.clock(), rt.loop.interval_s, ready)
+            except ObservationError as e:
+                why = str(e)
+        rt.loop_previous = rt.loop.current
+        outcome = rt.loop.step(obs, error=why)
+        degraded = outcome.degraded
+        if degraded and rt.degraded is None:
+            await self.event(body, "Warning", "ObservationUnavailable", f"holding the current pools: {degraded}")
+        drain_msgs = await self._act(body, rt, outcome)
+        if drain_msgs:
+            degraded = "; ".join(([degraded] if degraded else []) + drain_msgs)
+        rt.degraded = degraded
+        self.metrics.record_interval(key, outcome, ready)
+        log.info("%s: %s", key, outcome.reason)
+        st = build_status(previous=body.get("status"), generation=rt.generation, target=rt.applied, ready=ready,
+                          selector=worker_selector(serve.metadata.name), now=self.now(), outcome=outcome,
+                          degraded=degraded, draining=rt.draining)
+        return await self._write_status(body, st)
+
+    async def _act(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> list[str]:
+        """Apply scale-outs (and everything else) at once, hold scale-ins until their pods are drained.
+
+        Returns:
+            one line per pool whose drain timed out (the Degraded condition's message).
+        """
+        held = outcome.target
+        for pool, (old, _new) in outcome.scale_in.items():
+            held = _with_replicas(held, pool, old)
+        await self._apply(rt, body, held)
+        for pool, (old, new) in outcome.scale_out.items():
+            await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
+        for pool in POOLS:
+            was, now = getattr(rt.loop_previous, pool), getattr(outcome.target, pool)
+            if was.tp != now.tp and (was.replicas or now.replicas):
+                await self.event(body, "Normal", "TensorParallelChanged",
+                                 f"{pool}: TP {was.tp}→{now.tp} ({now.replicas} instances, pods roll): {outcome.reason}")
+        timeouts: list[str] = []
+        for pool, (old, new) in outcome.scale_in.items():
+            io = _KubeDrainIO(self, rt, body)
+            t0 = self.monotonic()
+            result: DrainResult = await drain_pool(
+                io, pool, new, timeout_s=float(rt.serve.spec.scaling.drain_timeout_seconds),
+                poll_s=self.settings.drain_poll_s, clock=self.monotonic, sleep=self.sleep)
+            self.metrics.drain_seconds.observe(max(self.monotonic() - t0, 0.0))
+            drained = ", ".join(result.victims) or "none"
+            await self.event(body, "Normal", "ScaledIn",
+                             f"{pool}: {old}→{new} instances after draining {drained}: {outcome.reason}")
+            if result.timed_out:
+                timeouts.append(f"{pool}: drain timed out with requests left on {', '.join(sorted(result.busy))}")
+        rt.applied = outcome.target
+        return timeouts
+
+    async def deleted(self, body: Mapping[str, Any]) -> list[str]:
+        """The LLMServe is being deleted: its children go with it (ownerReferences → garbage collector).
+
+        Confirms it: lists the children (by the ``fulcrum.dev/llmserve`` label) and returns — and logs as a
+        warning — any that do not name this LLMServe's uid as owner (they would outlive it). A failing API only
+        skips the check: deletion never waits for the operator.
+        """
+        key = _key(body)
+        self.runtimes.pop(key, None)
+        self.metrics.forget(key)
+        meta = body.get("metadata", {})
+        ns, uid = str(meta.get("namespace", "default")), meta.get("uid")
+        sel = f"{LABEL_LLMSERVE}={meta.get('name')}"
+        orphans: list[str] = []
+
+        def check() -> None:
+            for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"),
+                                      ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
+                                      ("rbac.authorization.k8s.io/v1", "RoleBinding")):
+                for obj in self.kube.list(api_version, kind, ns, sel):
+                    owners = (obj.get("metadata") or {}).get("ownerReferences") or ()
+                    if not any(o.get("uid") == uid for o in owners):
+                        orphans.append(f"{kind}/{obj['metadata']['name']}")
+
+        try:
+            await asyncio.to_thread(check)
+        except KubeApiError as err:
+            log.warning("%s deleted; could not confirm its children are owned: %s", key, err)
+            return []
+        if orphans:
+            log.warning("%s deleted, but these objects carry no ownerReference to it and stay: %s", key,
+                        ", ".join(orphans))
+        else:
+            log.info("%s deleted; its Deployments, Services, ConfigMap and RBAC are owned by it and garbage-collected",
+                     key)
+        return orphans
+
+
+def _with_replicas(t: ClusterTarget, pool: str, n: int) -> ClusterTarget:
+    size: PoolSize = getattr(t, pool)
+    if pool == "prefill":
+        return replace(t, prefill=PoolSize(n, size.tp))
+    if pool == "decode":
+        return replace(t, decode=PoolSize(n, size.tp))
+    return replace(t, unified=PoolSize(n, size.tp))
+
+
+class _KubeDrainIO:
+    """:class:`fulcrum.controller.drain.DrainIO` over the Kubernetes API and the pods' ``/metrics``."""
+
+    def __init__(self, controller: Controller, rt: _Runtime, body: Mapping[str, Any]) -> None:
+        self.c = controller
+        self.rt = rt
+        self.body = body
+        self.ns = rt.serve.metadata.namespace
+        self.name = rt.serve.metadata.name
+
+    async def _pods(self, pool: str | None = None) -> list[dict[str, Any]]:
+        sel = f"{LABEL_LLMSERVE}={self.name}" + (f",{LABEL_POOL}={pool}" if pool else "")
+        pods = await asyncio.to_thread(self.c.kube.list, "v1", "Pod", self.ns, sel)
+        return [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+
+    async def _load(self, pod: Mapping[str, Any]) -> float:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            return math.nan
+        try:
+            text = await self.c.fetch(f"http://{ip}:{_http_port(pod)}/metrics", self.c.settings.metrics_timeout_s)
+            return float(load_from_metrics(text))
+        except (OSError, ValueError) as err:
+            log.info("%s: /metrics of %s unreadable: %s", self.name, pod["metadata"]["name"], err)
+            return math.nan
+
+    async def pod_loads(self, pool: str) -> list[PodLoad]:
+        out = []
+        for p in await self._pods(pool):
+            load = await self._load(p)
+            out.append(PodLoad(p["metadata"]["name"], _ready(p), load, 0.0))
+        return out
+
+    async def loads(self, pods: Sequence[str]) -> Mapping[str, float]:
+        live = {p["metadata"]["name"]: p for p in await self._pods()}
+        out: dict[str, float] = {}
+        for name in pods:
+            pod = live.get(name)
+            v = await self._load(pod) if pod is not None else 0.0
+            out[name] = v if math.isfinite(v) else 0.0  # gone or unreadable: nothing left to wait for
+        return out
+
+    async def mark_draining(self, pods: Sequence[str]) -> None:
+        self.rt.draining = sorted(set(self.rt.draining) | set(pods))
+        await self.c._apply(self.rt, self.body, self.rt.applied)
+
+    async def unmark_draining(self, pods: Sequence[str]) -> None:
+        self.rt.draining = sorted(set(self.rt.draining) - set(pods))
+        await self.c._apply(self.rt, self.body, self.rt.applied)
+
+    async def set_deletion_cost(self, pods: Sequence[str], cost: int) -> None:
+        for name in pods:
+            obj = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": name, "namespace": self.ns, "annotations": {DELETION_COST_ANNOTATION: str(cost)}}}
+            try:
+                await asyncio.to_thread(self.c.kube.server_side_apply, obj, field_manager=DRAIN_FIELD_MANAGER, force=False)
+            except KubeApiError as err:
+                if err.status != 404:  # a pod already gone needs no cost
+                    raise
+
+    async def scale(self, pool: str, replicas: int) -> None:
+        await self.c._apply(self.rt, self.body, _with_replicas(self.rt.applied, pool, replicas))
+
+    async def event(self, type_: str, reason: str, message: str) -> None:
+        await self.c.event(self.body, type_, reason, message)
+
+
+def _prometheus_connect(url: str) -> QueryClient:
+    from prometheus_api_client import PrometheusConnect
+    from urllib3.util.retry import Retry
+
+    # one quick retry: a down Prometheus must not stall the interval (the loop holds and reports Degraded)
+    retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504), allowed_methods=("GET",))
+    client: QueryClient = PrometheusConnect(url=url, disable_ssl=True, timeout=10, retry=retry)
+    return client
+
+
+def register(registry: Any, controller: Controller) -> None:
+    """Register the handlers on a ``kopf.OperatorRegistry`` (module doc)."""
+    import kopf
+
+    res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+    def login(**kwargs: Any) -> Any:
+        # a registry of our own has none of kopf's default login handlers: in a pod the service account,
+        # elsewhere the kubeconfig ($KUBECONFIG or ~/.kube/config)
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    kopf.on.login(id="login", registry=registry)(login)
+
+    async def on_change(body: Mapping[str, Any], **_: Any) -> None:
+        try:
+            await controller.reconcile(body)
+        except FulcrumError as err:
+            controller.metrics.reconcile_errors.inc()
+            raise kopf.TemporaryError(str(err), delay=10) from err
+
+    kopf.on.resume(id="reconcile", **res)(on_change)
+    kopf.on.create(id="reconcile", **res)(on_change)
+    kopf.on.update(id="reconcile", field="spec", **res)(on_change)
+
+    async def control_loop(body: Mapping[str, Any], stopped: Any, **_: Any) -> None:
+        while not stopped:
+            await stopped.wait(controller.interval_of(body))
+            if stopped:
+                break
+            try:
+                if not await controller.interval(body):
+                    log.info("%s is gone; its control loop ends", _key(body))
+                    return
+            except FulcrumError as err:
+                controller.metrics.reconcile_errors.inc()
+                log.error("%s: interval failed, retrying at the next one: %s", _key(body), err)
+
+    kopf.daemon(id="control-loop", cancellation_timeout=5.0, **res)(control_loop)
+
+    async def on_delete(body: Mapping[str, Any], **_: Any) -> None:
+        await controller.deleted(body)
+
+    kopf.on.delete(id="forget", optional=True, **res)(on_delete)

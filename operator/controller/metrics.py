@@ -1,0 +1,110 @@
+"""The operator's Prometheus metrics, ``fulcrum_operator_*`` (names fixed by the contracts), on their own registry.
+
+``fulcrum operator --metrics-port 9090`` serves them. Every interval's forecast, plan, readiness and SLO
+attainment is a gauge labelled by LLMServe (``namespace/name``); scale events and reconcile errors are counters;
+drains a histogram. Rates are requests per second, lengths tokens, times seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fulcrum.observation import Observation, ReadyCounts
+from fulcrum.target import ClusterTarget
+
+from fulcrum.controller.loop import POOLS, LoopOutcome
+
+__all__ = ["OperatorMetrics"]
+
+_DRAIN_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+class OperatorMetrics:
+    """All ``fulcrum_operator_*`` metrics (contract names). Label ``llmserve`` = ``namespace/name``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.forecast_rate = Gauge("fulcrum_operator_forecast_rate", "Forecast request rate, requests/s",
+                                   ["llmserve", "quantile"], registry=r)
+        self.forecast_isl = Gauge("fulcrum_operator_forecast_isl_tokens", "Forecast mean ISL, tokens", ["llmserve"], registry=r)
+        self.forecast_osl = Gauge("fulcrum_operator_forecast_osl_tokens", "Forecast mean OSL, tokens", ["llmserve"], registry=r)
+        self.planned_instances = Gauge("fulcrum_operator_planned_instances", "Instances the plan asks for",
+                                       ["llmserve", "pool"], registry=r)
+        self.planned_ratio = Gauge("fulcrum_operator_planned_pd_ratio", "Planned prefill instances per decode instance",
+                                   ["llmserve"], registry=r)
+        self.ready_instances = Gauge("fulcrum_operator_ready_instances", "Ready instances per pool", ["llmserve", "pool"], registry=r)
+        self.slo_attainment = Gauge("fulcrum_operator_slo_attainment", "SLO attainment observed over the last interval (0..1)",
+                                    ["llmserve"], registry=r)
+        self.scale_events = Counter("fulcrum_operator_scale_events", "Pool resizes by direction",
+                                    ["llmserve", "pool", "direction"], registry=r)
+        self.forecast_error = Gauge("fulcrum_operator_forecast_error",
+                                    "Relative error |forecast - observed| / observed of the last forecast of each series",
+                                    ["llmserve", "series"], registry=r)
+        self.drain_seconds = Histogram("fulcrum_operator_drain_seconds", "Time spent draining scaled-in instances",
+                                       buckets=_DRAIN_BUCKETS, registry=r)
+        self.reconcile_errors = Counter("fulcrum_operator_reconcile_errors", "Reconciles or intervals that failed", registry=r)
+        self.observation_failures = Counter("fulcrum_operator_observation_failures",
+                                            "Intervals without an observation (Prometheus down or empty)", ["llmserve"], registry=r)
+        self._last_forecast: dict[str, dict[str, float]] = {}
+
+    def record_interval(self, key: str, outcome: LoopOutcome, ready: ReadyCounts) -> None:
+        """Export one interval's numbers for LLMServe ``key`` (``namespace/name``)."""
+        self.record_target(key, outcome.target, ready)
+        if not outcome.observed:
+            self.observation_failures.labels(key).inc()
+            return
+        obs = outcome.observation
+        if obs is not None:
+            self._record_errors(key, obs)
+            if math.isfinite(obs.slo_attainment):
+                self.slo_attainment.labels(key).set(obs.slo_attainment)
+        fc = outcome.forecast
+        rate = fc.get("rate", {})
+        for q, src in (("mean", "mean"), ("lower", "lower"), ("upper", "upper")):
+            v = rate.get(src)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.forecast_rate.labels(key, q).set(v)
+        for gauge, series in ((self.forecast_isl, "isl"), (self.forecast_osl, "osl")):
+            v = fc.get(series, {}).get("mean")
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                gauge.labels(key).set(v)
+        ratio = outcome.inputs.get("ratio")
+        if isinstance(ratio, (int, float)) and math.isfinite(ratio):
+            self.planned_ratio.labels(key).set(ratio)
+        self._last_forecast[key] = {s: float(fc[s]["mean"]) for s in ("rate", "isl", "osl") if s in fc}
+        for pool, (old, new) in outcome.changes.items():
+            self.scale_events.labels(key, pool, "out" if new > old else "in").inc()
+
+    def _record_errors(self, key: str, obs: Observation) -> None:
+        last = self._last_forecast.get(key)
+        if not last:
+            return
+        actual = {"rate": obs.rate_rps, "isl": obs.mean_isl, "osl": obs.mean_osl}
+        for series, predicted in last.items():
+            a = actual[series]
+            if a > 0 and math.isfinite(predicted):
+                self.forecast_error.labels(key, series).set(abs(predicted - a) / a)
+
+    def record_target(self, key: str, target: ClusterTarget, ready: ReadyCounts) -> None:
+        """Planned and ready instances per pool."""
+        for pool in POOLS:
+            self.planned_instances.labels(key, pool).set(getattr(target, pool).replicas)
+            self.ready_instances.labels(key, pool).set(getattr(ready, pool))
+
+    def forget(self, key: str) -> None:
+        """Drop the per-LLMServe series of a deleted LLMServe."""
+        self._last_forecast.pop(key, None)
+        for g in (self.forecast_isl, self.forecast_osl, self.planned_ratio, self.slo_attainment):
+            try:
+                g.remove(key)
+            except KeyError:
+                pass
+        for pool in POOLS:
+            for g in (self.planned_instances, self.ready_instances):
+                try:
+                    g.remove(key, pool)
+                except KeyError:
+                    pass

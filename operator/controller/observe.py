@@ -1,0 +1,306 @@
+"""Observe: one planner interval's :class:`~fulcrum.observation.Observation` from Prometheus.
+
+Demand comes from the router's admission-side metrics (``fulcrum_router_*``, ``router/metrics.py``): arrivals,
+prompt lengths and predicted output lengths are counted when a request is admitted, so a burst that queues is
+seen as demand at once (DESIGN, "demand measured at completion hides queueing"). Service (TTFT, TPOT, SLO
+attainment) comes from the router's client-side histograms; queues and KV usage from vLLM's own gauges
+(``vllm:*``, the names in DESIGN) on the worker pods. Ready instance counts are not Prometheus' business: the
+caller passes the pool Deployments' ``status.readyReplicas`` (one source of truth, no kube-state-metrics needed).
+
+Every PromQL query is a documented module constant (one per series; ``docs/operator.md`` lists them). They are
+templates over ``{router}`` (label matchers selecting the router's series), ``{pods}`` (the worker pods of a
+pool) and ``{window}`` (the interval, e.g. ``60s``). Histograms are fetched as whole bucket vectors and their
+quantiles and the share under an SLO computed here with Prometheus' own interpolation (linear within a bucket),
+so any SLO works, not only one that falls on a bucket boundary.
+
+Errors: Prometheus unreachable, answering an error, or holding no router series at all raises
+:class:`ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fulcrum.errors import FulcrumError
+from fulcrum.observation import QUANTILE_LEVELS, Observation, ReadyCounts
+
+__all__ = [
+    "ObservationError",
+    "QueryClient",
+    "Selectors",
+    "PrometheusObserver",
+    "histogram_quantile",
+    "histogram_share_below",
+    "Q_ARRIVALS",
+    "Q_INPUT_TOKENS_SUM",
+    "Q_INPUT_TOKENS_COUNT",
+    "Q_INPUT_TOKENS_BUCKETS",
+    "Q_OUTPUT_TOKENS_SUM",
+    "Q_OUTPUT_TOKENS_COUNT",
+    "Q_OUTPUT_TOKENS_BUCKETS",
+    "Q_PREDICTED_OUTPUT_SUM",
+    "Q_PREDICTED_OUTPUT_COUNT",
+    "Q_COMPLETED",
+    "Q_CONCURRENCY",
+    "Q_TTFT_BUCKETS",
+    "Q_TPOT_BUCKETS",
+    "Q_PREFILL_QUEUE",
+    "Q_PREFILL_QUEUE_NATS",
+    "Q_DECODE_QUEUE",
+    "Q_KV_USAGE",
+    "ALL_QUERIES",
+]
+
+# ------------------------------------------------------------------------------------------------ PromQL
+#: Requests admitted by the router in the interval (count). Empty answer = the router is not scraped → error.
+Q_ARRIVALS = "sum(increase(fulcrum_router_requests_admitted_total{{{router}}}[{window}]))"
+#: Prompt tokens admitted in the interval (sum of ISL), tokens.
+Q_INPUT_TOKENS_SUM = "sum(increase(fulcrum_router_input_tokens_sum{{{router}}}[{window}]))"
+#: Prompts admitted in the interval (the ISL histogram's count).
+Q_INPUT_TOKENS_COUNT = "sum(increase(fulcrum_router_input_tokens_count{{{router}}}[{window}]))"
+#: ISL histogram of the interval, one sample per ``le`` bucket (tokens).
+Q_INPUT_TOKENS_BUCKETS = "sum by (le) (increase(fulcrum_router_input_tokens_bucket{{{router}}}[{window}]))"
+#: Generated tokens of requests finished in the interval (sum of OSL), tokens.
+Q_OUTPUT_TOKENS_SUM = "sum(increase(fulcrum_router_output_tokens_sum{{{router}}}[{window}]))"
+#: Requests finished in the interval with a known OSL.
+Q_OUTPUT_TOKENS_COUNT = "sum(increase(fulcrum_router_output_tokens_count{{{router}}}[{window}]))"
+#: OSL histogram of the interval (finished requests), tokens.
+Q_OUTPUT_TOKENS_BUCKETS = "sum by (le) (increase(fulcrum_router_output_tokens_bucket{{{router}}}[{window}]))"
+#: Predicted output tokens of requests admitted in the interval (the OSL when nothing finished yet).
+Q_PREDICTED_OUTPUT_SUM = "sum(increase(fulcrum_router_predicted_output_tokens_sum{{{router}}}[{window}]))"
+#: Requests admitted in the interval with a predicted OSL.
+Q_PREDICTED_OUTPUT_COUNT = "sum(increase(fulcrum_router_predicted_output_tokens_count{{{router}}}[{window}]))"
+#: Requests finished in the interval (end-to-end latency observations).
+Q_COMPLETED = "sum(increase(fulcrum_router_e2e_seconds_count{{{router}}}[{window}]))"
+#: Time-averaged requests dispatched and not finished over the interval, all instances.
+Q_CONCURRENCY = "sum(avg_over_time(fulcrum_router_instance_inflight{{{router}}}[{window}]))"
+#: TTFT histogram of the interval (seconds), as the client saw it.
+Q_TTFT_BUCKETS = "sum by (le) (increase(fulcrum_router_ttft_seconds_bucket{{{router}}}[{window}]))"
+#: TPOT histogram of the interval (seconds per output token after the first).
+Q_TPOT_BUCKETS = "sum by (le) (increase(fulcrum_router_tpot_seconds_bucket{{{router}}}[{window}]))"
+#: Requests waiting in the engines of prefill-capable pools (prefill + unified) now.
+Q_PREFILL_QUEUE = "sum(vllm:num_requests_waiting{{{prefill_pods}}})"
+#: Prefill jobs in the NATS queue not yet taken by a prefill worker (router ``prefill_queue: nats``); every router
+#: replica reports the same stream, hence ``max``.
+Q_PREFILL_QUEUE_NATS = "max(fulcrum_router_prefill_queue_depth{{{router}}})"
+#: Requests waiting in the engines of the decode pool now (no KV room).
+Q_DECODE_QUEUE = "sum(vllm:num_requests_waiting{{{decode_pods}}})"
+#: Mean KV cache usage (0..1) of decode-capable engines now; older vLLM releases call it gpu_cache_usage_perc.
+Q_KV_USAGE = "avg(vllm:kv_cache_usage_perc{{{decode_pods}}} or vllm:gpu_cache_usage_perc{{{decode_pods}}})"
+
+#: Every query template, by series name (documentation and tests).
+ALL_QUERIES: dict[str, str] = {
+    "arrivals": Q_ARRIVALS,
+    "input_tokens_sum": Q_INPUT_TOKENS_SUM,
+    "input_tokens_count": Q_INPUT_TOKENS_COUNT,
+    "input_tokens_buckets": Q_INPUT_TOKENS_BUCKETS,
+    "output_tokens_sum": Q_OUTPUT_TOKENS_SUM,
+    "output_tokens_count": Q_OUTPUT_TOKENS_COUNT,
+    "output_tokens_buckets": Q_OUTPUT_TOKENS_BUCKETS,
+    "predicted_output_sum": Q_PREDICTED_OUTPUT_SUM,
+    "predicted_output_count": Q_PREDICTED_OUTPUT_COUNT,
+    "completed": Q_COMPLETED,
+    "concurrency": Q_CONCURRENCY,
+    "ttft_buckets": Q_TTFT_BUCKETS,
+    "tpot_buckets": Q_TPOT_BUCKETS,
+    "prefill_queue": Q_PREFILL_QUEUE,
+    "prefill_queue_nats": Q_PREFILL_QUEUE_NATS,
+    "decode_queue": Q_DECODE_QUEUE,
+    "kv_usage": Q_KV_USAGE,
+}
+
+
+class ObservationError(FulcrumError):
+    """No trustworthy observation this interval: Prometheus unreachable, failing, or without router series."""
+
+
+class QueryClient(Protocol):
+    """What the observer needs of a Prometheus client: ``prometheus_api_client.PrometheusConnect`` fits."""
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class Selectors:
+    """PromQL label matchers (the text inside ``{...}``) that pick one LLMServe's series.
+
+    Attributes:
+        router: the router's series. Default: the scrape job of the router Service in the namespace
+            (a ServiceMonitor names the job after the Service, ``<name>-router``).
+        prefill_pods: worker pods of the prefill-capable pools (prefill and unified).
+        decode_pods: worker pods of the decode-capable pools (decode and unified).
+    """
+
+    router: str
+    prefill_pods: str
+    decode_pods: str
+
+    @classmethod
+    def for_llmserve(cls, name: str, namespace: str) -> "Selectors":
+        """The default matchers for LLMServe ``name`` in ``namespace`` (pod names ``<name>-<pool>-…``)."""
+        ns = f'namespace="{namespace}"'
+        return cls(
+            router=f'{ns},job="{name}-router"',
+            prefill_pods=f'{ns},pod=~"{name}-(prefill|unified)-.*"',
+            decode_pods=f'{ns},pod=~"{name}-(decode|unified)-.*"',
+        )
+
+
+def _buckets(result: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """``[(le, cumulative count)]`` sorted by ``le`` from a ``sum by (le)`` answer."""
+    out: list[tuple[float, float]] = []
+    for r in result:
+        le = r.get("metric", {}).get("le")
+        if le is None:
+            continue
+        v = _value(r)
+        if math.isfinite(v):
+            out.append((float(le), v))  # float("+Inf") parses
+    return sorted(out)
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """The ``q`` quantile of a cumulative histogram, interpolated linearly within the bucket (as PromQL's
+    ``histogram_quantile``; the lowest bucket starts at 0; a quantile in the +Inf bucket is the highest finite
+    bound). NaN when the histogram is empty.
+
+    Args:
+        q: quantile level in [0, 1].
+        buckets: ``(upper bound, cumulative count)`` pairs sorted by bound, the last ``+Inf``.
+    """
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    total = buckets[-1][1]
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            if c == prev_c:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def histogram_share_below(x: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """Share of observations ≤ ``x`` in a cumulative histogram (linear within the bucket holding ``x``); NaN
+    when empty. The SLO attainment of a latency histogram at target ``x`` seconds."""
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    total = buckets[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if x <= le:
+            if math.isinf(le):
+                return prev_c / total
+            frac = (x - prev_le) / (le - prev_le) if le > prev_le else 1.0
+            return min(1.0, (prev_c + frac * (c - prev_c)) / total)
+        prev_le, prev_c = le, c
+    return 1.0
+
+
+def _value(r: dict[str, Any]) -> float:
+    try:
+        return float(r["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return math.nan
+
+
+class PrometheusObserver:
+    """Builds one :class:`Observation` per interval from PromQL answers (see module doc).
+
+    Args:
+        client: a Prometheus query client (``PrometheusConnect(url)``).
+        selectors: label matchers of this LLMServe's series.
+        ttft_slo_s: TTFT target, seconds; tpot_slo_s: TPOT target, seconds; percentile: SLO percentile (e.g. 90).
+    """
+
+    def __init__(self, client: QueryClient, selectors: Selectors, *, ttft_slo_s: float, tpot_slo_s: float,
+                 percentile: float) -> None:
+        self.client = client
+        self.selectors = selectors
+        self.ttft_slo_s = ttft_slo_s
+        self.tpot_slo_s = tpot_slo_s
+        self.percentile = percentile
+
+    def query(self, template: str, window_s: float) -> list[dict[str, Any]]:
+        """Run one query template over a ``window_s`` window.
+
+        Raises:
+            ObservationError: Prometheus unreachable or answering an error (the cause chained).
+        """
+        s = self.selectors
+        promql = template.format(router=s.router, prefill_pods=s.prefill_pods, decode_pods=s.decode_pods,
+                                 window=f"{max(int(round(window_s)), 1)}s")
+        try:
+            return list(self.client.custom_query(promql))
+        except Exception as err:  # requests' ConnectionError/Timeout, PrometheusApiClientException, bad JSON
+            raise ObservationError(f"Prometheus query failed ({type(err).__name__}: {err}) for {promql}") from err
+
+    def _scalar(self, template: str, window_s: float, default: float = 0.0) -> float:
+        res = self.query(template, window_s)
+        v = _value(res[0]) if res else math.nan
+        return v if math.isfinite(v) else default
+
+    def observe(self, time_s: float, interval_s: float, ready: ReadyCounts) -> Observation:
+        """The Observation of the interval ``(time_s - interval_s, time_s]``.
+
+        Args:
+            time_s: end of the interval, seconds (the caller's clock; only carried into the Observation).
+            interval_s: interval length, seconds (the PromQL window).
+            ready: ready instances per pool (from the Deployments' status).
+
+        Raises:
+            ObservationError: Prometheus unreachable/failing, or no router series at all (not scraped).
+        """
+        arrivals_res = self.query(Q_ARRIVALS, interval_s)
+        if not arrivals_res:
+            raise ObservationError(
+                f"Prometheus has no router series for {{{self.selectors.router}}} (is the router scraped?)")
+        arrivals_f = _value(arrivals_res[0])
+        arrivals = int(round(arrivals_f)) if math.isfinite(arrivals_f) else 0
+        isl_sum = self._scalar(Q_INPUT_TOKENS_SUM, interval_s)
+        isl_n = self._scalar(Q_INPUT_TOKENS_COUNT, interval_s)
+        isl_b = _buckets(self.query(Q_INPUT_TOKENS_BUCKETS, interval_s))
+        osl_sum = self._scalar(Q_OUTPUT_TOKENS_SUM, interval_s)
+        osl_n = self._scalar(Q_OUTPUT_TOKENS_COUNT, interval_s)
+        osl_b = _buckets(self.query(Q_OUTPUT_TOKENS_BUCKETS, interval_s))
+        if osl_n <= 0:  # nothing finished yet: the router's predicted OSL at admission
+            osl_sum = self._scalar(Q_PREDICTED_OUTPUT_SUM, interval_s)
+            osl_n = self._scalar(Q_PREDICTED_OUTPUT_COUNT, interval_s)
+        ttft_b = _buckets(self.query(Q_TTFT_BUCKETS, interval_s))
+        tpot_b = _buckets(self.query(Q_TPOT_BUCKETS, interval_s))
+        ttft_att = histogram_share_below(self.ttft_slo_s, ttft_b)
+        tpot_att = histogram_share_below(self.tpot_slo_s, tpot_b)
+        # Joint attainment needs per-request data the histograms lack: min() is its upper bound, and the two
+        # targets miss together under overload, when the bound is tight.
+        both = [a for a in (ttft_att, tpot_att) if math.isfinite(a)]
+        level = self.percentile / 100.0
+        has_isl = bool(isl_b) and isl_b[-1][1] > 0
+        has_osl = bool(osl_b) and osl_b[-1][1] > 0
+        return Observation(
+            time_s=time_s,
+            interval_s=interval_s,
+            arrivals=max(arrivals, 0),
+            mean_isl=isl_sum / isl_n if isl_n > 0 else 0.0,
+            mean_osl=osl_sum / osl_n if osl_n > 0 else 0.0,
+            isl_quantiles=tuple(histogram_quantile(q, isl_b) for q in QUANTILE_LEVELS) if has_isl else (),
+            osl_quantiles=tuple(histogram_quantile(q, osl_b) for q in QUANTILE_LEVELS) if has_osl else (),
+            concurrency=max(self._scalar(Q_CONCURRENCY, interval_s), 0.0),
+            completed=max(int(round(self._scalar(Q_COMPLETED, interval_s))), 0),
+            ttft_attainment=ttft_att,
+            tpot_attainment=tpot_att,
+            slo_attainment=min(both) if both else math.nan,
+            ttft_p_s=histogram_quantile(level, ttft_b),
+            tpot_p_s=histogram_quantile(level, tpot_b),
+            prefill_queue=max(int(round(self._scalar(Q_PREFILL_QUEUE, interval_s)
+                                        + self._scalar(Q_PREFILL_QUEUE_NATS, interval_s))), 0),
+            decode_queue=max(int(round(self._scalar(Q_DECODE_QUEUE, interval_s))), 0),
+            kv_utilisation=min(max(self._scalar(Q_KV_USAGE, interval_s), 0.0), 1.0),
+            ready=ready,
+        )

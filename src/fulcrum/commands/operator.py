@@ -1,0 +1,115 @@
+"""``fulcrum operator``: the Kubernetes operator — reconciles ``LLMServe`` resources and runs their control loops.
+
+Each LLMServe gets its pools, router and router config (server-side apply, owner references), and every
+``spec.scaling.intervalSeconds`` one control-loop interval: observe (Prometheus) → forecast → plan → scale
+(scale-ins drained first). Status, Events and ``fulcrum_operator_*`` metrics show every decision
+(docs/operator.md).
+
+Credentials: in a pod, the service account; elsewhere the kubeconfig ``KUBECONFIG`` names (or
+``~/.kube/config``). Several replicas coordinate through kopf peering (``--peering NAME``; the
+``ClusterKopfPeering``/``KopfPeering`` CRDs must be installed); without it the operator runs standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``fulcrum operator`` and its flags."""
+    p = sub.add_parser("operator", help="run the Kubernetes operator (LLMServe → pools, router, control loop)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable); default: the pod's namespace or 'default'")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace (cluster-wide)")
+    p.add_argument("--prometheus-url", default="",
+                   help="Prometheus base URL the control loop observes (e.g. http://prometheus:9090); "
+                        "without it every interval holds the pools and reports Degraded")
+    p.add_argument("--image", default=os.environ.get("FULCRUM_IMAGE", "ghcr.io/fulcrum-llm/fulcrum:0.1.0"),
+                   help="Fulcrum control-plane image for router and sim-worker pods (default: $FULCRUM_IMAGE or "
+                        "ghcr.io/fulcrum-llm/fulcrum:0.1.0)")
+    p.add_argument("--liveness-port", type=int, default=8080, help="port of kopf's liveness endpoint /healthz (0 = off)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="port of the fulcrum_operator_* metrics (0 = off)")
+    p.add_argument("--peering", default="", metavar="NAME",
+                   help="kopf peering name (several operator replicas, one active); default: standalone")
+    p.add_argument("--log-format", choices=["json", "text"], default="json", help="log format (default json)")
+    p.add_argument("--verbose", action="store_true", help="debug logs")
+    p.add_argument("--drain-poll-seconds", type=float, default=5.0,
+                   help="seconds between reads of a draining pod's /metrics (default 5)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    p.set_defaults(func=run)
+
+
+def _api_client(kubeconfig: str | None) -> Any:
+    from kubernetes import client, config
+
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    else:
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the operator until interrupted (exit 0), or exit 2 on bad flags/credentials."""
+    import kopf
+    from prometheus_client import start_http_server
+
+    from fulcrum.controller.apply import KubeClient
+    from fulcrum.controller.handlers import Controller, ControllerSettings, register
+    from fulcrum.controller.metrics import OperatorMetrics
+
+    for name in ("liveness_port", "metrics_port"):
+        port = getattr(args, name)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535, got {port}")
+    if args.drain_poll_seconds <= 0:
+        raise ValueError("--drain-poll-seconds must be > 0")
+    url = args.prometheus_url.strip()
+    if url and not url.startswith(("http://", "https://")):
+        raise ValueError(f"--prometheus-url must start with http:// or https://, got {url!r}")
+    if not args.image.strip():
+        raise ValueError("--image must not be empty")
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
+                   else kopf.LogFormat.FULL)
+    logging.getLogger("fulcrum").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if args.kubeconfig:
+        if not os.path.isfile(args.kubeconfig):
+            raise ValueError(f"--kubeconfig {args.kubeconfig}: no such file")
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it (the CLI is where env is touched)
+    try:
+        api_client = _api_client(args.kubeconfig)
+    except Exception as err:  # kubernetes.config.ConfigException, a missing or malformed file
+        raise ValueError(f"no Kubernetes credentials: {err}") from err
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    controller = Controller(KubeClient(api_client),
+                            ControllerSettings(image=args.image, prometheus_url=url or None,
+                                               drain_poll_s=args.drain_poll_seconds),
+                            metrics=metrics)
+    registry = kopf.OperatorRegistry()
+    register(registry, controller)
+    namespaces = args.namespace or ([] if args.all_namespaces else [os.environ.get("POD_NAMESPACE", "default")])
+    try:
+        asyncio.run(kopf.operator(
+            registry=registry,
+            clusterwide=bool(args.all_namespaces),
+            namespaces=namespaces,
+            standalone=not args.peering,
+            peering_name=args.peering or None,
+            liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
+        ))
+    except KeyboardInterrupt:
+        return 0
+    return 0

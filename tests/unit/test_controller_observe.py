@@ -1,0 +1,132 @@
+"""Observation from PromQL answers (fulcrum.controller.observe), against CANNED Prometheus API answers.
+
+The same observer runs against a real Prometheus scraping a prometheus-client exporter in
+tests/integration/test_controller_prometheus.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import requests
+
+from fulcrum.controller.observe import (
+    ALL_QUERIES,
+    ObservationError,
+    PrometheusObserver,
+    Selectors,
+    histogram_quantile,
+    histogram_share_below,
+)
+from fulcrum.observation import ReadyCounts
+
+SEL = Selectors.for_llmserve("llama", "prod")
+
+
+def vec(v: float, **labels: str) -> dict[str, Any]:
+    return {"metric": labels, "value": [1700000000.0, str(v)]}
+
+
+def hist(bounds_counts: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    return [vec(c, le=le) for le, c in bounds_counts]
+
+
+class CannedPrometheus:
+    """FAKE Prometheus client: answers keyed by the exact PromQL the observer must send."""
+
+    def __init__(self, answers: dict[str, list[dict[str, Any]]], window: str = "60s") -> None:
+        self.by_query = {}
+        for series, template in ALL_QUERIES.items():
+            q = template.format(router=SEL.router, prefill_pods=SEL.prefill_pods, decode_pods=SEL.decode_pods,
+                                window=window)
+            self.by_query[q] = answers.get(series, [])
+        self.sent: list[str] = []
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        self.sent.append(query)
+        if query not in self.by_query:
+            raise AssertionError(f"unexpected PromQL {query}")
+        return self.by_query[query]
+
+
+ANSWERS = {
+    "arrivals": [vec(600)],
+    "input_tokens_sum": [vec(600_000)],
+    "input_tokens_count": [vec(600)],
+    "input_tokens_buckets": hist([("512", 100), ("1024", 400), ("2048", 600), ("+Inf", 600)]),
+    "output_tokens_sum": [vec(75_000)],
+    "output_tokens_count": [vec(500)],
+    "output_tokens_buckets": hist([("128", 250), ("256", 500), ("+Inf", 500)]),
+    "completed": [vec(500)],
+    "concurrency": [vec(42.5)],
+    "ttft_buckets": hist([("0.5", 300), ("1.0", 400), ("2.5", 480), ("5.0", 500), ("+Inf", 500)]),
+    "tpot_buckets": hist([("0.04", 250), ("0.06", 450), ("0.08", 475), ("0.1", 500), ("+Inf", 500)]),
+    "prefill_queue": [vec(4)],
+    "prefill_queue_nats": [vec(3)],
+    "decode_queue": [vec(2)],
+    "kv_usage": [vec(0.8)],
+}
+
+
+def observer(client: Any) -> PrometheusObserver:
+    return PrometheusObserver(client, SEL, ttft_slo_s=2.0, tpot_slo_s=0.08, percentile=90)
+
+
+def test_an_interval_is_observed_from_router_and_vllm_series() -> None:
+    prom = CannedPrometheus(ANSWERS)
+    o = observer(prom).observe(3600.0, 60.0, ReadyCounts(3, 2, 0))
+    assert o.arrivals == 600 and o.rate_rps == 10.0 and o.interval_s == 60.0 and o.time_s == 3600.0
+    assert o.mean_isl == 1000.0 and o.mean_osl == 150.0
+    assert o.isl_quantiles[2] == pytest.approx(512 + 512 * (300 - 100) / 300)  # median inside (512, 1024]
+    assert o.completed == 500 and o.concurrency == 42.5
+    assert o.ttft_attainment == pytest.approx((400 + 80 * (2.0 - 1.0) / 1.5) / 500)
+    assert o.tpot_attainment == pytest.approx(475 / 500)
+    assert o.slo_attainment == min(o.ttft_attainment, o.tpot_attainment)
+    assert o.ttft_p_s == pytest.approx(1.0 + 1.5 * (450 - 400) / 80)
+    assert o.prefill_queue == 7 and o.decode_queue == 2 and o.kv_utilisation == 0.8
+    assert o.ready == ReadyCounts(3, 2, 0)
+    assert 'job="llama-router"' in prom.sent[0] and "[60s]" in prom.sent[0]
+
+
+def test_without_completions_the_osl_is_the_predicted_one_and_attainment_is_unknown() -> None:
+    answers = {k: v for k, v in ANSWERS.items() if k not in ("output_tokens_count", "output_tokens_sum",
+                                                             "output_tokens_buckets", "ttft_buckets", "tpot_buckets")}
+    answers["predicted_output_sum"] = [vec(600 * 200)]
+    answers["predicted_output_count"] = [vec(600)]
+    o = observer(CannedPrometheus(answers)).observe(60.0, 60.0, ReadyCounts())
+    assert o.mean_osl == 200.0 and o.osl_quantiles == ()
+    assert math.isnan(o.slo_attainment) and math.isnan(o.ttft_p_s)
+
+
+def test_no_router_series_is_an_observation_error() -> None:
+    with pytest.raises(ObservationError, match="no router series"):
+        observer(CannedPrometheus({})).observe(60.0, 60.0, ReadyCounts())
+
+
+def test_an_unreachable_prometheus_is_an_observation_error() -> None:
+    class Down:
+        def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+            raise requests.exceptions.ConnectionError("connection refused")
+
+    with pytest.raises(ObservationError, match="ConnectionError"):
+        observer(Down()).observe(60.0, 60.0, ReadyCounts())
+
+
+def test_histogram_quantile_and_share_follow_promql_interpolation() -> None:
+    b = [(1.0, 10.0), (2.0, 30.0), (math.inf, 40.0)]
+    assert histogram_quantile(0.5, b) == pytest.approx(1.5)
+    assert histogram_quantile(0.1, b) == pytest.approx(0.4)
+    assert histogram_quantile(0.99, b) == 2.0  # in the +Inf bucket: the highest finite bound
+    assert math.isnan(histogram_quantile(0.5, []))
+    assert histogram_share_below(1.5, b) == pytest.approx(20 / 40)
+    assert histogram_share_below(10.0, b) == pytest.approx(30 / 40)
+    assert histogram_share_below(0.5, b) == pytest.approx(5 / 40)
+    assert math.isnan(histogram_share_below(1.0, [(1.0, 0.0), (math.inf, 0.0)]))
+
+
+def test_every_query_names_its_selector_and_window() -> None:
+    for series, q in ALL_QUERIES.items():
+        assert "{window}" in q or "vllm:" in q or "queue_depth" in q, series  # gauges: read now
+        assert "{router}" in q or "{prefill_pods}" in q or "{decode_pods}" in q, series
