@@ -72,12 +72,16 @@ class ControllerSettings:
         drain_poll_s: seconds between polls of a draining pod's ``/metrics`` (short enough to notice an idle
             pod within a few seconds, long enough not to load the pods).
         metrics_timeout_s: one ``/metrics`` read of a worker pod, seconds.
+        default_etcd / default_nats: connectors for LLMServes whose ``spec.connectors.etcd`` / ``.nats`` is empty
+            (the Helm chart's bundled etcd and NATS); "" = none. A spec's own value always wins.
     """
 
     image: str
     prometheus_url: str | None = None
     drain_poll_s: float = 5.0
     metrics_timeout_s: float = 3.0
+    default_etcd: str = ""
+    default_nats: str = ""
 
 
 async def fetch_text(url: str, timeout_s: float) -> str:
@@ -172,9 +176,16 @@ class Controller:
     # ----------------------------------------------------------------------------------------- parsing
     def _parse(self, body: Mapping[str, Any]) -> LLMServe:
         meta = body.get("metadata", {})
+        spec = dict(body.get("spec") or {})
+        connectors = dict(spec.get("connectors") or {})
+        for key, default in (("etcd", self.settings.default_etcd), ("nats", self.settings.default_nats)):
+            if default and not connectors.get(key):
+                connectors[key] = default  # the operator-wide connector (the chart's bundled one)
+        if connectors:
+            spec["connectors"] = connectors
         return parse_llmserve({"apiVersion": API_VERSION, "kind": KIND,
                                "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace", "default")},
-                               "spec": dict(body.get("spec") or {})})
+                               "spec": spec})
 
     def _profile(self, serve: LLMServe) -> PerformanceProfile:
         ref = serve.spec.profile

@@ -454,3 +454,22 @@ async def test_fulcrum_operator_rejects_bad_flags_with_one_line_and_exit_2(
     assert main(["operator", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+async def test_operator_wide_connectors_fill_an_empty_spec_and_never_override_one(
+        api: FakeKubeApi, kube: KubeClient) -> None:
+    import yaml
+
+    seed(api)
+    c = Controller(kube, ControllerSettings(image="fulcrum:test", prometheus_url=None, drain_poll_s=1.0,
+                                            default_etcd="etcd.fulcrum:2379", default_nats="nats://nats:4222"),
+                   metrics=OperatorMetrics())
+    assert await c.reconcile(live(api)) is True
+    router = yaml.safe_load(api.get("configmaps", NS, "llama-router")["data"]["router.yaml"])
+    assert router["registry"] == "etcd" and router["etcd"]["endpoint"] == "etcd.fulcrum:2379"
+    prefill = api.get("deployments", NS, "llama-prefill")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert prefill[prefill.index("--etcd") + 1] == "etcd.fulcrum:2379"
+    # the spec's own connector wins
+    body = llmserve()
+    body["spec"]["connectors"] = {"etcd": "my-etcd:2379"}
+    assert c._parse(body).spec.connectors.etcd == "my-etcd:2379"

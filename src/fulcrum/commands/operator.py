@@ -35,6 +35,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--image", default=os.environ.get("FULCRUM_IMAGE", "ghcr.io/fulcrum-llm/fulcrum:0.1.0"),
                    help="Fulcrum control-plane image for router and sim-worker pods (default: $FULCRUM_IMAGE or "
                         "ghcr.io/fulcrum-llm/fulcrum:0.1.0)")
+    p.add_argument("--etcd-endpoint", default=os.environ.get("FULCRUM_ETCD_ENDPOINT", ""),
+                   help="etcd for LLMServes whose spec.connectors.etcd is empty (default: $FULCRUM_ETCD_ENDPOINT; "
+                        "the Helm chart sets it to its bundled etcd); \"\" = none")
+    p.add_argument("--nats-url", default=os.environ.get("FULCRUM_NATS_URL", ""),
+                   help="NATS for LLMServes whose spec.connectors.nats is empty (default: $FULCRUM_NATS_URL); \"\" = none")
     p.add_argument("--liveness-port", type=int, default=8080, help="port of kopf's liveness endpoint /healthz (0 = off)")
     p.add_argument("--metrics-port", type=int, default=9090, help="port of the fulcrum_operator_* metrics (0 = off)")
     p.add_argument("--peering", default="", metavar="NAME",
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, registry=metrics.registry)
     controller = Controller(KubeClient(api_client),
                             ControllerSettings(image=args.image, prometheus_url=url or None,
-                                               drain_poll_s=args.drain_poll_seconds),
+                                               drain_poll_s=args.drain_poll_seconds,
+                                               default_etcd=args.etcd_endpoint, default_nats=args.nats_url),
                             metrics=metrics)
     registry = kopf.OperatorRegistry()
     register(registry, controller)
