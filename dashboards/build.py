@@ -192,6 +192,19 @@ def build_dashboard() -> dict[str, Any]:
     )
     d = d.with_panel(
         _ts(
+            "GPUs: planned vs ready",
+            "short",
+            "GPUs the plan asks for (instances × TP) and the GPUs of ready instances, all pools together and per "
+            "pool; the budget is spec.scaling.maxGPUs.",
+            [
+                (f"sum(fulcrum_operator_planned_gpus{{{OSEL}}})", "planned"),
+                (f"sum(fulcrum_operator_ready_gpus{{{OSEL}}})", "ready"),
+                (f"sum by (pool) (fulcrum_operator_planned_gpus{{{OSEL}}})", "planned {{pool}}"),
+            ],
+        )
+    )
+    d = d.with_panel(
+        _ts(
             "P/D ratio: planned vs actual",
             "short",
             "Prefill per decode instance: the plan (DOPD eq. 15) and the ready instances' ratio.",

@@ -36,6 +36,10 @@ class OperatorMetrics:
         self.planned_ratio = Gauge("fulcrum_operator_planned_pd_ratio", "Planned prefill instances per decode instance",
                                    ["llmserve"], registry=r)
         self.ready_instances = Gauge("fulcrum_operator_ready_instances", "Ready instances per pool", ["llmserve", "pool"], registry=r)
+        self.planned_gpus = Gauge("fulcrum_operator_planned_gpus", "GPUs the plan asks for per pool (instances × TP)",
+                                  ["llmserve", "pool"], registry=r)
+        self.ready_gpus = Gauge("fulcrum_operator_ready_gpus", "GPUs of ready instances per pool (ready × planned TP)",
+                                ["llmserve", "pool"], registry=r)
         self.slo_attainment = Gauge("fulcrum_operator_slo_attainment", "SLO attainment observed over the last interval (0..1)",
                                     ["llmserve"], registry=r)
         self.scale_events = Counter("fulcrum_operator_scale_events", "Pool resizes by direction",
@@ -91,8 +95,11 @@ class OperatorMetrics:
     def record_target(self, key: str, target: ClusterTarget, ready: ReadyCounts) -> None:
         """Planned and ready instances per pool."""
         for pool in POOLS:
-            self.planned_instances.labels(key, pool).set(getattr(target, pool).replicas)
+            size = getattr(target, pool)
+            self.planned_instances.labels(key, pool).set(size.replicas)
             self.ready_instances.labels(key, pool).set(getattr(ready, pool))
+            self.planned_gpus.labels(key, pool).set(size.gpus)
+            self.ready_gpus.labels(key, pool).set(getattr(ready, pool) * size.tp)
 
     def forget(self, key: str) -> None:
         """Drop the per-LLMServe series of a deleted LLMServe."""
@@ -103,7 +110,7 @@ class OperatorMetrics:
             except KeyError:
                 pass
         for pool in POOLS:
-            for g in (self.planned_instances, self.ready_instances):
+            for g in (self.planned_instances, self.ready_instances, self.planned_gpus, self.ready_gpus):
                 try:
                     g.remove(key, pool)
                 except KeyError:
