@@ -1,0 +1,197 @@
+"""``fulcrum profile``: measure a running OpenAI-compatible engine (vLLM) and write a performance profile.
+
+TTFT over an ISL sweep (one request at a time, ``max_tokens=1``, prompts of exact token lengths from the
+engine's ``/tokenize``) and TPOT over a (batch, context) grid (``batch`` concurrent streamed requests with
+``ignore_eos``; median inter-token gap in the steady state), each point ``--repeats`` times (median kept).
+Failed points are retried, then reported and skipped; points beyond ``max_model_len`` are dropped with a
+warning. Memory facts come from flags, ``--model-path`` and the engine's ``/metrics`` (docs/profiles.md).
+
+Writes the profile YAML (``--out``; loads with ``fulcrum plan --profile FILE``) and, with ``--configmap NAME``,
+a v1 ConfigMap holding it under ``profile.yaml`` (``--configmap-out FILE``, default standard output).
+
+Exit codes: 0 written; 1 the run measured too little for a profile (fewer than 2 points on an axis; the
+message says which points failed and why); 2 bad input or an unreachable endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from fulcrum.errors import ProfileError
+from fulcrum.worker.profiler import (
+    GPU_PRESETS,
+    MemoryFacts,
+    ProfileGrid,
+    assemble_profile,
+    dump_yaml,
+    measure,
+    model_dir_facts,
+    profile_document,
+    render_configmap,
+    render_profile_yaml,
+    resolve_memory,
+)
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``fulcrum profile`` on ``sub`` (from ``ArgumentParser.add_subparsers``)."""
+    p = sub.add_parser("profile", help="measure a running engine and write a performance profile",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="served model name (as /v1/models lists it)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the measured engine (a label)")
+    p.add_argument("--isl", default="128,256,512,1024,2048", help="ISLs of the TTFT sweep, tokens, comma-separated")
+    p.add_argument("--batch", default="1,2,4,8,16", help="batch sizes of the TPOT grid, comma-separated")
+    p.add_argument("--context", default="128,512,1024,2048", help="mean contexts of the TPOT grid, tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per point, median kept (default 3)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="output tokens per TPOT request (default 64)")
+    p.add_argument("--retries", type=int, default=2, help="extra attempts after a failed measurement (default 2)")
+    p.add_argument("--retry-backoff-s", type=float, default=0.5, help="pause before retry k: k × this, s (default 0.5)")
+    p.add_argument("--request-timeout-s", type=float, default=300.0, help="limit per request or batch, s (default 300)")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests (default 1)")
+    p.add_argument("--out", default="profile.yaml", help="profile file to write, .yaml (default profile.yaml; - = stdout)")
+    p.add_argument("--name", help="profile name (default <model>-tp<tp>, made a valid name)")
+    p.add_argument("--configmap", metavar="NAME", help="also render a v1 ConfigMap NAME with key profile.yaml")
+    p.add_argument("--configmap-out", metavar="FILE", help="where the ConfigMap goes (default stdout)")
+    p.add_argument("--namespace", help="namespace of the ConfigMap (default: none, kubectl's current)")
+    mem = p.add_argument_group("memory facts (flags win; else --model-path; else the engine's /metrics)")
+    mem.add_argument("--gpu", help=f"GPU preset for type, memory and bandwidth: {', '.join(GPU_PRESETS)}")
+    mem.add_argument("--gpu-type", help="GPU type label, e.g. H100 (default: --gpu)")
+    mem.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB")
+    mem.add_argument("--hbm-bandwidth-gbps", type=float, help="memory bandwidth per GPU, GB/s")
+    mem.add_argument("--weight-gib", type=float, help="model weights, whole model, GiB")
+    mem.add_argument("--kv-bytes-per-token", type=float, help="KV cache bytes per token, whole model")
+    mem.add_argument("--activation-reserve-gib", type=float,
+                     help="per-GPU reserve M' (default: calibrated to the engine's reported KV capacity, else 4)")
+    mem.add_argument("--cuda-graph-max-batch", type=int, help="largest captured decode batch cc_g (default 512)")
+    mem.add_argument("--model-path", type=Path, help="local model folder: weights from file sizes, KV bytes from config.json")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--{flag}: expected comma-separated integers, got {text!r}") from None
+    return tuple(sorted(set(values)))
+
+
+def _positive(flag: str, v: float | None) -> None:
+    if v is not None and not (math.isfinite(v) and v > 0):
+        raise ValueError(f"--{flag} must be a positive number, got {v}")
+
+
+def _memory_flags(args: argparse.Namespace) -> MemoryFacts:
+    for flag in ("gpu_memory_gib", "hbm_bandwidth_gbps", "weight_gib", "kv_bytes_per_token"):
+        _positive(flag.replace("_", "-"), getattr(args, flag))
+    if args.activation_reserve_gib is not None and not (math.isfinite(args.activation_reserve_gib)
+                                                        and args.activation_reserve_gib >= 0):
+        raise ValueError(f"--activation-reserve-gib must be >= 0, got {args.activation_reserve_gib}")
+    if args.cuda_graph_max_batch is not None and args.cuda_graph_max_batch < 1:
+        raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {args.cuda_graph_max_batch}")
+    mem_gib, bw = args.gpu_memory_gib, args.hbm_bandwidth_gbps
+    gpu_type = args.gpu_type
+    if args.gpu is not None:
+        preset = next((k for k in GPU_PRESETS if k.lower() == args.gpu.lower()), None)
+        if preset is None:
+            raise ValueError(f"--gpu {args.gpu!r}: unknown preset; choose one of {', '.join(GPU_PRESETS)} "
+                             "or pass --gpu-memory-gib and --hbm-bandwidth-gbps")
+        mem_gib = mem_gib if mem_gib is not None else GPU_PRESETS[preset][0]
+        bw = bw if bw is not None else GPU_PRESETS[preset][1]
+        gpu_type = gpu_type or preset
+    return MemoryFacts(
+        gpu_type=gpu_type, gpu_memory_gib=mem_gib, hbm_bandwidth_gbps=bw,
+        weight_bytes=args.weight_gib * float(1 << 30) if args.weight_gib is not None else None,
+        kv_bytes_per_token=args.kv_bytes_per_token, activation_reserve_gib=args.activation_reserve_gib,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
+    )
+
+
+def _default_name(model: str, tp: int) -> str:
+    base = re.sub(r"[^a-z0-9.-]+", "-", model.lower().rsplit("/", 1)[-1]).strip("-.") or "profile"
+    return f"{base}-tp{tp}"
+
+
+def _write(path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text, encoding="utf-8")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the flags, measure, assemble and write. Returns the exit code (see the module doc).
+
+    Raises:
+        ProfileError, ValueError, OSError: bad input, unreachable endpoint, unwritable output (exit 2 via the CLI).
+    """
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.out != "-" and Path(args.out).suffix.lower() not in (".yaml", ".yml"):
+        raise ValueError(f"--out must be a .yaml file (or -), got {args.out!r}")
+    if args.configmap_out and not args.configmap:
+        raise ValueError("--configmap-out needs --configmap NAME")
+    grid = ProfileGrid(isl=_ints("isl", args.isl), batch=_ints("batch", args.batch),
+                       context=_ints("context", args.context), repeats=args.repeats,
+                       decode_tokens=args.decode_tokens, retries=args.retries,
+                       retry_backoff_s=args.retry_backoff_s, request_timeout_s=args.request_timeout_s,
+                       warmup=args.warmup)
+    flags = _memory_flags(args)
+    name = args.name or _default_name(args.model, args.tp)
+    if args.configmap:
+        render_configmap("", args.configmap)  # validates the name before an hour of measuring
+    model_dir = None
+    if args.model_path is not None:
+        model_dir = model_dir_facts(args.model_path)
+    # fail fast on missing memory facts: the endpoint may still supply some, so check what flags alone lack
+    # after probing (inside measure); a run that cannot possibly complete is refused here
+    if flags.gpu_memory_gib is None or flags.hbm_bandwidth_gbps is None:
+        raise ProfileError("memory facts unknown: pass --gpu (a preset) or --gpu-memory-gib and --hbm-bandwidth-gbps")
+    if flags.weight_bytes is None and model_dir is None:
+        raise ProfileError("memory facts unknown: pass --weight-gib or --model-path")
+
+    def warn(msg: str) -> None:
+        tqdm.write(f"fulcrum profile: warning: {msg}", file=sys.stderr)  # above the progress bar
+
+    measured = asyncio.run(measure(args.url, args.model, args.tp, grid, progress=not args.no_progress, warn=warn))
+    if model_dir is not None and measured.endpoint.cache_dtype not in (None, "auto"):
+        model_dir = model_dir_facts(args.model_path, measured.endpoint.cache_dtype)
+    memory = resolve_memory(flags, measured.endpoint, args.tp, model_dir)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    source = (f"fulcrum profile of {args.url} (model {args.model}, TP {args.tp}) at {stamp}; "
+              f"median of {grid.repeats} repeat(s) per point")
+    try:
+        assembled = assemble_profile(measured, memory.facts, name=name, model=args.model, source=source)
+    except ProfileError as err:
+        print(f"fulcrum profile: error: {err}", file=sys.stderr)
+        return 1
+    for note in assembled.notes:
+        warn(note)
+    text = render_profile_yaml(profile_document(assembled, measured, memory, args.url))
+    _write(args.out, text)
+    if args.configmap:
+        cm = render_configmap(text, args.configmap, args.namespace)
+        _write(args.configmap_out or "-", dump_yaml(cm))
+    p = assembled.profile
+    ok_pre = sum(1 for x in measured.prefill if x.ok)
+    ok_dec = sum(1 for x in measured.decode if x.ok)
+    print(f"profile {p.name}: {ok_pre}/{len(measured.prefill)} ISL points, {ok_dec}/{len(measured.decode)} "
+          f"decode points measured; TTFT {p.prefill[args.tp].seconds[0] * 1e3:.1f}–"
+          f"{p.prefill[args.tp].seconds[-1] * 1e3:.1f} ms; KV capacity {p.kv_capacity_tokens(args.tp):.0f} tokens",
+          file=sys.stderr)
+    return 0
