@@ -17,6 +17,13 @@ with its ``kv_transfer_params``) and sends the decode leg as in the direct case 
 §V-C). Draining (router config ``draining``): the listed instances are shown to every policy as draining, so they
 get no new requests, while the calls in flight on them finish; a reload applies a new list at once.
 
+Rebalancing in flight (router config ``rescheduling``, ``roles``, ``kv_connector``; docs/rebalancing.md): with
+``rescheduling`` the requests that can move run through :func:`fulcrum.router.rescheduler.run_migratable` and a
+loop runs ARES Alg. 1 every ``interval_s``; with ``roles`` every policy sees each ``both`` instance with its duty
+(:class:`fulcrum.router.roles.RoleBalancer`, re-evaluated every ``interval_s``); a policy that plans prefix pulls
+(``load_aware`` with ``prefix_pull``) has them executed by :func:`_run_with_prefix_pull` where the engines take a
+partial prefix.
+
 Client disconnects cancel the upstream calls (their connections are closed, which aborts the work in vLLM):
 while streaming the failed write notices it; before that, the server must run with ``handler_cancellation=True``
 (``fulcrum router`` does; so do the tests).
@@ -42,15 +49,28 @@ from aiohttp import web
 from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor
 from fulcrum.router.config import ConfigWatcher, PrefillQueueConfig, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
-from fulcrum.router.handoff import disagg_blocker, run_colocated, run_disaggregated, run_split
+from fulcrum.router.handoff import (
+    DO_REMOTE_DECODE,
+    completions_body,
+    disagg_blocker,
+    prompt_ids,
+    run_colocated,
+    run_disaggregated,
+    run_split,
+)
+from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
-from fulcrum.router.policies.base import NoInstanceError, Policy, RequestInfo, RouteDecision
+from fulcrum.router.policies.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
+from fulcrum.router.policies.load_aware import PrefixPull, prompt_block_hashes, pull_costs
 from fulcrum.router.registry import Registry, StaticRegistry
 from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
+from fulcrum.router.remaining_length import RemainingLength, RemainingLengthPredictor
+from fulcrum.router.rescheduler import Rescheduler, migratable, run_disaggregated_migratable, run_migratable
+from fulcrum.router.roles import RoleBalancer
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint, parse_request
 from fulcrum.router.sse import DONE, encode_event
 from fulcrum.router.tokens import count_prompt
-from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
+from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool
 
 __all__ = [
     "PolicyFactory",
@@ -104,6 +124,18 @@ class RouterState:
     watcher: ConfigWatcher | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     owns_registry: bool = False
+    rescheduler: Rescheduler | None = None
+    """Decode rescheduling (router config ``rescheduling``): tracked requests and the ARES loop."""
+    roles: RoleBalancer | None = None
+    """Duties of ``both`` instances (router config ``roles``)."""
+
+    def views(self, exclude: list[str] | tuple[str, ...] = ()) -> list[InstanceView]:
+        """The instances as the policies see them: with role reassignment on, ``both`` instances show their duty."""
+        assert self.pool is not None
+        views = self.pool.views(exclude)
+        if self.config.roles.enabled and self.roles is not None:
+            return self.roles.apply(views)
+        return views
 
     def apply_config(self, new: RouterConfig) -> None:
         """Switch to a new config: a new policy if its section changed, new static instances, new timeouts.
@@ -199,6 +231,30 @@ class QueuedPrefillPool(UpstreamPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prefill_queue: Any | None = None
+        self._prefills: dict[str, list[tuple[float, Ticket]]] = {}
+
+    def acquire(self, iid: str, queued: int, context: int) -> Ticket:
+        """As :meth:`UpstreamPool.acquire`; calls with prompt tokens to prefill are remembered with their start
+        time for :meth:`oldest_prefill_wait` (role reassignment's prefill pressure)."""
+        ticket = super().acquire(iid, queued, context)
+        if queued > 0:
+            waiting = self._prefills.setdefault(iid, [])
+            if len(waiting) >= 64:
+                waiting[:] = [(t, k) for t, k in waiting if not (k.started or k.released)]
+            waiting.append((self.clock(), ticket))
+        return ticket
+
+    def oldest_prefill_wait(self) -> dict[str, float]:
+        """Instance id → seconds the oldest prefill dispatched to it and not yet done has waited (absent: none)."""
+        now = self.clock()
+        out: dict[str, float] = {}
+        for iid, waiting in list(self._prefills.items()):
+            waiting[:] = [(t, k) for t, k in waiting if not (k.started or k.released)]
+            if waiting:
+                out[iid] = now - waiting[0][0]
+            else:
+                del self._prefills[iid]
+        return out
 
     def use_queue(self, cfg: PrefillQueueConfig) -> Any | None:
         """Switch to the queue ``cfg`` describes (None for ``kind: direct``); returns the queue it replaced."""
@@ -317,7 +373,7 @@ async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: 
 # ------------------------------------------------------------------------------------------ routing
 def _route(st: RouterState, info: RequestInfo, exclude: list[str]) -> RouteDecision:
     assert st.pool is not None
-    views = st.pool.views(exclude)
+    views = st.views(exclude)
     try:
         decision = st.policy.route(info, views, st.clock())
     except NoInstanceError:
@@ -346,6 +402,16 @@ def _fallback_decision(st: RouterState, exclude: list[str], reason: str) -> Rout
 async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
     assert st.pool is not None
     bs = st.config.kv_block_size
+    take = getattr(st.policy, "take_prefix_pull", None)
+    pull = take(ex.request_id) if callable(take) else None
+    if isinstance(pull, PrefixPull) and d.kind == "colocated" and pull.target == d.first:
+        out = await _run_with_prefix_pull(st, ex, pull, sink)
+        if out is not None:
+            return out
+    if st.config.rescheduling.enabled and st.rescheduler is not None and (d.kind != "split" or d.handoff_after == 0):
+        out = await _execute_migratable(st, ex, d, sink)
+        if out is not None:
+            return out
     if d.kind == "colocated" or d.second is None:
         return await run_colocated(st.pool, ex, d.first, sink)
     if disagg_blocker(ex) is not None:
@@ -358,6 +424,83 @@ async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: Client
     return await run_disaggregated(st.pool, ex, d.first, d.second, sink, st.metrics, bs)
 
 
+async def _run_with_prefix_pull(st: RouterState, ex: Exchange, pull: PrefixPull, sink: ClientSink) -> Outcome | None:
+    """BanaServe §4.2 over the engines' caches: the holder hands over the KV of the prompt's first ``pull.tokens``
+    tokens (``max_tokens = 1`` on the block-aligned prefix, ``do_remote_decode``) and the chosen instance runs the
+    whole request on it, computing the rest (``kv_transfer_params`` with ``do_remote_decode`` and the holder's
+    blocks: vLLM's NIXL ``bidirectional_kv_xfer`` path, the only one that loads a partial prefix without
+    tripping the decode side's block assertion). None = recompute instead (the reason is counted in
+    ``fulcrum_router_prefix_pulls_total{outcome}``): the engines do not support partial prefixes
+    (``kv_connector.partial_prefix: false``), recomputing is cheaper, the request cannot be handed off, or the
+    holder failed."""
+    assert st.pool is not None
+    m, kvc = st.metrics, st.config.kv_connector
+    ids = ex.prompt.ids
+    if not kvc.partial_prefix:
+        m.child(m.prefix_pulls, "recompute-unsupported").inc()
+        return None
+    pull_s, recompute_s = pull_costs(pull.tokens - pull.local_tokens, kvc.kv_bytes_per_token, kvc.link_gbps,
+                                     kvc.transfer_overhead_s, kvc.prefill_tokens_per_s)
+    if pull_s >= recompute_s:
+        m.child(m.prefix_pulls, "recompute-cheaper").inc()
+        return None
+    if ids is None or disagg_blocker(ex) is not None or pull.holder not in st.pool.ids():
+        m.child(m.prefix_pulls, "recompute-ineligible").inc()
+        return None
+    body = dict(completions_body(ex), prompt=list(ids[: pull.tokens]), max_tokens=1, stream=False,
+                kv_transfer_params=dict(DO_REMOTE_DECODE))
+    body.pop("min_tokens", None)
+    try:  # straight to the holder (never through the prefill queue: only the holder has the prefix)
+        status, _, data = await UpstreamPool.post_json(st.pool, pull.holder, "/v1/completions", body)
+    except UpstreamFailure as err:
+        log.warning("prefix pull from %s failed (%s); recomputing", pull.holder, err.message)
+        status, data = 0, None
+    kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if status != 200 or not isinstance(kv, dict):
+        m.child(m.prefix_pulls, "recompute-holder-failed").inc()
+        return None
+    x_body = dict(ex.body, kv_transfer_params={**kv, "do_remote_decode": True, "do_remote_prefill": False})
+    m.child(m.prefix_pulls, "pulled").inc()
+    m.prefix_pull_tokens.inc(pull.tokens)
+    ticket = st.pool.acquire(pull.target, ex.prompt.count - pull.tokens, ex.prompt.count)
+    try:
+        return await relay(st.pool, ex, pull.target, ex.path, x_body, sink, ticket,
+                           None if ex.stream else _drop_kv_params)
+    finally:
+        ticket.release()
+
+
+def _drop_kv_params(obj: dict[str, Any]) -> dict[str, Any]:
+    """The engine's whole answer without its ``kv_transfer_params`` (the router's business, not the client's)."""
+    return {k: v for k, v in obj.items() if k != "kv_transfer_params"}
+
+
+async def _execute_migratable(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome | None:
+    """Run a colocated or disaggregated decision so that its decode part can move (``fulcrum.router.rescheduler``);
+    None when the request cannot (it then runs as usual, untracked)."""
+    assert st.pool is not None and st.rescheduler is not None
+    if migratable(ex, st.config) is not None:
+        return None
+    ids = await prompt_ids(st.pool, ex)
+    if ids is None:
+        return None
+    cfg = st.config
+    roles_on = cfg.roles.enabled and st.roles is not None
+
+    def decode_capable(v: InstanceView) -> bool:
+        role = st.roles.duties.get(v.id, v.role) if roles_on and st.roles is not None and v.role == "both" else v.role
+        return role != "prefill"
+
+    kw: dict[str, Any] = dict(max_model_len=cfg.max_model_len or ex.prompt.max_model_len,
+                              max_resumes=cfg.max_retries, decode_capable=decode_capable)
+    if d.kind == "colocated" or d.second is None:
+        return await run_migratable(st.pool, ex, d.first, sink, st.metrics, st.rescheduler, ids, **kw)
+    if d.kind == "split" and d.split_token < ex.prompt.count:
+        st.metrics.child(st.metrics.handoff_guard, "partial-prefix").inc()
+    return await run_disaggregated_migratable(st.pool, ex, d.first, d.second, sink, st.metrics, st.rescheduler, ids,
+                                              block_size=cfg.kv_block_size, **kw)
+
+
 async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     t0 = st.clock()
     try:
@@ -367,8 +510,11 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
         return _error_response(err)
     st.metrics.child(st.metrics.admitted, endpoint).inc()
     cap = ex.max_tokens if ex.max_tokens is not None else max(1, (st.config.max_model_len or ex.prompt.max_model_len or 4096) - ex.prompt.count)
+    hashes: tuple[int, ...] = ()
+    if ex.prompt.ids is not None and getattr(st.policy, "uses_prefix_hashes", False):
+        hashes = prompt_block_hashes(ex.prompt.ids, int(getattr(st.policy, "kv_block_tokens", st.config.kv_block_size)))
     info = RequestInfo(request_id=ex.request_id, prompt_tokens=ex.prompt.count, max_tokens=cap,
-                       predicted_output_tokens=st.predictor.predict(ex.prompt.count, cap))
+                       predicted_output_tokens=st.predictor.predict(ex.prompt.count, cap), prefix_hashes=hashes)
     st.metrics.input_tokens.observe(ex.prompt.count)
     st.metrics.predicted_output_tokens.observe(info.predicted_output_tokens)
     sink = ClientSink(request, st.metrics, st.clock, t0)
@@ -448,6 +594,8 @@ def _observe_done(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome 
     n = out.completion_tokens
     m.output_tokens.observe(n)
     st.predictor.observe(out.prompt_tokens or ex.prompt.count, n)
+    if st.rescheduler is not None:
+        st.rescheduler.observe_finished(ex.model, out.prompt_tokens or ex.prompt.count, n)
     if sink.first_token_at is not None and n > 1:
         m.tpot.observe((now - sink.first_token_at) / (n - 1))
 
@@ -544,6 +692,50 @@ async def _watch_queue_depth(st: RouterState, sleep: Callable[[float], Any] = as
         await sleep(st.config.prefill_queue.depth_interval_s)
 
 
+async def _reschedule_loop(st: RouterState, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+    """Every ``rescheduling.interval_s`` while enabled: one period of ARES Alg. 1 (``Rescheduler.step``). A
+    failing period is logged and the loop goes on."""
+    while True:
+        cfg = st.config.rescheduling
+        if cfg.enabled and st.pool is not None and st.rescheduler is not None:
+            try:
+                st.rescheduler.step(st.views(), cfg, st.clock())
+            except Exception:  # noqa: BLE001 - a planning bug must not stop the router
+                log.exception("decode rescheduling period failed")
+        await sleep(cfg.interval_s)
+
+
+async def _roles_loop(st: RouterState, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+    """Every ``roles.interval_s`` while enabled: one role-reassignment evaluation (``RoleBalancer.step``); with
+    ``migrate_on_flip`` the running requests of an instance that took prefill duty are marked to move."""
+    while True:
+        cfg = st.config.roles
+        pool = st.pool
+        if cfg.enabled and pool is not None and st.roles is not None:
+            try:
+                waits = pool.oldest_prefill_wait() if isinstance(pool, QueuedPrefillPool) else {}
+                change = st.roles.step(pool.views(), waits, cfg, st.clock())
+                if change is not None and change.to_duty == "prefill" and cfg.migrate_on_flip:
+                    _move_off(st, change.instance)
+            except Exception:  # noqa: BLE001 - a planning bug must not stop the router
+                log.exception("role reassignment period failed")
+        await sleep(cfg.interval_s)
+
+
+def _move_off(st: RouterState, iid: str) -> None:
+    """Mark every tracked request on ``iid`` to move to the decode-capable instance holding the fewest tokens."""
+    if st.rescheduler is None or not st.config.rescheduling.enabled:
+        return
+    targets = [v for v in st.views() if v.available and v.role != "prefill" and v.id != iid]
+    load = {v.id: v.running_tokens for v in targets}
+    for tr in st.rescheduler.on(iid):
+        if not load:
+            return
+        to = min(load, key=lambda i: (load[i], i))
+        if st.rescheduler.request_migration(tr.request_id, to, "duty"):
+            load[to] += tr.tokens
+
+
 async def _watch_config(st: RouterState, sleep: Callable[[float], Any]) -> None:
     assert st.watcher is not None
     while True:
@@ -560,6 +752,7 @@ def create_app(
     config_path: str | Path | None = None,
     clock: Callable[[], float] = time.monotonic,
     predictor: OutputLengthPredictor | None = None,
+    remaining_predictor: RemainingLength | None = None,
     metrics: RouterMetrics | None = None,
     health_checks: bool = True,
     session_factory: Callable[[RouterConfig], aiohttp.ClientSession] | None = None,
@@ -574,6 +767,8 @@ def create_app(
         clock: monotonic seconds for timing, ejection backoff and reload checks.
         predictor: the output-length predictor (default: a per-ISL-bucket online quantile estimate plus Libra's
             20-token margin, :class:`fulcrum.router.length_predictor.BucketedQuantilePredictor`).
+        remaining_predictor: the remaining-length predictor of decode rescheduling (default: ARES §4's
+            ``E[L − g | L > g]``, :class:`fulcrum.router.remaining_length.RemainingLengthPredictor`).
         metrics: the metrics (default: new ones on their own registry).
         health_checks: run the periodic ``/health`` probes.
         session_factory: builds the shared upstream ``ClientSession`` (default: a pooled ``TCPConnector``).
@@ -589,6 +784,8 @@ def create_app(
         predictor=predictor or BucketedQuantilePredictor(), clock=clock, owns_registry=owns,
         config_path=Path(config_path) if config_path is not None else None,
     )
+    st.rescheduler = Rescheduler(remaining_predictor or RemainingLengthPredictor(), clock)
+    st.roles = RoleBalancer(st.metrics)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ROUTER] = st
 
@@ -610,6 +807,8 @@ def create_app(
         if health_checks:
             st.tasks.append(asyncio.create_task(st.pool.health_loop(), name="router-health"))
         st.tasks.append(asyncio.create_task(_watch_queue_depth(st), name="router-prefill-queue-depth"))
+        st.tasks.append(asyncio.create_task(_reschedule_loop(st), name="router-rescheduling"))
+        st.tasks.append(asyncio.create_task(_roles_loop(st), name="router-roles"))
         if st.config_path is not None:
             st.watcher = ConfigWatcher(st.config_path, st.config, st.apply_config, clock)
             st.tasks.append(asyncio.create_task(_watch_config(st, asyncio.sleep), name="router-config"))

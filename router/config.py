@@ -13,6 +13,9 @@ Example::
     timeouts: {connect_s: 2, first_token_s: 60, idle_s: 60, request_s: 600}
     prefill_queue: {kind: nats, url: "nats://nats:4222", stream: PREFILL_PROD_LLAMA, subject_prefix: fulcrum.prefill.prod.llama}
     draining: [w3]                            # instances that get no new requests (scale-in); in-flight ones finish
+    rescheduling: {enabled: true, interval_s: 1}   # ARES decode rescheduling in the router (docs/rebalancing.md)
+    roles: {enabled: true, min_prefill: 1, min_decode: 1}   # BanaServe role reassignment of `both` instances
+    kv_connector: {partial_prefix: false}     # whether the engines load a partial prompt prefix's KV safely
 
 :class:`ConfigWatcher` polls the file's modification time with an injected clock (a ConfigMap mount changes by
 an atomic symlink swap, which inotify-free polling sees); an invalid new file keeps the last good config and
@@ -31,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fulcrum.errors import FulcrumError
+from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
 from fulcrum.router.registry import InstanceRecord
 
 __all__ = [
@@ -41,6 +45,9 @@ __all__ = [
     "EtcdConfig",
     "KubernetesConfig",
     "PrefillQueueConfig",
+    "ReschedulingSection",
+    "RolesSection",
+    "KvConnectorSection",
     "RouterConfig",
     "load_config",
     "parse_config",
@@ -194,6 +201,90 @@ class PrefillQueueConfig(_Strict):
         return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
+class ReschedulingSection(_Strict):
+    """ARES decode rescheduling in the router (``fulcrum.router.rescheduler``; ARES §5.2, Alg. 1).
+
+    The planner's parameters are those of :class:`fulcrum.rebalancing.decode_rescheduling.ReschedulingConfig`
+    (same names, same defaults, same reasons); the rest says how the router measures and executes."""
+
+    enabled: bool = False
+    """Off by default: a migration recomputes the request's context on the target (docs/rebalancing.md)."""
+    interval_s: float = Field(default=1.0, gt=0)
+    """Period of Alg. 1, seconds (ARES §5.2 runs it every second)."""
+    theta: float = Field(default=0.1, ge=0)
+    horizon_steps: int = Field(default=512, ge=1)
+    horizon_points: int = Field(default=8, ge=1)
+    discount: float = Field(default=0.5, gt=0, le=1)
+    kv_bytes_per_token: float = Field(default=327_680.0, gt=0)
+    """KV bytes per token of the served model (the migration cost C_mig is computed from it)."""
+    link_gbps: float = Field(default=25.0, gt=0)
+    transfer_overhead_s: float = Field(default=0.005, ge=0)
+    min_gain: float = Field(default=0.02, ge=0, lt=1)
+    request_cooldown_s: float = Field(default=10.0, ge=0)
+    instance_cooldown_s: float = Field(default=2.0, ge=0)
+    default_step_time_s: float = Field(default=0.02, gt=0)
+    """T_exec of an instance before the router has measured its inter-token time, seconds."""
+    default_kv_capacity_tokens: int = Field(default=0, ge=0)
+    """C_mem of an instance whose registry record has no ``kv_capacity_tokens``; 0 = unbounded (the memory
+    filter of Alg. 1 line 21 then never refuses)."""
+
+    def planner(self) -> ReschedulingConfig:
+        """The pure planner's :class:`~fulcrum.rebalancing.decode_rescheduling.ReschedulingConfig`."""
+        return ReschedulingConfig(
+            theta=self.theta, horizon_steps=self.horizon_steps, horizon_points=self.horizon_points,
+            discount=self.discount, kv_bytes_per_token=self.kv_bytes_per_token, link_gbps=self.link_gbps,
+            transfer_overhead_s=self.transfer_overhead_s, min_gain=self.min_gain,
+            request_cooldown_s=self.request_cooldown_s, instance_cooldown_s=self.instance_cooldown_s,
+        )
+
+
+class RolesSection(_Strict):
+    """BanaServe role reassignment of ``both`` instances in the router (``fulcrum.router.roles``; BanaServe §4.3,
+    Alg. 1 with a role flip). Bounds and thresholds are those of
+    :class:`fulcrum.rebalancing.role_reassignment.RoleBounds` and ``RoleBalanceConfig``."""
+
+    enabled: bool = False
+    """Off by default: without it a ``both`` instance takes either part of any request (no duty)."""
+    interval_s: float = Field(default=1.0, gt=0)
+    """Period of the re-evaluation, seconds."""
+    min_prefill: int = Field(default=1, ge=0)
+    max_prefill: int = Field(default=1_000_000, ge=0)
+    min_decode: int = Field(default=1, ge=0)
+    max_decode: int = Field(default=1_000_000, ge=0)
+    delta: float = Field(default=0.5, gt=0)
+    """δ on the 0–2 utilisation scale (0.5: see RoleBalanceConfig for the measurement behind it)."""
+    cooldown_s: float = Field(default=10.0, ge=0)
+    dwell_s: float = Field(default=60.0, ge=0)
+    ttft_slo_s: float = Field(default=2.0, gt=0)
+    """TTFT SLO, seconds: a prefill-duty instance's memory pressure is its oldest queued prefill's wait over it."""
+    migrate_on_flip: bool = False
+    """Move a decode instance's running requests away when it takes prefill duty (needs ``rescheduling``);
+    otherwise they finish where they are."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "RolesSection":
+        if self.max_prefill < self.min_prefill or self.max_decode < self.min_decode:
+            raise ValueError("max_prefill/max_decode must be >= min_prefill/min_decode")
+        return self
+
+
+class KvConnectorSection(_Strict):
+    """What the engines' KV connector can do, for BanaServe's prefix pulls (``load_aware`` with
+    ``prefix_pull``; BanaServe §4.2)."""
+
+    partial_prefix: bool = False
+    """The engines accept a request whose prompt extends the pulled prefix (vLLM NIXL with
+    ``bidirectional_kv_xfer``); False = a prefix held elsewhere is recomputed (counted)."""
+    kv_bytes_per_token: float = Field(default=327_680.0, gt=0)
+    """KV bytes per token of the served model."""
+    link_gbps: float = Field(default=25.0, gt=0)
+    """KV transfer bandwidth between instances, GB/s."""
+    transfer_overhead_s: float = Field(default=0.005, ge=0)
+    """Fixed cost of one pull (the holder's extra request and the handshake), seconds."""
+    prefill_tokens_per_s: float = Field(default=10_000.0, gt=0)
+    """Prefill throughput used to price recomputing a prefix, tokens per second (the profile's)."""
+
+
 class RouterConfig(_Strict):
     """Everything the router reads from its config file."""
 
@@ -229,6 +320,12 @@ class RouterConfig(_Strict):
     draining: tuple[str, ...] = ()
     """Instance ids that get no new requests from any policy while their in-flight requests finish; the operator
     writes them before scaling in (an id not registered is ignored)."""
+    rescheduling: ReschedulingSection = Field(default_factory=ReschedulingSection)
+    """ARES decode rescheduling of running requests between instances (:class:`ReschedulingSection`)."""
+    roles: RolesSection = Field(default_factory=RolesSection)
+    """Role reassignment of ``both`` instances between prefill and decode duty (:class:`RolesSection`)."""
+    kv_connector: KvConnectorSection = Field(default_factory=KvConnectorSection)
+    """KV connector capabilities and costs (:class:`KvConnectorSection`)."""
 
     @model_validator(mode="before")
     @classmethod

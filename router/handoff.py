@@ -66,6 +66,12 @@ __all__ = [
     "run_disaggregated",
     "run_split",
     "disagg_blocker",
+    "AnswerShape",
+    "completions_body",
+    "prompt_ids",
+    "prefill_body",
+    "run_prefill",
+    "whole_usage",
 ]
 
 log = logging.getLogger(__name__)
@@ -506,3 +512,19 @@ async def _emit_whole(ex: Exchange, shape: _Shape, sink: ClientSink, text: str, 
     if ex.client_usage:
         await sink.send(encode_event(shape.usage_chunk(usage)), tokens=0)
     return Outcome(200, None, usage["completion_tokens"], usage["prompt_tokens"])
+
+
+# Public names for the other executors of one request across engines (``fulcrum.router.rescheduler``: decode
+# rescheduling continues a request elsewhere the way a split continues it on B).
+AnswerShape = _Shape
+"""Builds answers in the client's format (completions or chat) under the router's id."""
+completions_body = _completions_body
+"""The request's sampling options for ``/v1/completions`` (chat-only fields and the prompt removed)."""
+prompt_ids = _prompt_ids
+"""The prompt's token ids (chat: templated), from the admission count or one ``/tokenize`` call; None if unknown."""
+prefill_body = _prefill_body
+"""The prefill leg's body: ``max_tokens = 1``, not streamed, ``kv_transfer_params.do_remote_decode``."""
+run_prefill = _run_prefill
+"""POST a prefill leg with the pool's accounting; the answer as an :class:`Outcome` (parsed ``data``)."""
+whole_usage = _usage
+"""Usage of the whole request: prompt P, completion c."""

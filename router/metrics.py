@@ -84,6 +84,15 @@ class RouterMetrics:
         self.prefill_jobs_waiting = Gauge("fulcrum_router_prefill_jobs_waiting", "Prefill jobs this router submitted and awaits a reply for", registry=r)
         self.prefill_jobs = Counter("fulcrum_router_prefill_jobs", "Prefill jobs by outcome: ok, failed (the workers' error), timeout (no worker replied), unavailable (NATS unreachable), direct (fell back to HTTP)", ["outcome"], registry=r)
         self.prefill_job_seconds = Histogram("fulcrum_router_prefill_job_seconds", "From publishing a prefill job to its reply (queueing + prefill)", buckets=_SECONDS, registry=r)
+        # in-flight rebalancing (router config rescheduling / roles / kv_connector; docs/rebalancing.md)
+        self.migrations = Counter("fulcrum_router_migrations", "Running requests migrated to another instance (recompute migration), by reason: load (ARES Alg. 1), duty (the source took prefill duty), forced", ["reason"], registry=r)
+        self.migration_seconds = Histogram("fulcrum_router_migration_seconds", "From cutting a migrated request on its source to the target's first token (the client's pause)", buckets=_SECONDS, registry=r)
+        self.migrated_tokens = Counter("fulcrum_router_migrated_tokens", "Context tokens (prompt + generated so far) the targets of migrations recomputed", registry=r)
+        self.migration_fallbacks = Counter("fulcrum_router_migration_fallbacks", "Continuations whose instance failed and were resumed elsewhere, by where: other, source", ["to"], registry=r)
+        self.role_changes = Counter("fulcrum_router_role_changes", "Duty changes of `both` instances (BanaServe Alg. 1 role flips)", ["to_duty"], registry=r)
+        self.instance_duty = Gauge("fulcrum_router_instance_duty", "1 for the duty a `both` instance currently has (role reassignment)", ["instance", "duty"], registry=r)
+        self.prefix_pulls = Counter("fulcrum_router_prefix_pulls", "Cached prefixes held by another instance: pulled over the KV connector, or recomputed and why", ["outcome"], registry=r)
+        self.prefix_pull_tokens = Counter("fulcrum_router_prefix_pull_tokens", "Prefix tokens whose KV was pulled from the instance holding them", registry=r)
 
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached (the lookup costs more than the increment on the hot path)."""

