@@ -538,7 +538,8 @@ def router_config(
     (the pool Services' EndpointSlices, selected by :func:`worker_selector`). Policy: ``spec.router.policy``
     with the plan's routing parameters (:class:`~fulcrum.target.RoutingParams`; DOPD §V-E, Alg. 1, eq. 18).
     ``draining`` (instance ids, sorted and de-duplicated) is written only when non-empty; ``prefill_queue`` only
-    when ``spec.router.prefillQueue`` is ``nats``.
+    when ``spec.router.prefillQueue`` is ``nats``; ``rescheduling`` (ARES) and ``roles`` (BanaServe role
+    reassignment; running decodes migrate on a flip when rescheduling is on too) only when the spec turns them on.
 
     Raises:
         SpecError: the document is not a valid :class:`~fulcrum.router.config.RouterConfig`, or its policy
@@ -566,6 +567,14 @@ def router_config(
             "pool_label": LABEL_POOL,
             "tp_label": LABEL_TP,
         }
+    if spec.router.rescheduling:
+        resched: dict[str, Any] = {"enabled": True}
+        if profile is not None:
+            resched["kv_bytes_per_token"] = float(profile.kv_bytes_per_token)
+        doc["rescheduling"] = resched
+    if spec.router.role_reassignment:
+        doc["roles"] = {"enabled": True, "ttft_slo_s": spec.slo.ttft_ms / 1000.0,
+                        "migrate_on_flip": bool(spec.router.rescheduling)}
     if spec.router.prefill_queue == "nats":
         layout = QueueLayout.for_llmserve(namespace, name)  # the names the prefill pullers derive too
         doc["prefill_queue"] = {"kind": "nats", "url": spec.connectors.nats, "stream": layout.stream,

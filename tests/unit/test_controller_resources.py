@@ -475,3 +475,12 @@ def test_initial_target_uses_the_planner_start_and_splits_an_external_total_by_t
     unified = initial_target(_with(_serve("llmserve-unified-14b-a100"),
                                    scaling={"replicaOwner": "External", "replicas": 3}))
     assert (unified.unified.replicas, unified.prefill.replicas, unified.decode.replicas) == (3, 0, 0)
+
+
+def test_rescheduling_and_role_reassignment_reach_the_router_config_when_the_spec_asks() -> None:
+    plain = parse_config(yaml.safe_load(_by(_objects(_serve("llmserve-sim")), "ConfigMap", "sim-llama-70b-router")["data"]["router.yaml"]))
+    assert not plain.rescheduling.enabled and not plain.roles.enabled
+    serve = _with(_serve("llmserve-sim"), router={"rescheduling": True, "roleReassignment": True})
+    config = parse_config(yaml.safe_load(_by(_objects(serve), "ConfigMap", "sim-llama-70b-router")["data"]["router.yaml"]))
+    assert config.rescheduling.enabled and config.roles.enabled and config.roles.migrate_on_flip
+    assert config.roles.ttft_slo_s == serve.spec.slo.ttft_ms / 1000

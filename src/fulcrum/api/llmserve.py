@@ -296,6 +296,8 @@ class RouterSpec(_Model):
     policy: RouterPolicy = Field(default=RouterPolicy.DISAGGREGATED, description="Per-request routing policy.")
     replicas: int = Field(default=1, ge=1, le=64, description="Router replicas.")
     prefill_queue: Literal["direct", "nats"] = Field(default="direct", description="`nats` sends prefill jobs through a JetStream work queue (DOPD §V-C).")
+    rescheduling: bool = Field(default=False, description="ARES decode rescheduling (ARES §5.2, Alg. 1): every second the router moves one running decode request from an overloaded to an underloaded decode instance (a recompute migration; the client's stream does not break).")
+    role_reassignment: bool = Field(default=False, description="Role reassignment (BanaServe Alg. 1 with a role flip): the router shifts `both` (unified) instances between prefill and decode duty from measured utilisation, with hysteresis.")
 
 
 class Toleration(_Model):
