@@ -23,6 +23,12 @@ Settings (environment of the engine, read once here, as this function is the plu
 
 Only the CPU platform is patched. Adapter code, not planning code: it imports vLLM lazily inside the
 function, so importing this module needs neither vLLM nor NIXL.
+
+Fulcrum's SLO-aware scheduler (Libra Alg. 2, docs/scheduler.md) needs no registration in vLLM 0.32: the
+engine resolves ``--scheduler-cls`` (``SchedulerConfig.scheduler_cls``) by qualified name in the engine-core
+process, so ``--scheduler-cls`` :data:`SCHEDULER_CLS` is all it takes. vLLM then logs a warning that custom
+scheduler interfaces are not public; the class picks vLLM's ``AsyncScheduler`` base itself when async
+scheduling is on (see ``fulcrum.worker.slo_scheduler``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import os
 import sys
 from typing import Any, Callable
 
-__all__ = ["DEFAULT_POLL_DELAY_US", "register", "with_poll_delay", "without_progress_thread"]
+__all__ = ["DEFAULT_POLL_DELAY_US", "SCHEDULER_CLS", "register", "with_poll_delay", "without_progress_thread"]
+
+SCHEDULER_CLS = "fulcrum.worker.slo_scheduler.SLOAwareScheduler"
+"""The value of vLLM's ``--scheduler-cls`` that selects Fulcrum's SLO-aware scheduler (Libra Alg. 2)."""
 
 DEFAULT_POLL_DELAY_US = 10_000
 """Default longest sleep of NIXL's UCX progress thread between polls (microseconds); events wake it earlier."""
