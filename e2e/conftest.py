@@ -11,16 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kube import kubectl  # e2e/kube.py (the test folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def kubectl(*args: str, check: bool = True, timeout: float = 60.0, input_text: str | None = None) -> str:
-    """Run ``kubectl`` with the caller's KUBECONFIG; its stdout (raises CalledProcessError when ``check``)."""
-    proc = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=timeout, input=input_text)
-    if check and proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, ["kubectl", *args], proc.stdout, proc.stderr)
-    return proc.stdout
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kube import kubectl  # e2e/kube.py (the test folder is on sys.path)
 import yaml
 
 pytestmark = pytest.mark.cluster
@@ -30,12 +31,6 @@ pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[1]
 
 
-def kubectl(*args: str, check: bool = True, timeout: float = 60.0, input_text: str | None = None) -> str:
-    """``kubectl`` with the caller's KUBECONFIG; its stdout."""
-    proc = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=timeout, input=input_text)
-    if check and proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, ["kubectl", *args], proc.stdout, proc.stderr)
-    return proc.stdout
 
 EXAMPLE = REPO / "examples" / "llmserve-sim.yaml"
 

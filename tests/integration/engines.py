@@ -316,12 +316,13 @@ if __name__ == "__main__":  # manual use: start one engine and keep it until Ctr
 
 
 @contextlib.contextmanager
-def engine_pair(work: Path) -> Iterator[tuple["Engine", "Engine"]]:
-    """Engines A (core 0) and B (core 1) with NixlConnector (``kv_both``) on the tiny model built in ``work``,
-    started together; both are stopped on exit, also when either fails to start."""
+def engine_pair(work: Path, spec_a: "EngineSpec | None" = None,
+                spec_b: "EngineSpec | None" = None) -> Iterator[tuple["Engine", "Engine"]]:
+    """Engines A (core 0) and B (core 1) with NixlConnector (``kv_both``) on the tiny model built in ``work``
+    (or the given specs), started together; both are stopped on exit, also when either fails to start."""
     model = build_tiny_model(work / "tiny-model")
-    a = Engine(EngineSpec("A", cpu=0), model, work)
-    b = Engine(EngineSpec("B", cpu=1), model, work)
+    a = Engine(spec_a or EngineSpec("A", cpu=0), model, work)
+    b = Engine(spec_b or EngineSpec("B", cpu=1), model, work)
     try:
         a.start()
         b.start()

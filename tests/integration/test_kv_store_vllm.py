@@ -34,7 +34,7 @@ from fulcrum.router.config import parse_config  # noqa: E402
 from fulcrum.router.policies.base import InstanceView, RequestInfo, RouteDecision  # noqa: E402
 from fulcrum.router.policies.load_aware import PrefixPull  # noqa: E402
 
-from .engines import BLOCK_SIZE, Engine, EngineSpec, build_tiny_model, post_json, skip_unless_vllm  # noqa: E402
+from .engines import BLOCK_SIZE, Engine, EngineSpec, engine_pair, post_json, skip_unless_vllm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -75,18 +75,8 @@ def spec(name: str, cpu: int) -> EngineSpec:
 @pytest.fixture(scope="module")
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     skip_unless_vllm(request.config)
-    work = tmp_path_factory.mktemp("vllm-kv-store")
-    model = build_tiny_model(work / "tiny-model")
-    a, b = Engine(spec("A", 0), model, work), Engine(spec("B", 1), model, work)
-    try:
-        a.start()
-        b.start()
-        a.wait_ready()
-        b.wait_ready()
-        yield a, b
-    finally:
-        b.stop()
-        a.stop()
+    with engine_pair(tmp_path_factory.mktemp("vllm-kv-store"), spec("A", 0), spec("B", 1)) as pair:
+        yield pair
 
 
 @pytest_asyncio.fixture
