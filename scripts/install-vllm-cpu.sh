@@ -89,6 +89,7 @@ import torch, transformers, vllm  # noqa: F401
 from nixl._api import nixl_agent  # noqa: F401
 eps = [e.name for e in m.entry_points(group="vllm.general_plugins")]
 assert "fulcrum" in eps, f"fulcrum plugin entry point missing: {eps}"
+import fulcrum.worker.slo_scheduler  # noqa: F401  (--scheduler-cls loads it in the engine core)
 EOF
 
 "$VENV/bin/python" - <<'EOF'

@@ -1,0 +1,246 @@
+"""Offline profiling of the step latency table, and the mixed load it (and the benchmark) drive an engine with.
+
+Libra §4.2 refines its profile table online (Alg. 2 line 1); this module fills it *before* serving, from
+measured steps only: it drives a vLLM engine that runs :mod:`fulcrum.worker.slo_scheduler` without an SLO
+(recording, the base scheduler's batching) with synthetic compositions — ``d`` streaming decodes whose
+prompts have ``c`` tokens, joined by one prompt of ``p`` tokens — and reads back the table the engine's
+scheduler recorded, from its metrics endpoint (``FULCRUM_SCHEDULER_METRICS_PORT``; the table gauges carry
+every bucket). Nothing is computed here: every bucket is a step the engine executed and timed.
+
+Prompts are token-id lists (``/v1/completions`` accepts them), so their lengths are exact whatever the
+tokenizer; decodes use ``ignore_eos`` so they last ``max_tokens``.
+
+API::
+
+    table = await profile_steps("http://127.0.0.1:8000", "http://127.0.0.1:9400/metrics", model="tiny",
+                                prefill_tokens=[64, 256, 1024], decode_counts=[1, 4, 16], contexts=[128, 512])
+    table.save("step-table.json")   # FULCRUM_STEP_TABLE for the serving engines
+
+Adapter code (worker layer): aiohttp client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from fulcrum.errors import FulcrumError
+from fulcrum.worker.latency_table import StepLatencyTable
+
+__all__ = [
+    "MixedLoadResult",
+    "StreamTiming",
+    "fetch_table",
+    "profile_steps",
+    "run_mixed_load",
+    "stream_completion",
+    "synthetic_prompt",
+    "table_from_metrics_text",
+]
+
+_TABLE_METRICS = (
+    "fulcrum_scheduler_step_table_seconds",
+    "fulcrum_scheduler_step_table_samples",
+    "fulcrum_scheduler_step_table_mean_prefill_tokens",
+)
+
+
+def synthetic_prompt(tokens: int, rng: random.Random, token_ids: tuple[int, int] = (100, 1000)) -> list[int]:
+    """A prompt of exactly ``tokens`` token ids drawn uniformly from ``token_ids`` (inclusive range).
+
+    Raises ``ValueError`` for fewer than 1 token or an empty range.
+    """
+    if tokens < 1 or token_ids[1] < token_ids[0]:
+        raise ValueError(f"need >= 1 token from a non-empty id range, got {tokens} from {token_ids}")
+    return [rng.randint(*token_ids) for _ in range(tokens)]
+
+
+def table_from_metrics_text(text: str) -> StepLatencyTable:
+    """Rebuild the scheduler's table from its Prometheus exposition (the three ``…_step_table_*`` gauges).
+
+    Raises:
+        FulcrumError: the text holds no table metrics (not the scheduler's endpoint, or nothing recorded).
+    """
+    rows: dict[tuple[str, str, str], dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in _TABLE_METRICS:
+            continue
+        for sample in family.samples:
+            key = (sample.labels["prefill_tokens"], sample.labels["context_tokens"], sample.labels["decodes"])
+            rows.setdefault(key, {})[family.name] = sample.value
+    if not rows:
+        raise FulcrumError("no fulcrum_scheduler_step_table_* samples in the metrics: is this the scheduler's "
+                           "endpoint (FULCRUM_SCHEDULER_METRICS_PORT), and has it executed a step?")
+    table = StepLatencyTable()
+    table.load_entries(
+        {
+            "prefillTokens": float(p), "contextTokens": float(c), "decodes": float(d),
+            "seconds": v[_TABLE_METRICS[0]], "samples": int(v.get(_TABLE_METRICS[1], 1)),
+            "meanPrefillTokens": v.get(_TABLE_METRICS[2], float(p)),
+        }
+        for (p, c, d), v in rows.items()
+        if _TABLE_METRICS[0] in v
+    )
+    return table
+
+
+async def fetch_table(session: aiohttp.ClientSession, metrics_url: str) -> StepLatencyTable:
+    """GET the scheduler's metrics and rebuild its table (:func:`table_from_metrics_text`).
+
+    Raises:
+        FulcrumError: the endpoint is unreachable, answers non-200, or holds no table.
+    """
+    try:
+        async with session.get(metrics_url) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise FulcrumError(f"{metrics_url} answered HTTP {resp.status}")
+    except aiohttp.ClientError as err:
+        raise FulcrumError(f"cannot read the scheduler metrics at {metrics_url}: {err}") from err
+    return table_from_metrics_text(text)
+
+
+@dataclass
+class StreamTiming:
+    """Client-side timing of one streamed completion (seconds on the client's monotonic clock).
+
+    Attributes:
+        prompt_tokens: prompt length, tokens.
+        ttft_s: time from sending to the first token, s.
+        itl_s: gaps between consecutive streamed chunks, s (a chunk is usually one token; the server merges
+            tokens that end inside a UTF-8 character or that it could not send in time).
+        chunks: chunks with text received.
+        tokens: completion tokens the server reported (``usage``), or 0 when it sent none.
+    """
+
+    prompt_tokens: int
+    ttft_s: float = float("nan")
+    itl_s: list[float] = field(default_factory=list)
+    chunks: int = 0
+    tokens: int = 0
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, base_url: str, *, model: str, prompt: list[int], max_tokens: int,
+    first_token: asyncio.Event | None = None,
+) -> StreamTiming:
+    """Send one streaming ``/v1/completions`` request (greedy, ``ignore_eos``) and time its tokens.
+
+    ``first_token`` is set when the first token arrives. Raises :class:`FulcrumError` on a non-200 answer.
+    """
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    timing = StreamTiming(len(prompt))
+    start = last = time.monotonic()
+    async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise FulcrumError(f"{base_url} answered HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                timing.tokens = int(event["usage"].get("completion_tokens", 0))
+            if not event.get("choices"):  # a usage-only chunk
+                continue
+            now = time.monotonic()
+            if timing.chunks == 0:
+                timing.ttft_s = now - start
+                if first_token is not None:
+                    first_token.set()
+            else:
+                timing.itl_s.append(now - last)
+            last = now
+            timing.chunks += 1
+    return timing
+
+
+@dataclass
+class MixedLoadResult:
+    """What :func:`run_mixed_load` measured: the decodes' and the long prompts' stream timings."""
+
+    decodes: list[StreamTiming]
+    long_prompts: list[StreamTiming]
+    wall_s: float
+
+
+async def run_mixed_load(
+    base_url: str, *, model: str, decodes: int, decode_prompt_tokens: int, decode_max_tokens: int,
+    long_prompts: int, long_prompt_tokens: int, long_max_tokens: int = 2, long_gap_s: float = 0.0,
+    seed: int = 0, timeout_s: float = 600.0,
+) -> MixedLoadResult:
+    """The interference load of Libra §4.2: ``decodes`` short-prompt long decodes, and once they all stream,
+    ``long_prompts`` long prompts (sent ``long_gap_s`` apart) that must prefill beside them.
+
+    Returns every stream's timing. Raises :class:`FulcrumError` when a request fails.
+    """
+    rng = random.Random(seed)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    start = time.monotonic()
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = [asyncio.Event() for _ in range(decodes)]
+        decode_tasks = [
+            asyncio.create_task(stream_completion(
+                session, base_url, model=model, prompt=synthetic_prompt(decode_prompt_tokens, rng),
+                max_tokens=decode_max_tokens, first_token=ev))
+            for ev in started
+        ]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), timeout_s)
+            long_tasks = []
+            for i in range(long_prompts):
+                if i and long_gap_s > 0:
+                    await asyncio.sleep(long_gap_s)
+                long_tasks.append(asyncio.create_task(stream_completion(
+                    session, base_url, model=model, prompt=synthetic_prompt(long_prompt_tokens, rng),
+                    max_tokens=long_max_tokens)))
+            long_timings = await asyncio.gather(*long_tasks)
+            decode_timings = await asyncio.gather(*decode_tasks)
+        finally:
+            for task in decode_tasks:
+                task.cancel()
+    return MixedLoadResult(list(decode_timings), list(long_timings), time.monotonic() - start)
+
+
+async def profile_steps(
+    base_url: str, metrics_url: str, *, model: str, prefill_tokens: Sequence[int], decode_counts: Sequence[int],
+    contexts: Sequence[int], decode_tokens: int = 24, seed: int = 0, timeout_s: float = 600.0,
+) -> StepLatencyTable:
+    """Fill the step latency table from measured steps of a running engine (the offline mode of Alg. 2's table).
+
+    For every context ``c`` in ``contexts`` (tokens), decode count ``d`` in ``decode_counts`` and prefill size
+    ``p`` in ``prefill_tokens`` (tokens): ``d`` decodes with ``c``-token prompts stream ``decode_tokens``
+    tokens each while one ``p``-token prompt prefills beside them; the engine's scheduler records every step
+    (prefill-only steps, mixed steps, decode-only steps). Afterwards the table is read from ``metrics_url``.
+
+    The engine must run ``--scheduler-cls fulcrum.worker.slo_scheduler.SLOAwareScheduler`` without
+    ``FULCRUM_TPOT_SLO_MS`` (recording only) and with ``FULCRUM_SCHEDULER_METRICS_PORT``. Its
+    ``--max-model-len`` must exceed ``max(contexts) + decode_tokens`` and ``max(prefill_tokens)``.
+
+    Raises:
+        ValueError: an empty or non-positive grid.
+        FulcrumError: a request fails or the metrics hold no table.
+    """
+    grids = {"prefill_tokens": prefill_tokens, "decode_counts": decode_counts, "contexts": contexts}
+    for name, grid in grids.items():
+        if not grid or any(int(v) < 1 for v in grid):
+            raise ValueError(f"{name} must be a non-empty list of positive integers, got {list(grid)!r}")
+    for c in contexts:
+        for d in decode_counts:
+            for p in prefill_tokens:
+                await run_mixed_load(
+                    base_url, model=model, decodes=int(d), decode_prompt_tokens=int(c), decode_max_tokens=decode_tokens,
+                    long_prompts=1, long_prompt_tokens=int(p), long_max_tokens=1, seed=seed, timeout_s=timeout_s,
+                )
+                seed += 1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        return await fetch_table(session, metrics_url)
