@@ -328,3 +328,11 @@ def test_missing_memory_facts_and_an_unreachable_endpoint_exit_2_before_measurin
     assert "pass --gpu (a preset) or --gpu-memory-gib" in capsys.readouterr().err
     assert main([*base, "--gpu", "H100", "--weight-gib", "1", "--kv-bytes-per-token", "1"]) == 2
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_the_step_table_mode_needs_the_scheduler_metrics_url_and_a_json_file(tmp_path: Path, capsys: Any) -> None:
+    base = ["profile", "--url", "http://127.0.0.1:9", "--model", "m", "--tp", "1"]
+    assert main([*base, "--step-table", str(tmp_path / "t.json")]) == 2
+    assert "--scheduler-metrics" in capsys.readouterr().err
+    assert main([*base, "--step-table", str(tmp_path / "t.yaml"), "--scheduler-metrics", "http://127.0.0.1:9/metrics"]) == 2
+    assert ".json" in capsys.readouterr().err

@@ -9,6 +9,13 @@ warning. Memory facts come from flags, ``--model-path`` and the engine's ``/metr
 Writes the profile YAML (``--out``; loads with ``fulcrum plan --profile FILE``) and, with ``--configmap NAME``,
 a v1 ConfigMap holding it under ``profile.yaml`` (``--configmap-out FILE``, default standard output).
 
+With ``--step-table FILE`` it runs the offline mode of the SLO-aware scheduler's step latency table instead
+(Libra Alg. 2, docs/scheduler.md): the engine must run ``--scheduler-cls
+fulcrum.worker.slo_scheduler.SLOAwareScheduler`` with ``FULCRUM_SCHEDULER_METRICS_PORT`` and no
+``FULCRUM_TPOT_SLO_MS``; mixed loads over ``--step-prefill`` × ``--step-decodes`` × ``--step-contexts`` make it
+record every step, and the table it recorded (read from ``--scheduler-metrics``) is written as JSON, ready for
+``FULCRUM_STEP_TABLE``.
+
 Exit codes: 0 written; 1 the run measured too little for a profile (fewer than 2 points on an axis; the
 message says which points failed and why); 2 bad input or an unreachable endpoint.
 """
@@ -76,8 +83,34 @@ def add_parser(sub: Any) -> None:
                      help="per-GPU reserve M' (default: calibrated to the engine's reported KV capacity, else 4)")
     mem.add_argument("--cuda-graph-max-batch", type=int, help="largest captured decode batch cc_g (default 512)")
     mem.add_argument("--model-path", type=Path, help="local model folder: weights from file sizes, KV bytes from config.json")
+    steps = p.add_argument_group("step latency table of the SLO-aware scheduler (offline mode; docs/scheduler.md)")
+    steps.add_argument("--step-table", metavar="FILE", help="write the scheduler's step latency table (JSON) instead of a profile")
+    steps.add_argument("--scheduler-metrics", metavar="URL",
+                       help="the engine core's scheduler metrics, http://HOST:$FULCRUM_SCHEDULER_METRICS_PORT/metrics")
+    steps.add_argument("--step-prefill", default="64,256,1024", help="prefill tokens beside the decodes, comma-separated")
+    steps.add_argument("--step-decodes", default="1,4,16", help="running decodes, comma-separated")
+    steps.add_argument("--step-contexts", default="128,1024", help="decode contexts, tokens, comma-separated")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _run_step_table(args: argparse.Namespace) -> int:
+    """The offline mode of the step latency table (Libra Alg. 2): sweep mixed loads, write the recorded table."""
+    from fulcrum.worker.step_profiler import profile_steps
+
+    if not args.scheduler_metrics or not args.scheduler_metrics.startswith(("http://", "https://")):
+        raise ValueError("--step-table needs --scheduler-metrics http://HOST:PORT/metrics (the engine core's "
+                         "FULCRUM_SCHEDULER_METRICS_PORT)")
+    if Path(args.step_table).suffix.lower() != ".json":
+        raise ValueError(f"--step-table must be a .json file, got {args.step_table!r}")
+    table = asyncio.run(profile_steps(
+        args.url, args.scheduler_metrics, model=args.model, prefill_tokens=_ints("step-prefill", args.step_prefill),
+        decode_counts=_ints("step-decodes", args.step_decodes), contexts=_ints("step-contexts", args.step_contexts),
+        timeout_s=args.request_timeout_s,
+    ))
+    table.save(args.step_table)
+    print(f"wrote {args.step_table}: {len(table.to_dict().get('entries', []))} step buckets measured", file=sys.stderr)
+    return 0
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
@@ -142,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
     if not args.url.startswith(("http://", "https://")):
         raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.step_table:
+        return _run_step_table(args)
     if args.out != "-" and Path(args.out).suffix.lower() not in (".yaml", ".yml"):
         raise ValueError(f"--out must be a .yaml file (or -), got {args.out!r}")
     if args.configmap_out and not args.configmap:
