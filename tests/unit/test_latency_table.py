@@ -285,6 +285,7 @@ def make_fake_scheduler(monkeypatch, tmp_path, slo_ms: str | None):
         monkeypatch.delenv("FULCRUM_TPOT_SLO_MS", raising=False)
     else:
         monkeypatch.setenv("FULCRUM_TPOT_SLO_MS", slo_ms)
+    monkeypatch.setenv("FULCRUM_SCHEDULER_SLO_HEADROOM", "1")  # plan to the whole SLO: round numbers below
     monkeypatch.delenv("FULCRUM_SCHEDULER_METRICS_PORT", raising=False)
     cls = type("SLOAwareOnFake", (_SLOAwareMixin, FakeVllmScheduler), {})
     running = [FakeRequest("long", prompt=1500, computed=0), FakeRequest("d1", 500, 524, 25),
@@ -359,3 +360,16 @@ def test_a_slice_with_only_decode_steps_borrows_the_prefill_cost_of_the_nearest_
     assert table.predict(0, 1024, 8) == pytest.approx(0.020)
     assert table.predict(1000, 1024, 8) == pytest.approx(0.020 + 1e-5 * 1000)
     assert table.prefill_budget(8, 1024, 0.025, 8192) == 500
+
+
+def test_the_slo_headroom_plans_steps_below_the_slo_and_is_read_from_the_environment() -> None:
+    full = StepPlanner(linear_table(), tpot_slo_s=0.015).plan([512] * 8, 8, 8192)
+    tight = StepPlanner(linear_table(), tpot_slo_s=0.015, headroom=0.8).plan([512] * 8, 8, 8192)
+    assert tight.prefill_budget is not None and full.prefill_budget is not None
+    assert tight.prefill_budget < full.prefill_budget
+    assert SchedulerSettings.from_env({}).slo_headroom == 0.8
+    assert SchedulerSettings.from_env({"FULCRUM_SCHEDULER_SLO_HEADROOM": "0.5"}).slo_headroom == 0.5
+    with pytest.raises(FulcrumError, match="HEADROOM"):
+        SchedulerSettings.from_env({"FULCRUM_SCHEDULER_SLO_HEADROOM": "1.5"})
+    with pytest.raises(ValueError, match="headroom"):
+        StepPlanner(linear_table(), tpot_slo_s=0.015, headroom=0.0)
