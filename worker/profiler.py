@@ -50,8 +50,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
+
+try:
+    import aiohttp
+except ImportError:  # pragma: no cover - the `worker` extra is not installed: measuring needs it, the rest does not
+    aiohttp = None  # type: ignore[assignment]
 
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import DecodeTable, PerformanceProfile, PrefillTable
@@ -80,6 +84,11 @@ __all__ = [
 ]
 
 GiB = float(1 << 30)
+
+def _need_aiohttp() -> None:
+    if aiohttp is None:
+        raise ProfileError("measuring an endpoint needs aiohttp: pip install 'fulcrum[worker]'")
+
 
 GPU_PRESETS: dict[str, tuple[float, float]] = {
     "H100": (80.0, 3350.0),
@@ -770,6 +779,7 @@ async def probe_endpoint(session: aiohttp.ClientSession, url: str, model: str, t
         ProfileError: the endpoint cannot be reached, answers ``/v1/models`` with an error, or does not serve
             ``model``.
     """
+    _need_aiohttp()
     base = url.rstrip("/")
     t = aiohttp.ClientTimeout(total=timeout_s)
     try:
@@ -826,6 +836,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
         ProfileError: the endpoint cannot be reached or does not serve ``model`` (from :func:`probe_endpoint`),
             or ``/tokenize`` fails on the warm-up (no prompts can be built).
     """
+    _need_aiohttp()
     from tqdm import tqdm
 
     warnings: list[str] = []

@@ -311,3 +311,23 @@ def test_the_installed_console_script_runs_plan_and_reports_bad_input() -> None:
     assert bad.stderr.strip().splitlines() == [
         "fulcrum forecast: error: --interval must be a positive number of seconds, got -60.0"
     ]
+
+
+def test_the_cli_runs_with_only_the_base_dependencies() -> None:
+    """`pip install -e .` (no extras) must be enough for `fulcrum replay`, as the README's first command promises:
+    no subcommand may import an extra's library (aiohttp, kopf, aetcd, nats, kubernetes, prometheus_*) at parse
+    time. The extras' modules are blocked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    blocked = ["aiohttp", "kopf", "aetcd", "nats", "kubernetes", "prometheus_client", "prometheus_api_client",
+               "uvloop", "grafana_foundation_sdk"]
+    code = (
+        "import sys\n"
+        f"for m in {blocked!r}: sys.modules[m] = None\n"
+        "from fulcrum.cli import main\n"
+        "sys.exit(main(['plan', '--profile', 'dopd-llama70b-fp8-h100', '--isl', '1000', '--osl', '150', '--rate', '5']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ratio" in proc.stdout.lower()
