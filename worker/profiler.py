@@ -13,7 +13,8 @@ Three parts, kept apart so the middle one is testable without a server (STYLE.md
    - a **TPOT grid** over (batch, context): ``batch`` concurrent streamed requests with ``ignore_eos`` and
      ``decode_tokens`` output tokens each, prompts of ``context − decode_tokens/2`` tokens (so the mean
      context during decoding is ``context``); TPOT = the engine's own mean inter-token latency over the batch
-     (delta of vLLM's ``vllm:inter_token_latency_seconds`` sum/count around it: engine-side timestamps), or,
+     (delta of vLLM's ``vllm:inter_token_latency_seconds`` sum/count over the steady window — from the moment every
+     request of the batch has its first token to the moment the first one finishes — engine-side timestamps), or,
      where the endpoint has no such metric, the client-side time per token inside the steady window, from the
      moment the last request got its first token to the moment the first request finished (:func:`steady_tpot`).
 
@@ -725,8 +726,10 @@ class _Client:
                 return total, count
         return None
 
-    async def stream(self, prompt: list[int], max_tokens: int) -> list[tuple[float, int]]:
+    async def stream(self, prompt: list[int], max_tokens: int,
+                     on_first: Callable[[], None] | None = None) -> list[tuple[float, int]]:
         """Send one streamed completion; returns (monotonic time, tokens so far) per chunk carrying text.
+        ``on_first`` is called once, when the first token arrives.
 
         Raises:
             _Unmeasurable: a 400 about the context length.
@@ -765,6 +768,8 @@ class _Client:
                     else:
                         continue  # a final chunk with the finish reason only
                     marks.append((time.monotonic(), n))
+                    if on_first is not None and len(marks) == 1:
+                        on_first()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
             raise _Failed(f"{type(err).__name__}: {err}") from err
         if not marks or marks[-1][1] < max_tokens:
@@ -910,8 +915,27 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
             plen = max(1, context - grid.decode_tokens // 2)
             prompts = [await client.prompt(plen) for _ in range(batch)]
             before = await client.itl_totals()
-            results = await asyncio.gather(*(client.stream(p, grid.decode_tokens) for p in prompts),
-                                           return_exceptions=True)
+            started = 0
+            all_started = asyncio.Event()
+
+            def first() -> None:
+                nonlocal started
+                started += 1
+                if started == batch:
+                    all_started.set()
+
+            tasks = [asyncio.create_task(client.stream(p, grid.decode_tokens, first)) for p in prompts]
+            waiter = asyncio.create_task(all_started.wait())
+            # the steady window: every request decoding (the last prefill done) until the first one finishes,
+            # so the batch's own prefills do not inflate its decode steps
+            await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            steady_from = steady_to = None
+            if all_started.is_set() and not any(t.done() for t in tasks):
+                steady_from = await client.itl_totals()
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                steady_to = await client.itl_totals()
+            waiter.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
             for r in results:
                 if isinstance(r, _Unmeasurable):
                     raise r
@@ -919,9 +943,11 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
             if errors:
                 raise _Failed(f"{len(errors)} of {batch} requests failed: {errors[0]}")
             after = await client.itl_totals()
-            if before is not None and after is not None and after[1] - before[1] >= batch:
-                # the engine's own inter-token histogram: engine-side timestamps, immune to bursty delivery
-                return max((after[0] - before[0]) / (after[1] - before[1]), 1e-9)
+            # the engine's own inter-token histogram: engine-side timestamps, immune to bursty delivery; its steady
+            # window when the window saw at least one step of the whole batch, else the whole run
+            for lo, hi in ((steady_from, steady_to), (before, after)):
+                if lo is not None and hi is not None and hi[1] - lo[1] >= batch:
+                    return max((hi[0] - lo[0]) / (hi[1] - lo[1]), 1e-9)
             return steady_tpot([r for r in results if not isinstance(r, BaseException)])
 
         prefill: list[PointResult] = []

@@ -59,7 +59,8 @@ def test_fulcrum_profile_measures_back_the_profile_a_sim_worker_emulates(tmp_pat
         assert abs(measured.ttft(isl, TP) - source.ttft(isl, TP)) <= 0.10 * source.ttft(isl, TP) + 0.015, isl
     for batch in (1, 8):
         for context in (256, 1024):
-            # TPOT is the engine's own inter-token latency (vllm:inter_token_latency_seconds); the batch's context
-            # grows by the tokens it decodes while measured (CI saw +5.3% at batch 8, context 1024): within 10%
+            # TPOT is the engine's own inter-token latency (vllm:inter_token_latency_seconds) over the steady window
+            # (all requests decoding); within the 10% the sim-worker promises (measured: 1.000 on a quiet machine;
+            # before the steady window, CI saw +5 to +11% at batch 8, context 1024 from the batch's own prefills)
             assert abs(measured.tpot(batch, context, TP) / source.tpot(batch, context, TP) - 1) <= 0.10, (batch, context)
     assert fulcrum(["plan", "--profile", str(out), "--isl", "1000", "--osl", "150", "--rate", "5"]) == 0
