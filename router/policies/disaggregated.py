@@ -11,7 +11,10 @@ Per request of P prompt tokens:
 Expected prefix-cache hits. Prompt KV blocks are identified by chained hashes (vLLM's prefix caching: a block's
 hash covers every token before it), so the tokens an instance can reuse are the LEADING blocks of the prompt it
 holds: ``hit_tokens = min(P, n_leading · kv_block_tokens)`` where ``n_leading`` counts
-``RequestInfo.prefix_hashes`` from the first while each is in ``InstanceView.prefix_hashes``.
+``RequestInfo.prefix_hashes`` from the first while each is in ``InstanceView.prefix_hashes`` (what an instance
+reports) or in the policy's own :class:`~fulcrum.router.policies.load_aware.PrefixIndex` — the blocks of the prompts
+it routed there (both the prefill and the decode instance hold a prompt's KV afterwards; least recently used out
+first; an estimate of each engine's prefix cache, as DOPD's router infers it).
 
 Costs (documented, in tokens; the smallest wins, ties → fewer in-flight requests → round-robin):
 
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 
 from fulcrum.router.batcher import PrefillBatcher
 from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.router.policies.load_aware import PrefixIndex
 from fulcrum.router.policies.round_robin import (
     TieBreaker,
     colocated_decision,
@@ -42,16 +46,21 @@ from fulcrum.router.policies.round_robin import (
 __all__ = ["DisaggregatedPolicy", "prefix_hit_tokens"]
 
 
-def prefix_hit_tokens(req: RequestInfo, inst: InstanceView, kv_block_tokens: int) -> int:
-    """Prompt tokens ``inst`` holds in its prefix cache for ``req``: leading matching blocks × block size, ≤ P."""
-    held = inst.prefix_hashes
-    if not held or not req.prefix_hashes:
+def prefix_hit_tokens(req: RequestInfo, inst: InstanceView, kv_block_tokens: int,
+                      index: PrefixIndex | None = None) -> int:
+    """Prompt tokens ``inst`` holds in its prefix cache for ``req``: leading matching blocks × block size, ≤ P —
+    from what the instance reports (``InstanceView.prefix_hashes``) or, larger of the two, what ``index`` knows."""
+    if not req.prefix_hashes:
         return 0
     n = 0
-    for h in req.prefix_hashes:
-        if h not in held:
-            break
-        n += 1
+    held = inst.prefix_hashes
+    if held:
+        for h in req.prefix_hashes:
+            if h not in held:
+                break
+            n += 1
+    if index is not None:
+        n = max(n, index.leading(inst.id, req.prefix_hashes))
     return min(req.prompt_tokens, n * kv_block_tokens)
 
 
@@ -67,6 +76,7 @@ class DisaggregatedPolicy:
         long_request_tokens: i_next of DOPD Alg. 1 for :meth:`new_batcher`, tokens.
         batch_timeout_s: grouping timeout of DOPD Alg. 1 for :meth:`new_batcher`, s (0 = no grouping).
         max_batch_tokens: token cap of one prefill group for :meth:`new_batcher` (None: none).
+        index_blocks_per_instance: prompt blocks remembered per instance for the prefix-hit estimate.
 
     Raises:
         ValueError: a negative threshold or weight, or ``kv_block_tokens < 1``.
@@ -83,6 +93,7 @@ class DisaggregatedPolicy:
         long_request_tokens: int = 2048,
         batch_timeout_s: float = 0.0,
         max_batch_tokens: int | None = None,
+        index_blocks_per_instance: int = 65_536,
     ) -> None:
         if ultra_short_tokens < 0 or miss_weight < 0 or kv_block_tokens < 1:
             raise ValueError("ultra_short_tokens and miss_weight must be >= 0 and kv_block_tokens >= 1")
@@ -98,6 +109,9 @@ class DisaggregatedPolicy:
         )
         self._prefill_ties = TieBreaker()
         self._decode_ties = TieBreaker()
+        self.index = PrefixIndex(index_blocks_per_instance)
+        self.uses_prefix_hashes = True
+        """The router computes ``RequestInfo.prefix_hashes`` (when it knows the prompt's token ids)."""
 
     def new_batcher(self) -> PrefillBatcher[RequestInfo]:
         """A DOPD Alg. 1 prefill grouper with this policy's ``long_request_tokens`` and ``batch_timeout_s``."""
@@ -108,13 +122,13 @@ class DisaggregatedPolicy:
 
     def decode_cost(self, req: RequestInfo, inst: InstanceView, by_capacity: bool) -> float:
         """Decode-instance cost of ``req`` on ``inst`` (module doc), tokens or a fraction of KV capacity."""
-        miss = req.prompt_tokens - prefix_hit_tokens(req, inst, self.kv_block_tokens)
+        miss = req.prompt_tokens - prefix_hit_tokens(req, inst, self.kv_block_tokens, self.index)
         cost = inst.running_tokens + inst.queued_prefill_tokens + self.miss_weight * miss
         return cost / inst.kv_capacity_tokens if by_capacity else cost
 
     def prefill_cost(self, req: RequestInfo, inst: InstanceView) -> float:
         """Prefill-instance cost of ``req`` on ``inst``: queued prompt tokens plus its own uncached ones."""
-        return inst.queued_prefill_tokens + req.prompt_tokens - prefix_hit_tokens(req, inst, self.kv_block_tokens)
+        return inst.queued_prefill_tokens + req.prompt_tokens - prefix_hit_tokens(req, inst, self.kv_block_tokens, self.index)
 
     def _pick_decode(self, req: RequestInfo, cands: Sequence[InstanceView]) -> InstanceView:
         by_cap = all(i.kv_capacity_tokens > 0 for i in cands)
@@ -149,8 +163,11 @@ class DisaggregatedPolicy:
         )
 
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None:
-        """Stateless: nothing to record."""
-        return None
+        """Record that the chosen instances now hold the prompt's blocks (the prefix-hit estimate)."""
+        if req.prefix_hashes:
+            self.index.record(decision.first, req.prefix_hashes)
+            if decision.second is not None:
+                self.index.record(decision.second, req.prefix_hashes)
 
     def on_finish(self, request_id: str, now: float) -> None:
         """Stateless: nothing to forget."""

@@ -174,3 +174,21 @@ def test_batcher_rejects_bad_settings_and_policy_builds_one_from_its_parameters(
         DisaggregatedPolicy(batch_timeout_s=-1.0)
     b = DisaggregatedPolicy(long_request_tokens=777, batch_timeout_s=0.02).new_batcher()
     assert (b.long_request_tokens, b.batch_timeout_s) == (777, 0.02)
+
+
+def test_a_repeated_prefix_returns_to_the_instances_the_policy_sent_it_to() -> None:
+    # two equal decode instances report no cache: the policy's own index of routed prompts makes the difference
+    fleet = [InstanceView("p1", role="prefill"), InstanceView("p2", role="prefill"),
+             InstanceView("d1", role="decode", running_tokens=5_000), InstanceView("d2", role="decode", running_tokens=5_000)]
+    policy = DisaggregatedPolicy(kv_block_tokens=16)
+    assert policy.uses_prefix_hashes
+    shared = tuple(range(100, 160))  # a 960-token system prompt
+    first = policy.route(req(1000, shared + (1, 2), rid="a"), fleet, 0.0)
+    policy.on_start(req(1000, shared + (1, 2), rid="a"), first, 0.0)
+    follow = [policy.route(req(1000, shared + (k, k + 1), rid=f"b{k}"), fleet, 0.0) for k in range(3, 9)]
+    assert {d.second for d in follow} == {first.second}  # the warm decode instance every time
+    assert {d.first for d in follow} == {first.first}  # and the warm prefill instance
+    # a different prompt sees no hit and breaks ties as before
+    cold = req(1000, tuple(range(900, 962)), rid="c")
+    assert prefix_hit_tokens(cold, fleet[2], 16, policy.index) == 0
+    assert prefix_hit_tokens(req(1000, shared, rid="s"), InstanceView(first.second, role="decode"), 16, policy.index) == 960
