@@ -54,6 +54,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from fulcrum.router.registry import InstanceRecord
 
 __all__ = [
+    "signal_process_group",
+    "process_group_alive",
     "EngineLoad",
     "Registration",
     "Supervisor",
@@ -386,13 +388,13 @@ class Supervisor:
         proc = self._proc
         assert proc is not None
         pgid = proc.pid
-        _signal_group(pgid, signal.SIGTERM)
+        signal_process_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self._settings.kill_grace_s
-        while time.monotonic() < deadline and _group_alive(pgid):
+        while time.monotonic() < deadline and process_group_alive(pgid):
             await asyncio.sleep(0.1)
-        if _group_alive(pgid):
+        if process_group_alive(pgid):
             log.warning("worker: engine still running %.0f s after SIGTERM; SIGKILL", self._settings.kill_grace_s)
-            _signal_group(pgid, signal.SIGKILL)
+            signal_process_group(pgid, signal.SIGKILL)
         with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
             await asyncio.wait_for(proc.wait(), timeout=10.0)
         log.info("worker: engine stopped (code %s)", proc.returncode)
@@ -430,12 +432,14 @@ def _lists_a_model(body: str) -> bool:
     return isinstance(data, dict) and bool(data.get("data"))
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_process_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; a group that is gone (or not ours) is ignored."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
 
-def _group_alive(pgid: int) -> bool:
+def process_group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still alive (one we may not signal counts as alive)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

