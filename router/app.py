@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor
 from fulcrum.router.config import ConfigWatcher, PrefillQueueConfig, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
@@ -814,11 +815,7 @@ def create_app(
             st.tasks.append(asyncio.create_task(_watch_config(st, asyncio.sleep), name="router-config"))
 
     async def cleanup(app: web.Application) -> None:
-        for t in st.tasks:
-            t.cancel()
-        for t in st.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(st.tasks)  # the depth watcher's NATS calls can swallow one cancel (Python 3.11)
         st.tasks.clear()
         if isinstance(st.pool, QueuedPrefillPool) and st.pool.prefill_queue is not None:
             await st.pool.prefill_queue.close()

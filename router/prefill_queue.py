@@ -57,6 +57,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.errors import FulcrumError
 
 __all__ = [
@@ -758,12 +759,8 @@ async def run_prefill_worker(
                 await worker.close()
             await run
         finally:
-            stopper.cancel()
-            for t in recovery:
-                t.cancel()
-            if not run.done():
-                run.cancel()
-            await asyncio.gather(run, stopper, *recovery, return_exceptions=True)
+            # the pull loop's fetch is built on wait_for, which can swallow one cancel (Python 3.11)
+            await cancel_and_wait([run, stopper, *recovery])
             await worker.close()
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import aetcd  # type: ignore[import-untyped]
 
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.errors import FulcrumError
 from fulcrum.router.registry import InstanceRecord, instance_key, instance_prefix
 from fulcrum.router.backoff import Backoff
@@ -368,9 +369,7 @@ class EtcdRegistration:
         """
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
         lease_id, self._lease_id = self._lease_id, None
         self._registered = False
         client, self._client = self._client, None

@@ -13,11 +13,11 @@ register in and deregister from etcd; :class:`Registrations` runs several such t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.router.prefill_queue import QueueLayout, run_prefill_worker
 
 __all__ = ["Startable", "PrefillPuller", "Registrations"]
@@ -94,9 +94,7 @@ class PrefillPuller:
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout=self._stop_timeout_s)
         except asyncio.TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
 
 
 class Registrations:

@@ -52,6 +52,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.router.registry_etcd import EtcdRegistration
 from fulcrum.worker.sim_engine import (
@@ -228,9 +229,7 @@ class SimWorker:
         """Stop the engine loop, cancel hold timers, close the pull client (app clean-up)."""
         task, self._loop_task = self._loop_task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
         for h in self._release.values():
             h.cancel()
         self._release.clear()

@@ -51,6 +51,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.router.registry import InstanceRecord
 
 __all__ = [
@@ -294,10 +295,7 @@ class Supervisor:
                 return self._engine_died(exited.result(), "while draining")
             return 0
         finally:
-            for task in (stop, ready):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait([stop, ready])
 
     @staticmethod
     def _engine_died(code: int, when: str) -> int:
