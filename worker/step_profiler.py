@@ -130,15 +130,16 @@ class StreamTiming:
 
 async def stream_completion(
     session: aiohttp.ClientSession, base_url: str, *, model: str, prompt: list[int], max_tokens: int,
-    first_token: asyncio.Event | None = None,
+    first_token: asyncio.Event | None = None, timing: StreamTiming | None = None,
 ) -> StreamTiming:
     """Send one streaming ``/v1/completions`` request (greedy, ``ignore_eos``) and time its tokens.
 
-    ``first_token`` is set when the first token arrives. Raises :class:`FulcrumError` on a non-200 answer.
+    ``first_token`` is set when the first token arrives. Pass ``timing`` (a fresh :class:`StreamTiming`) to
+    watch ``timing.chunks`` grow while the stream runs. Raises :class:`FulcrumError` on a non-200 answer.
     """
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    timing = StreamTiming(len(prompt))
+    timing = timing if timing is not None else StreamTiming(len(prompt))
     start = last = time.monotonic()
     async with session.post(f"{base_url}/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -211,36 +212,94 @@ async def run_mixed_load(
     return MixedLoadResult(list(decode_timings), list(long_timings), time.monotonic() - start)
 
 
+async def _wait_for_chunks(streams: Sequence[StreamTiming], tasks: Sequence[asyncio.Task[StreamTiming]],
+                           at_least: Sequence[int], timeout_s: float) -> None:
+    """Wait until every ``streams[i]`` has ``at_least[i]`` chunks (or its task ended). Raises on a failed task."""
+    deadline = time.monotonic() + timeout_s
+    while any(t.chunks < n and not task.done() for t, task, n in zip(streams, tasks, at_least, strict=True)):
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        if time.monotonic() > deadline:
+            raise FulcrumError(f"the decodes did not stream within {timeout_s:.0f} s")
+        await asyncio.sleep(0.002)
+
+
+async def _profile_composition(
+    session: aiohttp.ClientSession, base_url: str, *, model: str, decodes: int, context: int, prefill: int,
+    decode_cap: int, rng: random.Random, timeout_s: float, settle_chunks: int = 3,
+) -> bool:
+    """One composition of :func:`profile_steps`: ``decodes`` streams of ``context``-token prompts, then one
+    ``prefill``-token prompt beside them, then the decodes alone again; the decodes are cancelled (the engine
+    aborts them) once they have streamed ``settle_chunks`` more chunks after the prompt's prefill.
+
+    Returns False when a decode reached ``decode_cap`` tokens before the prompt had prefilled (the mixed step
+    may not have happened; the caller retries with a larger cap). Raises :class:`FulcrumError` on a failed request.
+    """
+    timings = [StreamTiming(context) for _ in range(decodes)]
+    tasks = [
+        asyncio.create_task(stream_completion(session, base_url, model=model, prompt=synthetic_prompt(context, rng),
+                                              max_tokens=decode_cap, timing=t))
+        for t in timings
+    ]
+    try:
+        # decode-only steps with all ``decodes`` running: each stream has its first token and a few more
+        await _wait_for_chunks(timings, tasks, [settle_chunks] * decodes, timeout_s)
+        await stream_completion(session, base_url, model=model, prompt=synthetic_prompt(prefill, rng), max_tokens=1)
+        if any(task.done() for task in tasks):
+            return False
+        # decode-only steps after the mixed one
+        await _wait_for_chunks(timings, tasks, [t.chunks + settle_chunks for t in timings], timeout_s)
+        return True
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def profile_steps(
     base_url: str, metrics_url: str, *, model: str, prefill_tokens: Sequence[int], decode_counts: Sequence[int],
-    contexts: Sequence[int], decode_tokens: int = 24, seed: int = 0, timeout_s: float = 600.0,
+    contexts: Sequence[int], decode_tokens: int = 256, seed: int = 0, timeout_s: float = 600.0, retries: int = 2,
 ) -> StepLatencyTable:
     """Fill the step latency table from measured steps of a running engine (the offline mode of Alg. 2's table).
 
     For every context ``c`` in ``contexts`` (tokens), decode count ``d`` in ``decode_counts`` and prefill size
-    ``p`` in ``prefill_tokens`` (tokens): ``d`` decodes with ``c``-token prompts stream ``decode_tokens``
-    tokens each while one ``p``-token prompt prefills beside them; the engine's scheduler records every step
-    (prefill-only steps, mixed steps, decode-only steps). Afterwards the table is read from ``metrics_url``.
+    ``p`` in ``prefill_tokens`` (tokens): ``d`` decodes with ``c``-token prompts stream (decode-only steps),
+    one ``p``-token prompt prefills beside all of them (the mixed step), the decodes stream a few more steps
+    alone, then they are cancelled. The engine's scheduler records every step; afterwards the table is read
+    from ``metrics_url``. ``decode_tokens`` caps each decode (tokens): it only has to outlast the prompt's
+    admission; when a decode reaches it first, the composition is run again with twice the cap (``retries``
+    times at most).
 
     The engine must run ``--scheduler-cls fulcrum.worker.slo_scheduler.SLOAwareScheduler`` without
     ``FULCRUM_TPOT_SLO_MS`` (recording only) and with ``FULCRUM_SCHEDULER_METRICS_PORT``. Its
-    ``--max-model-len`` must exceed ``max(contexts) + decode_tokens`` and ``max(prefill_tokens)``.
+    ``--max-model-len`` must exceed ``max(contexts) + decode_tokens · 2**retries`` and ``max(prefill_tokens)``.
 
     Raises:
-        ValueError: an empty or non-positive grid.
-        FulcrumError: a request fails or the metrics hold no table.
+        ValueError: an empty or non-positive grid, or ``decode_tokens`` < 8.
+        FulcrumError: a request fails, a composition still ran out of decode tokens after ``retries`` reruns,
+            or the metrics hold no table.
     """
     grids = {"prefill_tokens": prefill_tokens, "decode_counts": decode_counts, "contexts": contexts}
     for name, grid in grids.items():
         if not grid or any(int(v) < 1 for v in grid):
             raise ValueError(f"{name} must be a non-empty list of positive integers, got {list(grid)!r}")
-    for c in contexts:
-        for d in decode_counts:
-            for p in prefill_tokens:
-                await run_mixed_load(
-                    base_url, model=model, decodes=int(d), decode_prompt_tokens=int(c), decode_max_tokens=decode_tokens,
-                    long_prompts=1, long_prompt_tokens=int(p), long_max_tokens=1, seed=seed, timeout_s=timeout_s,
-                )
-                seed += 1
+    if decode_tokens < 8:
+        raise ValueError(f"decode_tokens must be >= 8 (the decodes stream before and after the prompt), got {decode_tokens}")
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        for c in contexts:
+            for d in decode_counts:
+                for p in prefill_tokens:
+                    cap = decode_tokens
+                    for _ in range(retries + 1):
+                        if await _profile_composition(session, base_url, model=model, decodes=int(d), context=int(c),
+                                                      prefill=int(p), decode_cap=cap, rng=rng, timeout_s=timeout_s):
+                            break
+                        cap *= 2
+                    else:
+                        raise FulcrumError(
+                            f"the {d} decodes (context {c}) finished {cap // 2} tokens before the {p}-token prompt "
+                            f"was admitted, {retries + 1} times: is the engine overloaded? raise decode_tokens")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         return await fetch_table(session, metrics_url)
