@@ -112,6 +112,7 @@ class _Runtime:
     degraded: str | None = None
     loop_previous: ClusterTarget = field(default_factory=ClusterTarget)
     invalid_spec_event: int | None = None
+    warmed: bool = False
 
 
 def _key(body: Mapping[str, Any]) -> str:
@@ -370,6 +371,9 @@ class Controller:
         if rt.observer is None:
             why = "no Prometheus configured (--prometheus-url)"
         else:
+            if not rt.warmed:
+                rt.warmed = True
+                await self._warm_start(key, rt, rt.observer, ready)
             try:
                 obs = await asyncio.to_thread(rt.observer.observe, self.clock(), rt.loop.interval_s, ready)
             except ObservationError as e:
@@ -389,6 +393,22 @@ class Controller:
                           selector=worker_selector(serve.metadata.name), now=self.now(), outcome=outcome,
                           degraded=degraded, draining=rt.draining)
         return await self._write_status(body, st)
+
+    async def _warm_start(self, key: str, rt: _Runtime, observer: PrometheusObserver, ready: ReadyCounts) -> None:
+        """Fit a new loop's forecaster on the intervals Prometheus kept (``ControlLoop.warm_start``), so that an
+        operator restart or a spec change does not restart forecasting cold. The interval observed next is not
+        history: the newest one read ends an interval before now. Prometheus failing here is logged, not fatal."""
+        wanted = rt.loop.history_wanted
+        if wanted <= 0:
+            return
+        interval = rt.loop.interval_s
+        try:
+            history = await asyncio.to_thread(observer.history, self.clock() - interval, interval, wanted, ready)
+        except ObservationError as err:
+            log.warning("%s: the forecaster starts cold: no history from Prometheus (%s)", key, err)
+            return
+        fed = rt.loop.warm_start(history)
+        log.info("%s: forecaster warm-started on %d of the last %d intervals", key, fed, wanted)
 
     async def _act(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> list[str]:
         """Apply scale-outs (and everything else) at once, hold scale-ins until their pods are drained.

@@ -18,10 +18,12 @@ Rules on top of the planner (DESIGN principle 3 and the card's faults):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fulcrum.api.llmserve import LLMServeSpec
+from fulcrum.forecast.workload import required_history
 from fulcrum.observation import Observation
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import make_planner
@@ -145,6 +147,31 @@ class ControlLoop:
     def interval_s(self) -> float:
         """The planner interval, seconds."""
         return float(self.planner.tick_s)
+
+    @property
+    def history_wanted(self) -> int:
+        """Past intervals a warm start should read (:meth:`warm_start`): the forecaster's fitting window, or
+        the history its method needs when that is longer (a seasonal-naive season); 0 for planners that do
+        not forecast."""
+        if getattr(self.planner, "forecaster", None) is None:
+            return 0
+        fc = self.spec.scaling.forecaster
+        return max(int(fc.window), required_history(fc.method, fc))
+
+    def warm_start(self, history: Sequence[Observation]) -> int:
+        """Feed past intervals (oldest first) to the planner's forecaster without planning on them, so that a
+        loop built after an operator restart or a spec change forecasts from the load Prometheus kept instead
+        of starting cold (DOPD Alg. 2 lines 5–7 run on the history; no decision is taken).
+
+        Returns the observations fed: 0 for a planner without a forecaster. Never raises on odd values (the
+        forecaster's contract).
+        """
+        forecaster = getattr(self.planner, "forecaster", None)
+        if forecaster is None or not hasattr(forecaster, "observe"):
+            return 0
+        for obs in history:
+            forecaster.observe(obs)
+        return len(history)
 
     def step(self, obs: Observation | None, *, error: str | None = None) -> LoopOutcome:
         """One interval. ``obs`` None (``error`` says why) keeps the target in force and reports degraded.

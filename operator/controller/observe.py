@@ -15,13 +15,19 @@ so any SLO works, not only one that falls on a bucket boundary.
 
 Errors: Prometheus unreachable, answering an error, or holding no router series at all raises
 :class:`ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
+
+History (:meth:`PrometheusObserver.history`): the same queries as range queries (``query_range``, step = the
+interval), one Observation per past interval, so a forecaster that starts with the operator (a restart, a new
+spec generation) is fitted on the load Prometheus kept instead of starting cold (DOPD Alg. 2 needs a window of
+past intervals before its ARIMA forecasts are its own).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from fulcrum.errors import FulcrumError
@@ -118,9 +124,12 @@ class ObservationError(FulcrumError):
 
 
 class QueryClient(Protocol):
-    """What the observer needs of a Prometheus client: ``prometheus_api_client.PrometheusConnect`` fits."""
+    """What the observer needs of a Prometheus client (``prometheus_api_client.PrometheusConnect`` has it)."""
 
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
+
+    def custom_query_range(self, query: str, start_time: datetime, end_time: datetime, step: str,
+                           params: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,11 @@ def histogram_share_below(x: float, buckets: Sequence[tuple[float, float]]) -> f
     return 1.0
 
 
+def _duration(seconds: float) -> str:
+    """A PromQL duration of whole seconds, at least ``1s``."""
+    return f"{max(int(round(seconds)), 1)}s"
+
+
 def _value(r: dict[str, Any]) -> float:
     try:
         return float(r["value"][1])
@@ -228,24 +242,22 @@ class PrometheusObserver:
         self.tpot_slo_s = tpot_slo_s
         self.percentile = percentile
 
+    def _promql(self, template: str, window_s: float) -> str:
+        s = self.selectors
+        return template.format(router=s.router, prefill_pods=s.prefill_pods, decode_pods=s.decode_pods,
+                               window=_duration(window_s))
+
     def query(self, template: str, window_s: float) -> list[dict[str, Any]]:
         """Run one query template over a ``window_s`` window.
 
         Raises:
             ObservationError: Prometheus unreachable or answering an error (the cause chained).
         """
-        s = self.selectors
-        promql = template.format(router=s.router, prefill_pods=s.prefill_pods, decode_pods=s.decode_pods,
-                                 window=f"{max(int(round(window_s)), 1)}s")
+        promql = self._promql(template, window_s)
         try:
             return list(self.client.custom_query(promql))
         except Exception as err:  # requests' ConnectionError/Timeout, PrometheusApiClientException, bad JSON
             raise ObservationError(f"Prometheus query failed ({type(err).__name__}: {err}) for {promql}") from err
-
-    def _scalar(self, template: str, window_s: float, default: float = 0.0) -> float:
-        res = self.query(template, window_s)
-        v = _value(res[0]) if res else math.nan
-        return v if math.isfinite(v) else default
 
     def observe(self, time_s: float, interval_s: float, ready: ReadyCounts) -> Observation:
         """The Observation of the interval ``(time_s - interval_s, time_s]``.
@@ -258,23 +270,81 @@ class PrometheusObserver:
         Raises:
             ObservationError: Prometheus unreachable/failing, or no router series at all (not scraped).
         """
-        arrivals_res = self.query(Q_ARRIVALS, interval_s)
+        return self._observation(time_s, interval_s, ready, lambda template: self.query(template, interval_s))
+
+    def history(self, end_s: float, interval_s: float, count: int, ready: ReadyCounts) -> list[Observation]:
+        """The Observations of the ``count`` intervals ending at ``end_s - k·interval_s`` (k = count−1 … 0),
+        oldest first, from range queries (one ``query_range`` per query template, step ``interval_s``).
+
+        Intervals in which the router had no series (before it existed, or a scrape gap) are left out, so the
+        list may be shorter than ``count``, or empty. ``ready`` is carried into every Observation (Prometheus
+        does not hold the Deployments' ready counts; the forecaster does not read them).
+
+        Args:
+            end_s: end of the newest interval, Unix seconds (Prometheus' time axis).
+            interval_s: interval length, seconds (the PromQL window and the range step).
+            count: intervals wanted, ≥ 1.
+
+        Raises:
+            ValueError: ``count`` < 1 or ``interval_s`` ≤ 0.
+            ObservationError: Prometheus unreachable or answering an error.
+        """
+        if count < 1 or not interval_s > 0:
+            raise ValueError(f"need count >= 1 and interval_s > 0, got {count} and {interval_s}")
+        start_s = end_s - (count - 1) * interval_s
+        by_template: dict[str, dict[float, list[dict[str, Any]]]] = {}
+
+        def at(template: str) -> dict[float, list[dict[str, Any]]]:
+            if template not in by_template:
+                by_template[template] = self._range(template, interval_s, start_s, end_s)
+            return by_template[template]
+
+        out: list[Observation] = []
+        for t in sorted(at(Q_ARRIVALS)):
+            out.append(self._observation(t, interval_s, ready, lambda template, t=t: at(template).get(t, [])))
+        return out
+
+    def _range(self, template: str, interval_s: float, start_s: float, end_s: float) -> dict[float, list[dict[str, Any]]]:
+        """One range query → {evaluation time (s, ms-rounded): instant-query-shaped samples at that time}."""
+        promql = self._promql(template, interval_s)
+        try:
+            series = self.client.custom_query_range(
+                promql, start_time=datetime.fromtimestamp(start_s, tz=timezone.utc),
+                end_time=datetime.fromtimestamp(end_s, tz=timezone.utc), step=_duration(interval_s))
+        except Exception as err:  # requests' ConnectionError/Timeout, PrometheusApiClientException, bad JSON
+            raise ObservationError(f"Prometheus range query failed ({type(err).__name__}: {err}) for {promql}") from err
+        at: dict[float, list[dict[str, Any]]] = {}
+        for one in series:
+            for t, v in one.get("values", []):
+                at.setdefault(round(float(t), 3), []).append({"metric": one.get("metric", {}), "value": [t, v]})
+        return at
+
+    def _observation(self, time_s: float, interval_s: float, ready: ReadyCounts,
+                     fetch: Callable[[str], list[dict[str, Any]]]) -> Observation:
+        """Build the Observation from ``fetch(template)`` answers (instant-query shaped)."""
+
+        def scalar(template: str, default: float = 0.0) -> float:
+            res = fetch(template)
+            v = _value(res[0]) if res else math.nan
+            return v if math.isfinite(v) else default
+
+        arrivals_res = fetch(Q_ARRIVALS)
         if not arrivals_res:
             raise ObservationError(
                 f"Prometheus has no router series for {{{self.selectors.router}}} (is the router scraped?)")
         arrivals_f = _value(arrivals_res[0])
         arrivals = int(round(arrivals_f)) if math.isfinite(arrivals_f) else 0
-        isl_sum = self._scalar(Q_INPUT_TOKENS_SUM, interval_s)
-        isl_n = self._scalar(Q_INPUT_TOKENS_COUNT, interval_s)
-        isl_b = _buckets(self.query(Q_INPUT_TOKENS_BUCKETS, interval_s))
-        osl_sum = self._scalar(Q_OUTPUT_TOKENS_SUM, interval_s)
-        osl_n = self._scalar(Q_OUTPUT_TOKENS_COUNT, interval_s)
-        osl_b = _buckets(self.query(Q_OUTPUT_TOKENS_BUCKETS, interval_s))
+        isl_sum = scalar(Q_INPUT_TOKENS_SUM)
+        isl_n = scalar(Q_INPUT_TOKENS_COUNT)
+        isl_b = _buckets(fetch(Q_INPUT_TOKENS_BUCKETS))
+        osl_sum = scalar(Q_OUTPUT_TOKENS_SUM)
+        osl_n = scalar(Q_OUTPUT_TOKENS_COUNT)
+        osl_b = _buckets(fetch(Q_OUTPUT_TOKENS_BUCKETS))
         if osl_n <= 0:  # nothing finished yet: the router's predicted OSL at admission
-            osl_sum = self._scalar(Q_PREDICTED_OUTPUT_SUM, interval_s)
-            osl_n = self._scalar(Q_PREDICTED_OUTPUT_COUNT, interval_s)
-        ttft_b = _buckets(self.query(Q_TTFT_BUCKETS, interval_s))
-        tpot_b = _buckets(self.query(Q_TPOT_BUCKETS, interval_s))
+            osl_sum = scalar(Q_PREDICTED_OUTPUT_SUM)
+            osl_n = scalar(Q_PREDICTED_OUTPUT_COUNT)
+        ttft_b = _buckets(fetch(Q_TTFT_BUCKETS))
+        tpot_b = _buckets(fetch(Q_TPOT_BUCKETS))
         ttft_att = histogram_share_below(self.ttft_slo_s, ttft_b)
         tpot_att = histogram_share_below(self.tpot_slo_s, tpot_b)
         # Joint attainment needs per-request data the histograms lack: min() is its upper bound, and the two
@@ -291,16 +361,16 @@ class PrometheusObserver:
             mean_osl=osl_sum / osl_n if osl_n > 0 else 0.0,
             isl_quantiles=tuple(histogram_quantile(q, isl_b) for q in QUANTILE_LEVELS) if has_isl else (),
             osl_quantiles=tuple(histogram_quantile(q, osl_b) for q in QUANTILE_LEVELS) if has_osl else (),
-            concurrency=max(self._scalar(Q_CONCURRENCY, interval_s), 0.0),
-            completed=max(int(round(self._scalar(Q_COMPLETED, interval_s))), 0),
+            concurrency=max(scalar(Q_CONCURRENCY), 0.0),
+            completed=max(int(round(scalar(Q_COMPLETED))), 0),
             ttft_attainment=ttft_att,
             tpot_attainment=tpot_att,
             slo_attainment=min(both) if both else math.nan,
             ttft_p_s=histogram_quantile(level, ttft_b),
             tpot_p_s=histogram_quantile(level, tpot_b),
-            prefill_queue=max(int(round(self._scalar(Q_PREFILL_QUEUE, interval_s)
-                                        + self._scalar(Q_PREFILL_QUEUE_NATS, interval_s))), 0),
-            decode_queue=max(int(round(self._scalar(Q_DECODE_QUEUE, interval_s))), 0),
-            kv_utilisation=min(max(self._scalar(Q_KV_USAGE, interval_s), 0.0), 1.0),
+            prefill_queue=max(int(round(scalar(Q_PREFILL_QUEUE)
+                                        + scalar(Q_PREFILL_QUEUE_NATS))), 0),
+            decode_queue=max(int(round(scalar(Q_DECODE_QUEUE))), 0),
+            kv_utilisation=min(max(scalar(Q_KV_USAGE), 0.0), 1.0),
             ready=ready,
         )

@@ -22,7 +22,7 @@ pytest.importorskip("prometheus_api_client")
 from prometheus_api_client import PrometheusConnect  # noqa: E402
 from prometheus_client import start_http_server  # noqa: E402
 
-from fulcrum.controller.observe import ObservationError, PrometheusObserver, Selectors  # noqa: E402
+from fulcrum.controller.observe import Q_ARRIVALS, ObservationError, PrometheusObserver, Selectors  # noqa: E402
 from fulcrum.observation import ReadyCounts  # noqa: E402
 from fulcrum.router.metrics import RouterMetrics  # noqa: E402
 
@@ -137,6 +137,44 @@ def test_the_observer_reads_admitted_load_and_latency_from_a_real_prometheus(
     with pytest.raises(ObservationError, match="no router series"):
         PrometheusObserver(client, other, ttft_slo_s=2.0, tpot_slo_s=0.05, percentile=90).observe(
             100.0, 30.0, ReadyCounts())
+
+
+def test_history_reads_past_intervals_that_match_instant_queries_at_the_same_times(
+        exporter: tuple[RouterMetrics, int], prometheus: str) -> None:
+    """The warm start's range queries (``PrometheusObserver.history``) against a real Prometheus: one
+    Observation per 2 s interval, the load of three bursts in them, and each interval's arrivals equal to the
+    instant query evaluated at that interval's end."""
+    metrics, _ = exporter
+    admitted = metrics.admitted.labels("completions")
+    admitted.inc(0)
+    client = PrometheusConnect(url=prometheus, disable_ssl=True)
+    _wait_for(client, 'count(fulcrum_router_requests_admitted_total{job="llama-router"})', lambda v: v >= 1)
+    time.sleep(2 * SCRAPE_S)
+    for burst in (10, 20, 30):
+        for _ in range(burst):
+            admitted.inc()
+            metrics.input_tokens.observe(500)
+            metrics.predicted_output_tokens.observe(100)
+        time.sleep(2.0)
+    _wait_for(client, 'sum(fulcrum_router_requests_admitted_total{job="llama-router"})', lambda v: v >= 60)
+    time.sleep(2 * SCRAPE_S)
+    sel = Selectors.for_llmserve("llama", "prod")
+    observer = PrometheusObserver(client, sel, ttft_slo_s=2.0, tpot_slo_s=0.05, percentile=90)
+    end = float(int(time.time()))
+    hist = observer.history(end, 2.0, 8, ReadyCounts(1, 1, 0))
+    print("history:", [(round(o.time_s - end, 1), o.arrivals, round(o.mean_isl)) for o in hist])
+    assert 4 <= len(hist) <= 8 and [o.time_s for o in hist] == sorted(o.time_s for o in hist)
+    assert all(b.time_s - a.time_s == pytest.approx(2.0) for a, b in zip(hist, hist[1:]))
+    assert hist[-1].time_s == pytest.approx(end)
+    # increase() extrapolates to the window's edges: the bursts' 60 requests, give or take
+    assert 40 <= sum(o.arrivals for o in hist) <= 90
+    assert all(o.mean_isl == pytest.approx(500.0, rel=0.01) for o in hist if o.arrivals > 0)
+    assert all(o.mean_osl == pytest.approx(100.0, rel=0.01) for o in hist if o.arrivals > 0)
+    arrivals_q = Q_ARRIVALS.format(router=sel.router, prefill_pods=sel.prefill_pods, decode_pods=sel.decode_pods,
+                                   window="2s")
+    for o in hist:  # a range query evaluates exactly what an instant query at that time does
+        at = client.custom_query(arrivals_q, params={"time": o.time_s})
+        assert o.arrivals == int(round(float(at[0]["value"][1])))
 
 
 def test_a_stopped_prometheus_is_an_observation_error() -> None:

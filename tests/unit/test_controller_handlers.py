@@ -26,6 +26,7 @@ from fakes.fake_kube_api import FakeKubeApi
 from fulcrum.controller.apply import KubeClient
 from fulcrum.controller.handlers import Controller, ControllerSettings, register
 from fulcrum.controller.metrics import OperatorMetrics
+from fulcrum.controller.observe import ALL_QUERIES
 
 pytestmark = pytest.mark.asyncio
 
@@ -473,3 +474,44 @@ async def test_operator_wide_connectors_fill_an_empty_spec_and_never_override_on
     body = llmserve()
     body["spec"]["connectors"] = {"etcd": "my-etcd:2379"}
     assert c._parse(body).spec.connectors.etcd == "my-etcd:2379"
+
+
+class FakePrometheusWithHistory(FakePrometheus):
+    """FAKE Prometheus that also answers range queries: the same load in every past interval."""
+
+    def __init__(self, rate: float, **kw: Any) -> None:
+        super().__init__(rate, **kw)
+        self.ranges: list[tuple[float, float, str]] = []
+
+    def custom_query_range(self, query: str, start_time: datetime, end_time: datetime, step: str,
+                           params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        self.ranges.append((start_time.timestamp(), end_time.timestamp(), step))
+        answer = self.custom_query(query)
+        if not answer:
+            return []
+        t0, t1, dt = start_time.timestamp(), end_time.timestamp(), float(step.removesuffix("s"))
+        times = [t0 + k * dt for k in range(int(round((t1 - t0) / dt)) + 1)]
+        return [{"metric": answer[0]["metric"], "values": [[t, answer[0]["value"][1]] for t in times]}]
+
+
+async def test_an_operator_restart_forecasts_from_the_history_prometheus_kept(api: FakeKubeApi, kube: KubeClient) -> None:
+    seed(api)
+    clock = Clock()
+    cold = make_controller(kube, FakePrometheus(rate=20.0), clock=clock)  # no range queries: starts cold
+    await cold.reconcile(live(api))
+    clock.t += 10
+    await cold.interval(live(api))
+    assert cond(live(api), "ForecastReady")["status"] == "False"
+
+    prom = FakePrometheusWithHistory(rate=20.0)
+    restarted = make_controller(kube, prom, clock=clock)  # a new operator process: a new loop, no history
+    clock.t += 10
+    await restarted.interval(live(api))
+    assert cond(live(api), "ForecastReady")["status"] == "True"
+    start, end, step = prom.ranges[0]
+    assert (end, step) == (clock.t - 10, "10s") and end - start == 10 * 63  # 64 intervals, the newest a step ago
+    n = len(prom.ranges)
+    assert 1 < n <= len(ALL_QUERIES)  # one range query per template, for all 64 intervals at once
+    clock.t += 10
+    await restarted.interval(live(api))
+    assert len(prom.ranges) == n  # warmed once per loop, not every interval

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from fulcrum.api.llmserve import parse_llmserve
 from fulcrum.controller.loop import ControlLoop, distribute, pool_changes, policy_name, replica_owner
 from fulcrum.observation import Observation, ReadyCounts
@@ -114,3 +116,25 @@ def test_a_planner_that_keeps_the_pools_reports_hold(table_i) -> None:
     loop = ControlLoop(spec(), table_i, START, planner=Steady())
     out = loop.step(obs(10.0, 1.0))
     assert out.reason.startswith("hold") and out.changes == {}
+
+
+def test_a_warm_start_feeds_the_forecaster_so_the_first_interval_forecasts_from_history(table_i) -> None:
+    cold = ControlLoop(spec(), table_i, START)
+    assert cold.history_wanted == 64  # the default ARIMA window
+    assert cold.step(obs(1000.0, 5.0)).forecast_ready is False  # one interval: ARIMA falls back
+
+    warm = ControlLoop(spec(), table_i, START)
+    history = [obs(10.0 * k, 5.0 + (k % 3)) for k in range(1, 41)]
+    assert warm.warm_start(history) == 40
+    out = warm.step(obs(410.0, 5.0))
+    assert out.forecast_ready is True
+    assert out.forecast["rate"]["mean"] == pytest.approx(6.0, abs=1.5)  # the history's level, not one interval's
+
+
+def test_a_planner_without_a_forecaster_wants_no_history_and_takes_none(table_i) -> None:
+    loop = ControlLoop(spec(), table_i, START, planner=RecordingPlanner())  # type: ignore[arg-type]
+    assert loop.history_wanted == 0
+    assert loop.warm_start([obs(10.0, 1.0)]) == 0
+    assert loop.planner.steps == []  # type: ignore[attr-defined]
+    seasonal = ControlLoop(spec(forecaster={"method": "seasonal_naive", "seasonLength": 144}), table_i, START)
+    assert seasonal.history_wanted == 144  # a whole season, more than the fitting window

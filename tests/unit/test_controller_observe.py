@@ -130,3 +130,57 @@ def test_every_query_names_its_selector_and_window() -> None:
     for series, q in ALL_QUERIES.items():
         assert "{window}" in q or "vllm:" in q or "queue_depth" in q, series  # gauges: read now
         assert "{router}" in q or "{prefill_pods}" in q or "{decode_pods}" in q, series
+
+
+class CannedRange:
+    """FAKE Prometheus range client: per series, {evaluation time: value} (one sample vector per time)."""
+
+    def __init__(self, series: dict[str, dict[float, float]], fail: bool = False) -> None:
+        self.series, self.fail = series, fail
+        self.calls: list[tuple[str, float, float, str]] = []
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        raise AssertionError("history must use range queries only")
+
+    def custom_query_range(self, query: str, start_time: Any, end_time: Any, step: str,
+                           params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        self.calls.append((query, start_time.timestamp(), end_time.timestamp(), step))
+        if self.fail:
+            raise requests.ConnectionError("connection refused")
+        for name, template in ALL_QUERIES.items():
+            if query == template.format(router=SEL.router, prefill_pods=SEL.prefill_pods,
+                                        decode_pods=SEL.decode_pods, window="60s"):
+                points = self.series.get(name, {})
+                return [{"metric": {}, "values": [[t, str(v)] for t, v in sorted(points.items())]}] if points else []
+        raise AssertionError(f"unexpected PromQL {query}")
+
+
+def test_history_builds_one_observation_per_past_interval_from_range_queries() -> None:
+    # the router appeared at t=1200: the interval ending at 1140 has no router series and is left out
+    prom = CannedRange({
+        "arrivals": {1200.0: 60, 1260.0: 120, 1320.0: 0},
+        "input_tokens_sum": {1200.0: 60_000, 1260.0: 240_000},
+        "input_tokens_count": {1200.0: 60, 1260.0: 120},
+        "predicted_output_sum": {1200.0: 6_000, 1260.0: 24_000},
+        "predicted_output_count": {1200.0: 60, 1260.0: 120},
+        "concurrency": {1200.0: 3.0, 1260.0: 7.5, 1320.0: 1.0},
+    })
+    hist = observer(prom).history(1320.0, 60.0, 4, ReadyCounts(2, 1, 0))
+    assert [o.time_s for o in hist] == [1200.0, 1260.0, 1320.0]
+    assert [o.arrivals for o in hist] == [60, 120, 0]
+    assert [o.rate_rps for o in hist] == [1.0, 2.0, 0.0]
+    assert [o.mean_isl for o in hist] == [1000.0, 2000.0, 0.0]
+    assert [o.mean_osl for o in hist] == [100.0, 200.0, 0.0]  # nothing finished: the predicted OSL
+    assert [o.concurrency for o in hist] == [3.0, 7.5, 1.0]
+    assert all(o.interval_s == 60.0 and o.ready == ReadyCounts(2, 1, 0) for o in hist)
+    _, start, end, step = prom.calls[0]
+    assert (start, end, step) == (1140.0, 1320.0, "60s")  # count intervals, the newest ending at end_s
+    assert len({q for q, *_ in prom.calls}) == len(prom.calls)  # each template queried once for all times
+
+
+def test_history_of_an_unscraped_router_is_empty_and_a_failing_prometheus_an_observation_error() -> None:
+    assert observer(CannedRange({})).history(600.0, 60.0, 10, ReadyCounts()) == []
+    with pytest.raises(ObservationError, match="range query failed"):
+        observer(CannedRange({}, fail=True)).history(600.0, 60.0, 10, ReadyCounts())
+    with pytest.raises(ValueError, match="count >= 1"):
+        observer(CannedRange({})).history(600.0, 60.0, 0, ReadyCounts())
