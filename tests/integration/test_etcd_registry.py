@@ -19,6 +19,7 @@ pytest.importorskip("aetcd", reason="aetcd is not installed (pip install aetcd)"
 
 import aetcd  # noqa: E402
 
+from fulcrum.cancellation import cancel_and_wait  # noqa: E402
 from fulcrum.router.registry import InstanceRecord, instance_key  # noqa: E402
 from fulcrum.router.registry_etcd import (  # noqa: E402
     EtcdRegistration,
@@ -86,11 +87,7 @@ class Watcher:
         return not self._task.done()
 
     async def stop(self) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        await cancel_and_wait([self._task])  # the watch's calls can swallow one cancel (Python 3.11 wait_for)
 
 
 def record(instance_id: str, role: Literal["prefill", "decode", "both"] = "both") -> InstanceRecord:
