@@ -15,6 +15,9 @@ The protocol, for a pool going from N to M < N instances (DESIGN principle 3; th
 5. **lower replicas** of the pool Deployment to M;
 6. **unmark**: remove them from ``draining`` (they are terminating; their registry entries go with them).
 
+Cancelled (the operator runs drains in the background and stops one when the plan wants the pool back),
+:func:`drain_pool` unmarks the pods it marked before re-raising: they serve again.
+
 :func:`drain_steps` is the pure ordering (unit-tested); :func:`drain_pool` runs it against a
 :class:`DrainIO` (the Kubernetes/HTTP adapter in ``handlers.py``, an in-memory fake in tests) with an
 injected clock and sleep.
@@ -22,6 +25,7 @@ injected clock and sleep.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -174,17 +178,25 @@ async def drain_pool(
     pods = await io.pod_loads(pool)
     victims = pick_victims(pods, len(pods) - new_replicas)
     result = DrainResult(pool, tuple(victims), new_replicas)
-    for step in drain_steps(pool, victims, new_replicas):
-        if step.kind == "mark":
-            await io.mark_draining(step.pods)
-        elif step.kind == "wait":
-            result = await _wait_idle(io, result, timeout_s=timeout_s, poll_s=poll_s, clock=clock, sleep=sleep)
-        elif step.kind == "deletion_cost":
-            await io.set_deletion_cost(step.pods, DRAINED_DELETION_COST)
-        elif step.kind == "scale":
-            await io.scale(pool, int(step.replicas or 0))
-        elif step.kind == "unmark":
-            await io.unmark_draining(step.pods)
+    marked: Sequence[str] = ()
+    try:
+        for step in drain_steps(pool, victims, new_replicas):
+            if step.kind == "mark":
+                await io.mark_draining(step.pods)
+                marked = step.pods
+            elif step.kind == "wait":
+                result = await _wait_idle(io, result, timeout_s=timeout_s, poll_s=poll_s, clock=clock, sleep=sleep)
+            elif step.kind == "deletion_cost":
+                await io.set_deletion_cost(step.pods, DRAINED_DELETION_COST)
+            elif step.kind == "scale":
+                await io.scale(pool, int(step.replicas or 0))
+            elif step.kind == "unmark":
+                await io.unmark_draining(step.pods)
+                marked = ()
+    except asyncio.CancelledError:
+        if marked:  # stopped (the plan wants the pool back): the pods serve again, or leave the router's list
+            await io.unmark_draining(marked)
+        raise
     return result
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe, parse_llmserve
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.errors import FulcrumError, ProfileError, SpecError
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.ratio.profile import PerformanceProfile, load_profile, profile_from_dict
@@ -113,6 +114,13 @@ class _Runtime:
     loop_previous: ClusterTarget = field(default_factory=ClusterTarget)
     invalid_spec_event: int | None = None
     warmed: bool = False
+    drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    """Drains in flight, by pool (background tasks: the control loop goes on meanwhile). Shared by the
+    runtimes of one LLMServe across spec generations, like ``apply_lock`` and ``drain_notes``."""
+    apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises applies: an interval's and a drain's never interleave (a pool's replicas have one writer)."""
+    drain_notes: list[str] = field(default_factory=list)
+    """Drain timeouts and failures since the last interval (its Degraded message)."""
 
 
 def _key(body: Mapping[str, Any]) -> str:
@@ -237,6 +245,8 @@ class Controller:
         new = _Runtime(serve=serve, generation=gen, loop=loop, applied=rt.applied if rt else current,
                        profile=profile, observer=observer, draining=list(rt.draining) if rt else [],
                        degraded=rt.degraded if rt else None)
+        if rt is not None:  # drains in flight go on under the new spec (they look the runtime up by key)
+            new.drains, new.apply_lock, new.drain_notes = rt.drains, rt.apply_lock, rt.drain_notes
         self.runtimes[key] = new
         return new
 
@@ -247,7 +257,16 @@ class Controller:
                              profile=None if rt.serve.spec.profile.name else rt.profile)
         return objs
 
-    async def _apply(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget) -> ApplyReport:
+    async def _apply(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget,
+                     hold: frozenset[str] | set[str] = frozenset()) -> ApplyReport:
+        """Apply every object for ``target``; the pools in ``hold`` keep the replicas last applied (a pool is
+        scaled in only by its drain). Serialised per LLMServe (``apply_lock``); ``rt.applied`` is what was applied."""
+        async with rt.apply_lock:
+            for pool in hold:
+                target = _with_replicas(target, pool, getattr(rt.applied, pool).replicas)
+            return await self._apply_locked(rt, body, target)
+
+    async def _apply_locked(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget) -> ApplyReport:
         objs = self._objects(rt, body, target)
         report = await asyncio.to_thread(self.applier.apply_all, objs)
         rt.applied = target
@@ -334,7 +353,10 @@ class Controller:
             await self._invalid(body, err)
             return False
         target = rt.loop.current
-        report = await self._apply(rt, body, target)
+        # a spec change never scales in: a shrinking pool keeps its replicas until an interval drains it
+        shrinking = {p for p in POOLS if getattr(target, p).replicas < getattr(rt.applied, p).replicas}
+        report = await self._apply(rt, body, target, hold=shrinking | set(rt.drains))
+        target = rt.applied
         log.info("%s: reconciled generation %s: %d written, %d unchanged", _key(body),
                  rt.generation, len(report.written), len(report.unchanged))
         ready = await self._ready_counts(serve)
@@ -411,15 +433,26 @@ class Controller:
         log.info("%s: forecaster warm-started on %d of the last %d intervals", key, fed, wanted)
 
     async def _act(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> list[str]:
-        """Apply scale-outs (and everything else) at once, hold scale-ins until their pods are drained.
+        """Apply scale-outs (and everything else) at once; start a background drain for every pool that shrinks.
+
+        A pool is scaled in only by its drain (``drain.py``), which runs as a task while the control loop goes
+        on: a burst during a drain is planned for at the next interval, not after the drain timeout. A plan
+        that wants a draining pool back at its size (or larger) stops the drain (its pods are unmarked) and
+        applies at once; a plan that wants it smaller still waits for the drain, then drains again.
 
         Returns:
-            one line per pool whose drain timed out (the Degraded condition's message).
+            one line per drain that timed out or failed since the last interval (the Degraded message).
         """
-        held = outcome.target
-        for pool, (old, _new) in outcome.scale_in.items():
-            held = _with_replicas(held, pool, old)
-        await self._apply(rt, body, held)
+        target = outcome.target
+        for pool, task in list(rt.drains.items()):
+            want, have = getattr(target, pool).replicas, getattr(rt.applied, pool).replicas
+            if want >= have:
+                await cancel_and_wait([task], recancel_after_s=30.0)  # drain_pool unmarks its pods when cancelled
+                rt.drains.pop(pool, None)
+                await self.event(body, "Normal", "DrainCancelled",
+                                 f"{pool}: the plan wants {want} instances again; drain stopped: {outcome.reason}")
+        shrinking = {p for p in POOLS if getattr(target, p).replicas < getattr(rt.applied, p).replicas}
+        await self._apply(rt, body, target, hold=shrinking | set(rt.drains))
         for pool, (old, new) in outcome.scale_out.items():
             await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
         for pool in POOLS:
@@ -427,21 +460,64 @@ class Controller:
             if was.tp != now.tp and (was.replicas or now.replicas):
                 await self.event(body, "Normal", "TensorParallelChanged",
                                  f"{pool}: TP {was.tp}→{now.tp} ({now.replicas} instances, pods roll): {outcome.reason}")
-        timeouts: list[str] = []
-        for pool, (old, new) in outcome.scale_in.items():
-            io = _KubeDrainIO(self, rt, body)
-            t0 = self.monotonic()
+        key = _key(body)
+        for pool in sorted(shrinking - set(rt.drains)):
+            old, new = getattr(rt.applied, pool).replicas, getattr(target, pool).replicas
+            rt.drains[pool] = asyncio.create_task(self._drain(key, body, rt, pool, old, new, outcome.reason),
+                                                  name=f"drain {key} {pool}")
+        notes, rt.drain_notes[:] = list(rt.drain_notes), []
+        return notes
+
+    async def _drain(self, key: str, body: Mapping[str, Any], rt: _Runtime, pool: str, old: int, new: int,
+                     reason: str) -> None:
+        """One pool's drain, in the background (:meth:`_act`): ``drain_pool``, then the ScaledIn Event; a
+        timeout or a failure is left in ``drain_notes`` for the next interval's status."""
+        io = _KubeDrainIO(self, rt, body, key)
+        t0 = self.monotonic()
+        try:
             result: DrainResult = await drain_pool(
                 io, pool, new, timeout_s=float(rt.serve.spec.scaling.drain_timeout_seconds),
                 poll_s=self.settings.drain_poll_s, clock=self.monotonic, sleep=self.sleep)
-            self.metrics.drain_seconds.observe(max(self.monotonic() - t0, 0.0))
-            drained = ", ".join(result.victims) or "none"
-            await self.event(body, "Normal", "ScaledIn",
-                             f"{pool}: {old}→{new} instances after draining {drained}: {outcome.reason}")
-            if result.timed_out:
-                timeouts.append(f"{pool}: drain timed out with requests left on {', '.join(sorted(result.busy))}")
-        rt.applied = outcome.target
-        return timeouts
+        except FulcrumError as err:  # the API failed after retries: the pool keeps its replicas, the next interval retries
+            log.error("%s: drain of %s failed: %s", key, pool, err)
+            rt.drain_notes.append(f"{pool}: drain failed: {err}")
+            return
+        finally:
+            if rt.drains.get(pool) is asyncio.current_task():
+                del rt.drains[pool]
+        self.metrics.drain_seconds.observe(max(self.monotonic() - t0, 0.0))
+        drained = ", ".join(result.victims) or "none"
+        await self.event(body, "Normal", "ScaledIn", f"{pool}: {old}→{new} instances after draining {drained}: {reason}")
+        if result.timed_out:
+            rt.drain_notes.append(f"{pool}: drain timed out with requests left on {', '.join(sorted(result.busy))}")
+        await self._status_now(key)
+
+    async def _status_now(self, key: str) -> None:
+        """Write the status of the LLMServe ``key`` as it is now, between intervals (a drain has ended: its
+        pools, ``draining`` list and Degraded condition); the forecast and plan of the last interval are kept.
+        A failing API is logged: the next interval writes the status anyway."""
+        rt = self.runtimes.get(key)
+        if rt is None:
+            return
+        ns, name = key.split("/", 1)
+        try:
+            body = await asyncio.to_thread(self.kube.get, API_VERSION, KIND, ns, name)
+            if body is None:
+                return
+            ready = await self._ready_counts(rt.serve)
+            degraded = "; ".join([d for d in (rt.degraded, *rt.drain_notes) if d]) or None
+            st = build_status(previous=body.get("status"), generation=rt.generation, target=rt.applied, ready=ready,
+                              selector=worker_selector(name), now=self.now(), degraded=degraded,
+                              draining=rt.draining)
+            await self._write_status(body, st)
+        except FulcrumError as err:
+            log.warning("%s: status not written after the drain (%s); the next interval writes it", key, err)
+
+    async def settle(self, key: str) -> None:
+        """Wait until the drains in flight of the LLMServe ``key`` (``namespace/name``) have ended."""
+        rt = self.runtimes.get(key)
+        while rt is not None and rt.drains:
+            await asyncio.gather(*list(rt.drains.values()), return_exceptions=True)
 
     async def deleted(self, body: Mapping[str, Any]) -> list[str]:
         """The LLMServe is being deleted: its children go with it (ownerReferences → garbage collector).
@@ -451,7 +527,9 @@ class Controller:
         skips the check: deletion never waits for the operator.
         """
         key = _key(body)
-        self.runtimes.pop(key, None)
+        rt = self.runtimes.pop(key, None)
+        if rt is not None and rt.drains:  # nothing left to drain: the pods go with the LLMServe
+            await cancel_and_wait(list(rt.drains.values()), recancel_after_s=30.0)
         self.metrics.forget(key)
         meta = body.get("metadata", {})
         ns, uid = str(meta.get("namespace", "default")), meta.get("uid")
@@ -493,12 +571,18 @@ def _with_replicas(t: ClusterTarget, pool: str, n: int) -> ClusterTarget:
 class _KubeDrainIO:
     """:class:`fulcrum.controller.drain.DrainIO` over the Kubernetes API and the pods' ``/metrics``."""
 
-    def __init__(self, controller: Controller, rt: _Runtime, body: Mapping[str, Any]) -> None:
+    def __init__(self, controller: Controller, rt: _Runtime, body: Mapping[str, Any], key: str) -> None:
         self.c = controller
-        self.rt = rt
+        self._rt = rt
+        self.key = key
         self.body = body
         self.ns = rt.serve.metadata.namespace
         self.name = rt.serve.metadata.name
+
+    @property
+    def rt(self) -> _Runtime:
+        """The LLMServe's runtime now: a spec change during the drain rebuilds it, and applies use the new spec."""
+        return self.c.runtimes.get(self.key, self._rt)
 
     async def _pods(self, pool: str | None = None) -> list[dict[str, Any]]:
         sel = f"{LABEL_LLMSERVE}={self.name}" + (f",{LABEL_POOL}={pool}" if pool else "")
@@ -533,12 +617,16 @@ class _KubeDrainIO:
         return out
 
     async def mark_draining(self, pods: Sequence[str]) -> None:
-        self.rt.draining = sorted(set(self.rt.draining) | set(pods))
-        await self.c._apply(self.rt, self.body, self.rt.applied)
+        rt = self.rt
+        async with rt.apply_lock:
+            rt.draining = sorted(set(rt.draining) | set(pods))
+            await self.c._apply_locked(rt, self.body, rt.applied)
 
     async def unmark_draining(self, pods: Sequence[str]) -> None:
-        self.rt.draining = sorted(set(self.rt.draining) - set(pods))
-        await self.c._apply(self.rt, self.body, self.rt.applied)
+        rt = self.rt
+        async with rt.apply_lock:
+            rt.draining = sorted(set(rt.draining) - set(pods))
+            await self.c._apply_locked(rt, self.body, rt.applied)
 
     async def set_deletion_cost(self, pods: Sequence[str], cost: int) -> None:
         for name in pods:
@@ -551,7 +639,9 @@ class _KubeDrainIO:
                     raise
 
     async def scale(self, pool: str, replicas: int) -> None:
-        await self.c._apply(self.rt, self.body, _with_replicas(self.rt.applied, pool, replicas))
+        rt = self.rt
+        async with rt.apply_lock:
+            await self.c._apply_locked(rt, self.body, _with_replicas(rt.applied, pool, replicas))
 
     async def event(self, type_: str, reason: str, message: str) -> None:
         await self.c.event(self.body, type_, reason, message)

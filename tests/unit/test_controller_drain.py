@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping, Sequence
 
@@ -121,6 +122,25 @@ async def test_scaling_to_the_same_count_drains_nobody() -> None:
     clock = Clock()
     r = await drain_pool(io, "decode", 1, timeout_s=30, poll_s=10, clock=clock, sleep=clock.sleep)
     assert r.victims == () and [c[0] for c in io.calls] == ["pod_loads", "scale"]
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_drain_unmarks_its_pods_and_never_scales_in() -> None:
+    io = FakeDrainIO([PodLoad("p0", True, 9, 0), PodLoad("p1", True, 5, 0)], finish_per_poll=0.0)
+    polled = asyncio.Event()
+
+    async def sleep(s: float) -> None:  # the pods stay busy: the drain waits until it is cancelled
+        polled.set()
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(drain_pool(io, "decode", 1, timeout_s=600, poll_s=5, clock=lambda: 0.0, sleep=sleep))
+    await polled.wait()
+    assert io.draining == {"p1"}
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert io.draining == set() and io.replicas == 2  # back in the router's rotation, the pool untouched
+    assert [c[0] for c in io.calls][-1] == "unmark" and "scale" not in [c[0] for c in io.calls]
 
 
 def test_the_load_is_read_from_vllm_metrics_text() -> None:

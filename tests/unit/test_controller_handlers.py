@@ -294,6 +294,7 @@ async def _scale_in(api: FakeKubeApi, kube: KubeClient, *, requests_finish: bool
     for _ in range(6):
         clock.t += 10
         await c.interval(live(api))
+        await c.settle("default/llama")  # drains run in the background; this one has ended
         if events(api, "ScaledIn"):
             break
     ins = events(api, "ScaledIn")
@@ -421,6 +422,9 @@ async def test_an_external_replica_owner_gets_its_total_split_by_the_planned_rat
     clock.t += 10
     await c.interval(live(api))  # heavy load: the total stays the external one
     pools = live(api)["status"]["pools"]
+    assert pools["prefill"]["desired"] + pools["decode"]["desired"] >= 5  # a pool that shrinks drains first
+    await c.settle("default/llama")  # the drain wrote the status when it ended
+    pools = live(api)["status"]["pools"]
     assert pools["prefill"]["desired"] + pools["decode"]["desired"] == 5
     assert live(api)["status"]["plan"]["ratio"] > 1  # the split follows the planned P/D ratio
     assert pools["prefill"]["desired"] >= pools["decode"]["desired"]
@@ -515,3 +519,88 @@ async def test_an_operator_restart_forecasts_from_the_history_prometheus_kept(ap
     clock.t += 10
     await restarted.interval(live(api))
     assert len(prom.ranges) == n  # warmed once per loop, not every interval
+
+
+async def _drain_in_flight(api: FakeKubeApi, kube: KubeClient) -> tuple[Controller, FakePrometheus, Clock, int]:
+    """Scale out under load with busy pods, drop the load until a prefill drain starts; the clock stands still
+    while the drain polls, so it stays in flight until the test frees the pods or the plan stops it."""
+    seed(api)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    c = make_controller(kube, prom, clock=clock)
+    n = (await _scale_out_to(api, c, clock, prom))["prefill"]["desired"]
+    for i in range(n):
+        api.add_pod(f"llama-prefill-{i}", {**POD_LABELS, "fulcrum.dev/pool": "prefill"}, running=5.0, waiting=1.0)
+
+    async def sleep(s: float) -> None:
+        await asyncio.sleep(0.002)
+
+    c.sleep = sleep
+    prom.rate = 0.05
+    rt = c.runtimes["default/llama"]
+    for _ in range(6):
+        clock.t += 10
+        await c.interval(live(api))
+        if "prefill" in rt.drains:
+            break
+    assert "prefill" in rt.drains, "expected a prefill drain"
+    for _ in range(20):  # let it mark its pods
+        await asyncio.sleep(0.002)
+    return c, prom, clock, n
+
+
+def _router_draining(api: FakeKubeApi) -> str:
+    return api.get("configmaps", NS, "llama-router")["data"]["router.yaml"]  # type: ignore[index,no-any-return]
+
+
+async def test_a_drain_runs_in_the_background_and_the_loop_goes_on(api: FakeKubeApi, kube: KubeClient) -> None:
+    c, prom, clock, n = await _drain_in_flight(api, kube)
+    rt = c.runtimes["default/llama"]
+    dep = lambda: api.get("deployments", NS, "llama-prefill")["spec"]["replicas"]  # type: ignore[index]  # noqa: E731
+    assert dep() == n  # not lowered while its pods are busy
+    victims = [p for p in rt.draining if p.startswith("llama-prefill-")]
+    assert victims and all(f"- {p}" in _router_draining(api) for p in victims)
+    clock.t += 10
+    assert await c.interval(live(api)) is True  # the next interval runs during the drain
+    st = live(api)["status"]
+    assert set(victims) <= set(st["draining"]) and cond(live(api), "Progressing")["reason"] == "Draining"
+    assert st["pools"]["prefill"]["desired"] == n and dep() == n
+    for pod in api.pod_loads:  # the in-flight requests finish: the drain ends by itself and says so
+        api.pod_loads[pod] = (0.0, 0.0)
+    await c.settle("default/llama")
+    assert dep() < n and events(api, "ScaledIn")
+    st = live(api)["status"]
+    assert st["pools"]["prefill"]["desired"] == dep() and not [p for p in st["draining"] if p in victims]
+
+
+async def test_a_burst_during_a_drain_stops_it_and_the_pods_serve_again(api: FakeKubeApi, kube: KubeClient) -> None:
+    c, prom, clock, n = await _drain_in_flight(api, kube)
+    rt = c.runtimes["default/llama"]
+    victims = [p for p in rt.draining if p.startswith("llama-prefill-")]
+    assert victims
+    prom.rate = 40.0
+    clock.t += 10
+    await c.interval(live(api))
+    assert "prefill" not in rt.drains
+    assert any("prefill" in e["message"] for e in events(api, "DrainCancelled"))
+    assert not any(f"- {p}" in _router_draining(api) for p in victims)  # back in the router's rotation
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] >= n  # type: ignore[index]
+    assert not [p for p in live(api)["status"]["draining"] if p in victims]
+    assert not [e for e in events(api, "ScaledIn") if e["message"].startswith("prefill")]
+    await c.deleted(live(api))  # whatever still drains is cancelled with the LLMServe
+    assert not rt.drains
+
+
+async def test_a_spec_change_during_a_drain_does_not_scale_the_pool_in(api: FakeKubeApi, kube: KubeClient) -> None:
+    c, prom, clock, n = await _drain_in_flight(api, kube)
+    body = live(api)
+    body["spec"]["slo"] = {"ttftMs": 3000, "tpotMs": 80}
+    body["metadata"]["generation"] = 2
+    api.put("llmserves", body)
+    assert await c.reconcile(live(api)) is True
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] == n  # type: ignore[index]
+    assert "prefill" in c.runtimes["default/llama"].drains  # the drain goes on under the new spec
+    for pod in api.pod_loads:
+        api.pod_loads[pod] = (0.0, 0.0)
+    await c.settle("default/llama")
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] < n  # type: ignore[index]
