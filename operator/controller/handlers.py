@@ -482,6 +482,10 @@ class Controller:
             log.error("%s: drain of %s failed: %s", key, pool, err)
             rt.drain_notes.append(f"{pool}: drain failed: {err}")
             return
+        except Exception as err:  # noqa: BLE001 - a bug must not die unseen in a background task
+            log.exception("%s: drain of %s failed unexpectedly", key, pool)
+            rt.drain_notes.append(f"{pool}: drain failed: {type(err).__name__}: {err}")
+            return
         finally:
             if rt.drains.get(pool) is asyncio.current_task():
                 del rt.drains[pool]

@@ -604,3 +604,29 @@ async def test_a_spec_change_during_a_drain_does_not_scale_the_pool_in(api: Fake
         api.pod_loads[pod] = (0.0, 0.0)
     await c.settle("default/llama")
     assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] < n  # type: ignore[index]
+
+
+async def test_a_drain_that_fails_is_logged_and_reported_and_the_pool_keeps_its_replicas(
+        api: FakeKubeApi, kube: KubeClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import fulcrum.controller.handlers as handlers
+
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a bug in the drain")
+
+    monkeypatch.setattr(handlers, "drain_pool", broken)
+    seed(api)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    c = make_controller(kube, prom, clock=clock)
+    n = (await _scale_out_to(api, c, clock, prom))["prefill"]["desired"]
+    prom.rate = 0.05
+    for _ in range(6):
+        clock.t += 10
+        await c.interval(live(api))
+        await c.settle("default/llama")
+        if "drain failed" in cond(live(api), "Degraded")["message"]:
+            break
+    d = cond(live(api), "Degraded")
+    assert d["status"] == "True" and "drain failed: RuntimeError: a bug in the drain" in d["message"]
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] == n  # type: ignore[index]
+    assert "drain of prefill failed unexpectedly" in caplog.text
