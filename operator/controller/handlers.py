@@ -50,6 +50,7 @@ from fulcrum.controller.observe import ObservationError, PrometheusObserver, Que
 from fulcrum.controller.resources import (
     LABEL_LLMSERVE,
     LABEL_POOL,
+    MODE_POOLS,
     build_objects,
     initial_target,
     pool_deployment_name,
@@ -257,12 +258,13 @@ class Controller:
                              profile=None if rt.serve.spec.profile.name else rt.profile)
         return objs
 
-    async def _apply(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget,
-                     hold: frozenset[str] | set[str] = frozenset()) -> ApplyReport:
-        """Apply every object for ``target``; the pools in ``hold`` keep the replicas last applied (a pool is
-        scaled in only by its drain). Serialised per LLMServe (``apply_lock``); ``rt.applied`` is what was applied."""
+    async def _apply(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget) -> ApplyReport:
+        """Apply every object for ``target``, never scaling a pool in: a pool of the spec's mode that
+        ``target`` shrinks (:func:`_shrinking`), or whose drain is in flight, keeps the replicas last applied —
+        only its drain lowers them (through :meth:`_apply_locked`). Pools outside the mode are not deployed
+        and follow ``target``. Serialised per LLMServe (``apply_lock``); ``rt.applied`` is what was applied."""
         async with rt.apply_lock:
-            for pool in hold:
+            for pool in _shrinking(rt, target) | set(rt.drains):
                 target = _with_replicas(target, pool, getattr(rt.applied, pool).replicas)
             return await self._apply_locked(rt, body, target)
 
@@ -352,19 +354,13 @@ class Controller:
         except (SpecError, ProfileError, ValueError) as err:
             await self._invalid(body, err)
             return False
-        target = rt.loop.current
-        # a spec change never scales in: a shrinking pool keeps its replicas until an interval drains it
-        shrinking = {p for p in POOLS if getattr(target, p).replicas < getattr(rt.applied, p).replicas}
-        report = await self._apply(rt, body, target, hold=shrinking | set(rt.drains))
-        target = rt.applied
+        # a spec change never scales in (``_apply``): a shrinking pool keeps its replicas until an interval drains it
+        report = await self._apply(rt, body, rt.loop.current)
         log.info("%s: reconciled generation %s: %d written, %d unchanged", _key(body),
                  rt.generation, len(report.written), len(report.unchanged))
         ready = await self._ready_counts(serve)
-        self.metrics.record_target(_key(body), target, ready)
-        st = build_status(previous=body.get("status"), generation=rt.generation, target=target, ready=ready,
-                          selector=worker_selector(serve.metadata.name), now=self.now(), degraded=rt.degraded,
-                          draining=rt.draining)
-        await self._write_status(body, st)
+        self.metrics.record_target(_key(body), rt.applied, ready)
+        await self._write_status(body, self._status(rt, body, ready, degraded=rt.degraded))
         return True
 
     def interval_of(self, body: Mapping[str, Any]) -> float:
@@ -411,10 +407,15 @@ class Controller:
         rt.degraded = degraded
         self.metrics.record_interval(key, outcome, ready)
         log.info("%s: %s", key, outcome.reason)
-        st = build_status(previous=body.get("status"), generation=rt.generation, target=rt.applied, ready=ready,
-                          selector=worker_selector(serve.metadata.name), now=self.now(), outcome=outcome,
-                          degraded=degraded, draining=rt.draining)
-        return await self._write_status(body, st)
+        return await self._write_status(body, self._status(rt, body, ready, degraded=degraded, outcome=outcome))
+
+    def _status(self, rt: _Runtime, body: Mapping[str, Any], ready: ReadyCounts, *, degraded: str | None,
+                outcome: LoopOutcome | None = None) -> dict[str, Any]:
+        """The status of ``rt`` now (``build_status``): the pools as applied, the pods draining, ``body``'s
+        status as the previous one."""
+        return build_status(previous=body.get("status"), generation=rt.generation, target=rt.applied, ready=ready,
+                            selector=worker_selector(rt.serve.metadata.name), now=self.now(), outcome=outcome,
+                            degraded=degraded, draining=rt.draining)
 
     async def _warm_start(self, key: str, rt: _Runtime, observer: PrometheusObserver, ready: ReadyCounts) -> None:
         """Fit a new loop's forecaster on the intervals Prometheus kept (``ControlLoop.warm_start``), so that an
@@ -451,8 +452,8 @@ class Controller:
                 rt.drains.pop(pool, None)
                 await self.event(body, "Normal", "DrainCancelled",
                                  f"{pool}: the plan wants {want} instances again; drain stopped: {outcome.reason}")
-        shrinking = {p for p in POOLS if getattr(target, p).replicas < getattr(rt.applied, p).replicas}
-        await self._apply(rt, body, target, hold=shrinking | set(rt.drains))
+        shrinking = _shrinking(rt, target)
+        await self._apply(rt, body, target)  # holds the shrinking pools at their replicas: their drains lower them
         for pool, (old, new) in outcome.scale_out.items():
             await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
         for pool in POOLS:
@@ -510,10 +511,7 @@ class Controller:
                 return
             ready = await self._ready_counts(rt.serve)
             degraded = "; ".join([d for d in (rt.degraded, *rt.drain_notes) if d]) or None
-            st = build_status(previous=body.get("status"), generation=rt.generation, target=rt.applied, ready=ready,
-                              selector=worker_selector(name), now=self.now(), degraded=degraded,
-                              draining=rt.draining)
-            await self._write_status(body, st)
+            await self._write_status(body, self._status(rt, body, ready, degraded=degraded))
         except FulcrumError as err:
             log.warning("%s: status not written after the drain (%s); the next interval writes it", key, err)
 
@@ -561,6 +559,11 @@ class Controller:
             log.info("%s deleted; its Deployments, Services, ConfigMap and RBAC are owned by it and garbage-collected",
                      key)
         return orphans
+
+
+def _shrinking(rt: _Runtime, target: ClusterTarget) -> set[str]:
+    """The pools of the spec's mode to which ``target`` gives fewer replicas than were applied (a scale-in)."""
+    return {p for p in MODE_POOLS[rt.serve.spec.mode] if getattr(target, p).replicas < getattr(rt.applied, p).replicas}
 
 
 def _with_replicas(t: ClusterTarget, pool: str, n: int) -> ClusterTarget:

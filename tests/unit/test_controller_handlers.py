@@ -444,6 +444,7 @@ async def test_a_switch_to_unified_mode_replaces_the_pools_and_deletes_the_old_o
     assert names == {"llama-unified", "llama-router"}
     assert {s["metadata"]["name"] for s in api.list("services", NS)} == {"llama-unified", "llama-router"}
     assert live(api)["status"]["pools"]["unified"]["desired"] >= 1
+    assert live(api)["status"]["pools"]["prefill"]["desired"] == live(api)["status"]["pools"]["decode"]["desired"] == 0
     assert live(api)["status"]["observedGeneration"] == 2
 
 
@@ -549,7 +550,7 @@ async def _drain_in_flight(api: FakeKubeApi, kube: KubeClient) -> tuple[Controll
     return c, prom, clock, n
 
 
-def _router_draining(api: FakeKubeApi) -> str:
+def _router_yaml(api: FakeKubeApi) -> str:
     return api.get("configmaps", NS, "llama-router")["data"]["router.yaml"]  # type: ignore[index,no-any-return]
 
 
@@ -559,7 +560,7 @@ async def test_a_drain_runs_in_the_background_and_the_loop_goes_on(api: FakeKube
     dep = lambda: api.get("deployments", NS, "llama-prefill")["spec"]["replicas"]  # type: ignore[index]  # noqa: E731
     assert dep() == n  # not lowered while its pods are busy
     victims = [p for p in rt.draining if p.startswith("llama-prefill-")]
-    assert victims and all(f"- {p}" in _router_draining(api) for p in victims)
+    assert victims and all(f"- {p}" in _router_yaml(api) for p in victims)
     clock.t += 10
     assert await c.interval(live(api)) is True  # the next interval runs during the drain
     st = live(api)["status"]
@@ -583,7 +584,7 @@ async def test_a_burst_during_a_drain_stops_it_and_the_pods_serve_again(api: Fak
     await c.interval(live(api))
     assert "prefill" not in rt.drains
     assert any("prefill" in e["message"] for e in events(api, "DrainCancelled"))
-    assert not any(f"- {p}" in _router_draining(api) for p in victims)  # back in the router's rotation
+    assert not any(f"- {p}" in _router_yaml(api) for p in victims)  # back in the router's rotation
     assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] >= n  # type: ignore[index]
     assert not [p for p in live(api)["status"]["draining"] if p in victims]
     assert not [e for e in events(api, "ScaledIn") if e["message"].startswith("prefill")]
