@@ -27,11 +27,11 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from fulcrum.cancellation import cancel_and_wait
 from fulcrum.errors import FulcrumError
 from fulcrum.worker.latency_table import StepLatencyTable
 
@@ -207,8 +207,7 @@ async def run_mixed_load(
             long_timings = await asyncio.gather(*long_tasks)
             decode_timings = await asyncio.gather(*decode_tasks)
         finally:
-            for task in decode_tasks:
-                task.cancel()
+            await cancel_and_wait(decode_tasks)  # finished ones stay as they are; a failure aborts the rest
     return MixedLoadResult(list(decode_timings), list(long_timings), time.monotonic() - start)
 
 
@@ -252,9 +251,7 @@ async def _profile_composition(
         await _wait_for_chunks(timings, tasks, [t.chunks + settle_chunks for t in timings], timeout_s)
         return True
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
 
 
 async def profile_steps(

@@ -149,11 +149,17 @@ class ControlLoop:
         return float(self.planner.tick_s)
 
     @property
+    def forecaster(self) -> Any | None:
+        """The planner's load forecaster (``observe`` and ``forecast``), or None for a planner without one."""
+        fc = getattr(self.planner, "forecaster", None)
+        return fc if hasattr(fc, "observe") and hasattr(fc, "forecast") else None
+
+    @property
     def history_wanted(self) -> int:
         """Past intervals a warm start should read (:meth:`warm_start`): the forecaster's fitting window, or
         the history its method needs when that is longer (a seasonal-naive season); 0 for planners that do
         not forecast."""
-        if getattr(self.planner, "forecaster", None) is None:
+        if self.forecaster is None:
             return 0
         fc = self.spec.scaling.forecaster
         return max(int(fc.window), required_history(fc.method, fc))
@@ -166,8 +172,8 @@ class ControlLoop:
         Returns the observations fed: 0 for a planner without a forecaster. Never raises on odd values (the
         forecaster's contract).
         """
-        forecaster = getattr(self.planner, "forecaster", None)
-        if forecaster is None or not hasattr(forecaster, "observe"):
+        forecaster = self.forecaster
+        if forecaster is None:
             return 0
         for obs in history:
             forecaster.observe(obs)
@@ -200,8 +206,8 @@ class ControlLoop:
                            forecast_ready=self._forecast_ready())
 
     def _forecast_ready(self) -> bool:
-        forecaster = getattr(self.planner, "forecaster", None)
-        if forecaster is None or not hasattr(forecaster, "forecast"):
+        forecaster = self.forecaster
+        if forecaster is None:
             return False
         try:
             return bool(forecaster.forecast(1).ready)

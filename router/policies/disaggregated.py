@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from fulcrum.router.batcher import PrefillBatcher
 from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.load_aware import PrefixIndex
+from fulcrum.router.policies.load_aware import PrefixIndex, leading_blocks
 from fulcrum.router.policies.round_robin import (
     TieBreaker,
     colocated_decision,
@@ -52,13 +52,7 @@ def prefix_hit_tokens(req: RequestInfo, inst: InstanceView, kv_block_tokens: int
     from what the instance reports (``InstanceView.prefix_hashes``) or, larger of the two, what ``index`` knows."""
     if not req.prefix_hashes:
         return 0
-    n = 0
-    held = inst.prefix_hashes
-    if held:
-        for h in req.prefix_hashes:
-            if h not in held:
-                break
-            n += 1
+    n = leading_blocks(req.prefix_hashes, inst.prefix_hashes)
     if index is not None:
         n = max(n, index.leading(inst.id, req.prefix_hashes))
     return min(req.prompt_tokens, n * kv_block_tokens)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
@@ -52,7 +52,8 @@ from fulcrum.router.policies.round_robin import (
     prefill_candidates,
 )
 
-__all__ = ["LoadAwarePolicy", "utilisation", "prompt_block_hashes", "PrefixIndex", "PrefixPull", "pull_costs"]
+__all__ = ["LoadAwarePolicy", "utilisation", "prompt_block_hashes", "leading_blocks", "PrefixIndex", "PrefixPull",
+           "pull_costs"]
 
 
 def _clip01(x: float) -> float:
@@ -89,6 +90,18 @@ def prompt_block_hashes(ids: Sequence[int], block_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def leading_blocks(hashes: Sequence[int], held: Container[int] | None) -> int:
+    """How many of ``hashes`` (chained prompt block hashes), from the first, are in ``held``, blocks: with
+    chained hashes only a leading run of blocks can be reused from a prefix cache."""
+    n = 0
+    if held:
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+    return n
+
+
 class PrefixIndex:
     """Which instance holds which prompt blocks (BanaServe §4.2's global view of the caches), from the prompts the
     router sent them. Each instance keeps at most ``max_blocks`` hashes, least recently used out first (its own
@@ -115,15 +128,7 @@ class PrefixIndex:
 
     def leading(self, instance: str, hashes: Sequence[int]) -> int:
         """Leading blocks of ``hashes`` that ``instance`` holds, blocks."""
-        held = self._held.get(instance)
-        if not held:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        return leading_blocks(hashes, self._held.get(instance))
 
     def best_holder(self, hashes: Sequence[int], among: Iterable[str]) -> tuple[str | None, int]:
         """The instance of ``among`` holding the most leading blocks, and how many (None, 0 when none does)."""
