@@ -232,8 +232,9 @@ async def _profile_composition(
     ``prefill``-token prompt beside them, then the decodes alone again; the decodes are cancelled (the engine
     aborts them) once they have streamed ``settle_chunks`` more chunks after the prompt's prefill.
 
-    Returns False when a decode reached ``decode_cap`` tokens before the prompt had prefilled (the mixed step
-    may not have happened; the caller retries with a larger cap). Raises :class:`FulcrumError` on a failed request.
+    Returns False when a decode had reached ``decode_cap`` tokens when the prompt's first token arrived (the
+    mixed step may not have had all ``decodes``; the caller retries with a larger cap). Raises
+    :class:`FulcrumError` on a failed request.
     """
     timings = [StreamTiming(context) for _ in range(decodes)]
     tasks = [
@@ -244,8 +245,17 @@ async def _profile_composition(
     try:
         # decode-only steps with all ``decodes`` running: each stream has its first token and a few more
         await _wait_for_chunks(timings, tasks, [settle_chunks] * decodes, timeout_s)
-        await stream_completion(session, base_url, model=model, prompt=synthetic_prompt(prefill, rng), max_tokens=1)
-        if any(task.done() for task in tasks):
+        # the prompt's first token comes out of its prefill step: the decodes still streaming then ran beside it
+        admitted = asyncio.Event()
+        prompt = asyncio.create_task(stream_completion(session, base_url, model=model,
+                                                       prompt=synthetic_prompt(prefill, rng), max_tokens=1,
+                                                       first_token=admitted))
+        first = asyncio.create_task(admitted.wait())
+        await asyncio.wait({prompt, first}, return_when=asyncio.FIRST_COMPLETED)
+        beside = admitted.is_set() and not any(task.done() for task in tasks)
+        await cancel_and_wait([first])
+        await prompt  # its failure is the caller's FulcrumError
+        if not beside:
             return False
         # decode-only steps after the mixed one
         await _wait_for_chunks(timings, tasks, [t.chunks + settle_chunks for t in timings], timeout_s)

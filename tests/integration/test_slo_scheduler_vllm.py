@@ -146,7 +146,7 @@ def test_offline_profiling_fills_the_table_from_measured_steps(request: pytest.F
     with Engine(spec, model, tmp_path) as eng:
         table = asyncio.run(profile_steps(
             eng.url, f"http://127.0.0.1:{metrics_port}/metrics", model="tiny",
-            prefill_tokens=[64, 1024], decode_counts=[2, 4], contexts=[64], decode_tokens=64,
+            prefill_tokens=[64, 1024], decode_counts=[2, 4], contexts=[64],
         ))
     assert len(table) == table.measured_entries >= 4
     # every composition ran the 1024-token prompt beside all its decodes, with decode-only steps around it:
