@@ -54,6 +54,19 @@ async def wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float =
     raise AssertionError(f"{url} did not answer 200 within {timeout_s} s")
 
 
+async def wait_available(session: aiohttp.ClientSession, url: str, n: int, timeout_s: float = 60) -> None:
+    """Wait until the router's ``/health`` counts ``n`` available instances (healthy, not ejected, not draining)."""
+    deadline = time.monotonic() + timeout_s
+    seen = None
+    while time.monotonic() < deadline:
+        async with session.get(url) as r:
+            seen = await r.json()
+        if seen["available"] >= n:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the router at {url} counted {seen} instead of {n} available instances in {timeout_s} s")
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     total = 0.0
@@ -93,6 +106,9 @@ def test_prefill_jobs_flow_through_nats_to_a_pulling_sim_worker(nats_server: Nat
         async with aiohttp.ClientSession() as s:
             for port in (pp, dp, rp):
                 await wait_http(s, f"http://127.0.0.1:{port}/health")
+            # the router probed the workers when it started, maybe before they listened, and ejected them:
+            # wait until its own probes (every health_interval_s) have admitted both
+            await wait_available(s, f"http://127.0.0.1:{rp}/health", 2)
             # the colocated answer, straight from the decode worker
             async with s.post(f"http://127.0.0.1:{dp}/v1/completions", json=body) as r:
                 assert r.status == 200, await r.text()
