@@ -63,6 +63,7 @@ from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
 from fulcrum.router.policies.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
 from fulcrum.router.policies.load_aware import PrefixPull, prompt_block_hashes, pull_costs
+from fulcrum.router.prefill_gate import PrefillGate
 from fulcrum.router.registry import Registry, StaticRegistry
 from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
 from fulcrum.router.remaining_length import RemainingLength, RemainingLengthPredictor
@@ -129,6 +130,8 @@ class RouterState:
     """Decode rescheduling (router config ``rescheduling``): tracked requests and the ARES loop."""
     roles: RoleBalancer | None = None
     """Duties of ``both`` instances (router config ``roles``)."""
+    prefill_gate: PrefillGate | None = None
+    """DOPD Alg. 1 grouping of short prompts before their prefill legs (policies with ``new_batcher``)."""
 
     def views(self, exclude: list[str] | tuple[str, ...] = ()) -> list[InstanceView]:
         """The instances as the policies see them: with role reassignment on, ``both`` instances show their duty."""
@@ -148,6 +151,8 @@ class RouterState:
             except Exception as err:  # noqa: BLE001 - any failure keeps the running policy
                 log.error("cannot build policy %r: %s; keeping %r", new.policy.name, err, self.policy.name)
                 new = new.model_copy(update={"policy": self.config.policy})
+            else:
+                self.reset_prefill_gate()
         if self.owns_registry and isinstance(self.registry, StaticRegistry) and new.instances != self.config.instances:
             self.registry.replace(new.records())
         old = self.config
@@ -160,6 +165,16 @@ class RouterState:
                 if retired is not None:
                     self.tasks.append(asyncio.create_task(_retire_queue(retired, old.prefill_queue.timeout_s),
                                                           name="router-prefill-queue-retire"))
+
+
+    def reset_prefill_gate(self) -> None:
+        """A new DOPD Alg. 1 gate for the current policy (none when it groups no prefills); prompts waiting at
+        the old gate are released."""
+        if self.prefill_gate is not None:
+            self.prefill_gate.close()
+        make = getattr(self.policy, "new_batcher", None)
+        groups = callable(make) and getattr(self.policy, "batch_timeout_s", 0.0) > 0.0  # 0: every prompt at once
+        self.prefill_gate = PrefillGate(make, on_release=self.metrics.prefill_group) if groups else None
 
 
 ROUTER: web.AppKey[RouterState] = web.AppKey("fulcrum_router", RouterState)
@@ -409,6 +424,11 @@ async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: Client
         out = await _run_with_prefix_pull(st, ex, pull, sink)
         if out is not None:
             return out
+    if d.kind == "disaggregated" and d.second is not None and st.prefill_gate is not None \
+            and disagg_blocker(ex) is None:
+        view = next((v for v in st.pool.views() if v.id == d.first), None)
+        idle = view is None or view.queued_prefill_tokens == 0
+        await st.prefill_gate.admit(d.first, ex.prompt.count, idle=idle)
     if st.config.rescheduling.enabled and st.rescheduler is not None and (d.kind != "split" or d.handoff_after == 0):
         out = await _execute_migratable(st, ex, d, sink)
         if out is not None:
@@ -786,6 +806,7 @@ def create_app(
         config_path=Path(config_path) if config_path is not None else None,
     )
     st.rescheduler = Rescheduler(remaining_predictor or RemainingLengthPredictor(), clock)
+    st.reset_prefill_gate()
     st.roles = RoleBalancer(st.metrics)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ROUTER] = st
@@ -815,6 +836,8 @@ def create_app(
             st.tasks.append(asyncio.create_task(_watch_config(st, asyncio.sleep), name="router-config"))
 
     async def cleanup(app: web.Application) -> None:
+        if st.prefill_gate is not None:
+            st.prefill_gate.close()
         await cancel_and_wait(st.tasks)  # the depth watcher's NATS calls can swallow one cancel (Python 3.11)
         st.tasks.clear()
         if isinstance(st.pool, QueuedPrefillPool) and st.pool.prefill_queue is not None:

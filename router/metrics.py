@@ -83,6 +83,10 @@ class RouterMetrics:
         self.prefill_queue_depth = Gauge("fulcrum_router_prefill_queue_depth", "Prefill jobs in the NATS queue not yet taken by any prefill worker (demand at admission)", registry=r)
         self.prefill_jobs_waiting = Gauge("fulcrum_router_prefill_jobs_waiting", "Prefill jobs this router submitted and awaits a reply for", registry=r)
         self.prefill_jobs = Counter("fulcrum_router_prefill_jobs", "Prefill jobs by outcome: ok, failed (the workers' error), timeout (no worker replied), unavailable (NATS unreachable), direct (fell back to HTTP)", ["outcome"], registry=r)
+        # DOPD Alg. 1 prefill grouping (policy disaggregated, batch_timeout_s > 0)
+        self.prefill_groups = Counter("fulcrum_router_prefill_groups", "Prefill groups released by DOPD Alg. 1, by cause: long, full, budget, timeout, flush (the prefill instance was idle)", ["cause"], registry=r)
+        self.prefill_group_prompts = Histogram("fulcrum_router_prefill_group_prompts", "Prompts per released prefill group", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.prefill_group_wait = Histogram("fulcrum_router_prefill_group_wait_seconds", "How long a released prefill group's first prompt waited at the gate", buckets=_SECONDS, registry=r)
         self.prefill_job_seconds = Histogram("fulcrum_router_prefill_job_seconds", "From publishing a prefill job to its reply (queueing + prefill)", buckets=_SECONDS, registry=r)
         # in-flight rebalancing (router config rescheduling / roles / kv_connector; docs/rebalancing.md)
         self.migrations = Counter("fulcrum_router_migrations", "Running requests migrated to another instance (recompute migration), by reason: load (ARES Alg. 1), duty (the source took prefill duty), forced", ["reason"], registry=r)
@@ -105,6 +109,12 @@ class RouterMetrics:
     def attach_pool(self, views: Callable[[], Sequence[InstanceView]]) -> None:
         """Expose per-instance gauges read from ``views()`` at scrape time."""
         self.registry.register(_InstanceCollector(views))
+
+    def prefill_group(self, batch: Any) -> None:
+        """Count one released DOPD Alg. 1 group (a :class:`fulcrum.router.batcher.PrefillBatch`)."""
+        self.child(self.prefill_groups, batch.cause).inc()
+        self.prefill_group_prompts.observe(len(batch.items))
+        self.prefill_group_wait.observe(max(0.0, batch.released_at - batch.opened_at))
 
     def decision(self, policy: str, kind: str, reason: str, phi: float | None) -> None:
         """Count one policy decision (reason: its first word)."""

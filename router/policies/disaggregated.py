@@ -26,7 +26,8 @@ Costs (documented, in tokens; the smallest wins, ties → fewer in-flight reques
   cost is divided by it (a fraction of the instance's memory), so unequal instances compare fairly.
 
 Length-aware prefill batching (DOPD Alg. 1) is not a per-request decision: :meth:`DisaggregatedPolicy.new_batcher`
-gives the router a :class:`~fulcrum.router.batcher.PrefillBatcher` configured from the same parameters.
+gives the router a :class:`~fulcrum.router.batcher.PrefillBatcher` configured from the same parameters, which the
+router's :class:`~fulcrum.router.prefill_gate.PrefillGate` runs per prefill instance (while ``batch_timeout_s > 0``).
 """
 
 from __future__ import annotations

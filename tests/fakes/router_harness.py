@@ -21,7 +21,8 @@ __all__ = ["RouterHarness"]
 
 class RouterHarness:
     """``await start(...)`` builds n fake engines (ids e0, e1, ...) and a router over them with a test client;
-    ``instance_fields`` are added to every static instance entry (role, max_concurrency, kv_capacity_tokens...)."""
+    ``instance_fields`` are added to every static instance entry (role, max_concurrency, kv_capacity_tokens...),
+    ``roles`` gives each engine its own role."""
 
     def __init__(self) -> None:
         self.cluster = FakeCluster()
@@ -32,7 +33,8 @@ class RouterHarness:
 
     async def start(self, n: int = 2, *, settings: FakeEngineSettings | None = None, policy: Policy | None = None,
                     config: dict[str, Any] | None = None, health_checks: bool = False,
-                    instance_fields: dict[str, Any] | None = None, **app_kwargs: Any) -> "RouterHarness":
+                    instance_fields: dict[str, Any] | None = None, roles: list[str] | None = None,
+                    **app_kwargs: Any) -> "RouterHarness":
         for i in range(n):
             eng = FakeEngine(settings, self.cluster, engine_id=f"e{i}")
             await eng.start()
@@ -40,7 +42,8 @@ class RouterHarness:
         self.policy = policy if policy is not None else FakePolicy()
         cfg: dict[str, Any] = {
             "model": "fake-model", "kv_block_size": (settings or FakeEngineSettings()).block_size,
-            "instances": [{"id": e.engine_id, "url": e.url, **(instance_fields or {})} for e in self.engines],
+            "instances": [{"id": e.engine_id, "url": e.url, **(instance_fields or {}),
+                           **({"role": roles[i]} if roles else {})} for i, e in enumerate(self.engines)],
             "timeouts": {"connect_s": 1.0, "first_token_s": 5.0, "idle_s": 5.0, "request_s": 10.0, "health_s": 1.0},
         }
         cfg.update(config or {})
