@@ -47,7 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from fulcrum.cancellation import cancel_and_wait
-from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor
+from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor, PerModelLengthPredictors
 from fulcrum.router.config import ConfigWatcher, PrefillQueueConfig, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
 from fulcrum.router.handoff import (
@@ -119,7 +119,8 @@ class RouterState:
     policy_factory: PolicyFactory
     policy: Policy
     metrics: RouterMetrics
-    predictor: OutputLengthPredictor
+    predictor: PerModelLengthPredictors
+    """Output-length predictors, one per served model (Libra §4.1: per-model quantile estimate + margin)."""
     clock: Callable[[], float]
     config_path: Path | None = None
     pool: UpstreamPool | None = None
@@ -535,7 +536,7 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
     if ex.prompt.ids is not None and getattr(st.policy, "uses_prefix_hashes", False):
         hashes = prompt_block_hashes(ex.prompt.ids, int(getattr(st.policy, "kv_block_tokens", st.config.kv_block_size)))
     info = RequestInfo(request_id=ex.request_id, prompt_tokens=ex.prompt.count, max_tokens=cap,
-                       predicted_output_tokens=st.predictor.predict(ex.prompt.count, cap), prefix_hashes=hashes)
+                       predicted_output_tokens=st.predictor.predict(ex.model, ex.prompt.count, cap), prefix_hashes=hashes)
     st.metrics.input_tokens.observe(ex.prompt.count)
     st.metrics.predicted_output_tokens.observe(info.predicted_output_tokens)
     sink = ClientSink(request, st.metrics, st.clock, t0)
@@ -614,7 +615,7 @@ def _observe_done(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome 
         return
     n = out.completion_tokens
     m.output_tokens.observe(n)
-    st.predictor.observe(out.prompt_tokens or ex.prompt.count, n)
+    st.predictor.observe(ex.model, out.prompt_tokens or ex.prompt.count, n)
     if st.rescheduler is not None:
         st.rescheduler.observe_finished(ex.model, out.prompt_tokens or ex.prompt.count, n)
     if sink.first_token_at is not None and n > 1:
@@ -786,8 +787,9 @@ def create_app(
             follows config reloads.
         policy_factory: builds ``config.policy`` (and the new policy after a reload).
         clock: monotonic seconds for timing, ejection backoff and reload checks.
-        predictor: the output-length predictor (default: a per-ISL-bucket online quantile estimate plus Libra's
-            20-token margin, :class:`fulcrum.router.length_predictor.BucketedQuantilePredictor`).
+        predictor: one output-length predictor shared by every model (default: one per served model, each a
+            per-ISL-bucket online quantile estimate plus Libra's 20-token margin,
+            :class:`fulcrum.router.length_predictor.BucketedQuantilePredictor`).
         remaining_predictor: the remaining-length predictor of decode rescheduling (default: ARES §4's
             ``E[L − g | L > g]``, :class:`fulcrum.router.remaining_length.RemainingLengthPredictor`).
         metrics: the metrics (default: new ones on their own registry).
@@ -802,7 +804,8 @@ def create_app(
     st = RouterState(
         config=config, registry=reg, policy_factory=policy_factory,
         policy=policy_factory(config.policy.name, config.policy.params), metrics=metrics or RouterMetrics(),
-        predictor=predictor or BucketedQuantilePredictor(), clock=clock, owns_registry=owns,
+        predictor=PerModelLengthPredictors((lambda: predictor) if predictor is not None else BucketedQuantilePredictor),
+        clock=clock, owns_registry=owns,
         config_path=Path(config_path) if config_path is not None else None,
     )
     st.rescheduler = Rescheduler(remaining_predictor or RemainingLengthPredictor(), clock)

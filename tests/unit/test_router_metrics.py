@@ -82,3 +82,14 @@ async def test_ejections_are_counted_by_instance_and_cause(router_harness):
     s = samples(h.state.metrics.exposition().decode())
     assert s[("fulcrum_router_ejections_total", (("cause", "connect"), ("instance", "e0")))] == 1
     assert s[("fulcrum_router_retries_total", (("stage", "before-stream"),))] == 1
+
+
+async def test_the_router_learns_output_lengths_per_served_model(router_harness):
+    """Libra §4.1's output-length estimate is per model: what one model generated does not move another's."""
+    h = await router_harness()
+    for _ in range(3):
+        r = await h.client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 7})
+        assert r.status == 200
+    learned = h.state.predictor.for_model("fake-model")
+    assert learned.estimate(len("hello there")) == 7
+    assert h.state.predictor.for_model("another-model").estimate(len("hello there")) is None
