@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from fulcrum.errors import SpecError
 from fulcrum.router.registry import InstanceRecord
@@ -99,6 +99,9 @@ class WorkerConfig:
         max_num_seqs: most sequences in one engine step (the instance's concurrency). 256: vLLM's GPU default.
         max_num_batched_tokens: per-step token budget, tokens. 8192: vLLM's default for the OpenAI server.
         kv_connector: "nixl" (NixlConnector, KV moves between instances) or "none".
+        kv_prefix_pull: let other instances' requests load a cached prompt prefix from this engine and compute
+            the rest themselves (NIXL ``bidirectional_kv_xfer``; BanaServe §4.2 prefix pulls, router policy
+            ``load_aware`` with ``prefix_pull``). Needs ``kv_connector == "nixl"``.
         nixl_host: address of the NIXL side channel that peers dial (the pod IP).
         nixl_port: port of the NIXL side channel. 5600: vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT``.
         scheduler: "fulcrum" (SLO-aware scheduler, Libra Alg. 2) or "vllm" (vLLM's own).
@@ -123,6 +126,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_connector: Literal["nixl", "none"] = "nixl"
+    kv_prefix_pull: bool = False
     nixl_host: str = "127.0.0.1"
     nixl_port: int = 5600
     scheduler: Literal["fulcrum", "vllm"] = "fulcrum"
@@ -159,6 +163,8 @@ def _problems(c: WorkerConfig) -> list[str]:
     for name, port in (("--port", c.port), ("--nixl-port", c.nixl_port)):
         if not 1 <= port <= 65535:
             out.append(f"{name} must be in 1..65535, not {port}")
+    if c.kv_prefix_pull and c.kv_connector != "nixl":
+        out.append("--kv-prefix-pull needs --kv-connector nixl")
     if c.kv_connector == "nixl" and c.port == c.nixl_port:
         out.append(f"--port and --nixl-port must differ (both {c.port})")
     for name, value in (("--max-num-seqs", c.max_num_seqs), ("--max-num-batched-tokens", c.max_num_batched_tokens),
@@ -200,11 +206,15 @@ def resolve_device(requested: str, *, gpu_visible: bool) -> Device:
     raise SpecError(f"--device must be auto, cpu or cuda, not {requested!r}")
 
 
-def kv_transfer_config(c: WorkerConfig) -> dict[str, str] | None:
-    """The ``--kv-transfer-config`` object (NixlConnector), or None without a KV connector."""
+def kv_transfer_config(c: WorkerConfig) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` object (NixlConnector), or None without a KV connector; with
+    ``kv_prefix_pull``, ``kv_connector_extra_config.bidirectional_kv_xfer`` is on."""
     if c.kv_connector == "none":
         return None
-    return {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[c.role], "kv_buffer_device": c.device}
+    kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[c.role], "kv_buffer_device": c.device}
+    if c.kv_prefix_pull:
+        kv["kv_connector_extra_config"] = {"bidirectional_kv_xfer": True}
+    return kv
 
 
 def vllm_argv(c: WorkerConfig, python: str) -> list[str]:

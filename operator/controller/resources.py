@@ -335,6 +335,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
         "--max-model-len", str(spec.engine.max_model_len),
         "--block-size", str(spec.engine.block_size),
         "--kv-connector", "nixl",
+        *(["--kv-prefix-pull"] if spec.router.prefix_pull else []),
         "--nixl-port", str(NIXL_PORT),
         "--scheduler", "fulcrum",
         "--tpot-slo-ms", _num(spec.slo.tpot_ms),
@@ -521,8 +522,24 @@ def _policy_params(
             params["profile"] = profile.to_dict()
         return params
     if policy is RouterPolicy.LOAD_AWARE:
-        return {"disaggregate": spec.mode is Mode.DISAGGREGATED}
+        params = {"disaggregate": spec.mode is Mode.DISAGGREGATED}
+        if spec.router.prefix_pull:  # BanaServe §4.2: pull a cached prefix from its holder when cheaper
+            params.update(prefix_pull=True, kv_block_tokens=spec.engine.block_size)
+        return params
     return {}
+
+
+def _kv_connector(kind: EngineKind, target: ClusterTarget, profile: PerformanceProfile | None) -> dict[str, Any]:
+    """The router's ``kv_connector`` section for prefix pulls (BanaServe §4.2): vLLM workers run NIXL with
+    ``bidirectional_kv_xfer`` (partial prefixes load); the pull/recompute prices come from the profile: KV bytes
+    per token, and the prefill throughput at a 2,048-token prompt on the serving TP. sim-workers load whole
+    prompts only, so their prefixes are recomputed (and counted)."""
+    kv: dict[str, Any] = {"partial_prefix": kind is not EngineKind.SIM}
+    if profile is not None:
+        tp = target.unified.tp if target.unified.replicas else target.prefill.tp
+        kv["kv_bytes_per_token"] = float(profile.kv_bytes_per_token)
+        kv["prefill_tokens_per_s"] = round(2048.0 / max(profile.ttft(2048, tp), 1e-6), 1)
+    return kv
 
 
 def router_config(
@@ -575,6 +592,8 @@ def router_config(
     if spec.router.role_reassignment:
         doc["roles"] = {"enabled": True, "ttft_slo_s": spec.slo.ttft_ms / 1000.0,
                         "migrate_on_flip": bool(spec.router.rescheduling)}
+    if spec.router.prefix_pull:
+        doc["kv_connector"] = _kv_connector(spec.engine.kind, target, profile)
     if spec.router.prefill_queue == "nats":
         layout = QueueLayout.for_llmserve(namespace, name)  # the names the prefill pullers derive too
         doc["prefill_queue"] = {"kind": "nats", "url": spec.connectors.nats, "stream": layout.stream,

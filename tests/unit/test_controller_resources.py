@@ -484,3 +484,22 @@ def test_rescheduling_and_role_reassignment_reach_the_router_config_when_the_spe
     config = parse_config(yaml.safe_load(_by(_objects(serve), "ConfigMap", "sim-llama-70b-router")["data"]["router.yaml"]))
     assert config.rescheduling.enabled and config.roles.enabled and config.roles.migrate_on_flip
     assert config.roles.ttft_slo_s == serve.spec.slo.ttft_ms / 1000
+
+
+def test_prefix_pulls_reach_the_workers_and_the_router_when_the_spec_asks() -> None:
+    """router.prefixPull (BanaServe §4.2): vLLM workers run NIXL with bidirectional transfers, the load_aware
+    policy plans pulls, and the router prices them from the profile; the router config stays valid."""
+    serve = _with(_serve("llmserve-disaggregated-70b-h100"), router={"policy": "load_aware", "prefixPull": True})
+    objects = _objects(serve)
+    name = serve.metadata.name
+    config = parse_config(yaml.safe_load(_by(objects, "ConfigMap", f"{name}-router")["data"]["router.yaml"]))
+    assert config.policy.name == "load_aware" and config.policy.params["prefix_pull"] is True
+    assert config.policy.params["kv_block_tokens"] == serve.spec.engine.block_size
+    assert config.kv_connector.partial_prefix
+    assert config.kv_connector.kv_bytes_per_token > 0 and config.kv_connector.prefill_tokens_per_s > 0
+    workers = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] != f"{name}-router"]
+    assert workers and all("--kv-prefix-pull" in o["spec"]["template"]["spec"]["containers"][0]["args"]
+                           for o in workers)
+    plain = _objects(_with(serve, router={"prefixPull": False}))
+    assert all("--kv-prefix-pull" not in o["spec"]["template"]["spec"]["containers"][0]["args"]
+               for o in plain if o["kind"] == "Deployment")

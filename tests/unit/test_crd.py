@@ -291,6 +291,9 @@ _CEL_CASES: list[tuple[str, dict[str, Any]]] = [
     ("nats queue with an empty url", {"router": {"prefillQueue": "nats"}, "connectors": {"nats": ""}}),
     ("direct queue without a url", {"router": {"prefillQueue": "direct"}, "connectors": {"etcd": "etcd:2379"}}),
     ("sim engine", {"engine": {"kind": "sim"}}),
+    ("prefix pull with load_aware", {"router": {"policy": "load_aware", "prefixPull": True}}),
+    ("prefix pull with disaggregated", {"router": {"policy": "disaggregated", "prefixPull": True}}),
+    ("prefix pull with the default policy", {"router": {"prefixPull": True}}),
 ]
 
 

@@ -158,3 +158,14 @@ def test_the_cli_answers_bad_input_with_exit_2_and_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fulcrum worker: error:") and message in err[0]
+
+
+def test_prefix_pulls_turn_on_nixl_bidirectional_transfers() -> None:
+    """BanaServe §4.2 prefix pulls: another instance's request loads a cached prefix from this engine (vLLM NIXL
+    ``bidirectional_kv_xfer``); a worker without a KV connector cannot offer it."""
+    on = json.loads(flag(vllm_argv(WorkerConfig(model="m", kv_prefix_pull=True), PY), "--kv-transfer-config"))
+    assert on["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True}
+    off = json.loads(flag(vllm_argv(WorkerConfig(model="m"), PY), "--kv-transfer-config"))
+    assert "kv_connector_extra_config" not in off
+    with pytest.raises(SpecError, match="--kv-prefix-pull needs --kv-connector nixl"):
+        WorkerConfig(model="m", kv_prefix_pull=True, kv_connector="none")

@@ -182,6 +182,13 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".connectors.nats",
         },
     ],
+    ("router",): [
+        {
+            "rule": "!self.prefixPull || self.policy == 'load_aware'",
+            "message": "router.prefixPull requires router.policy load_aware",
+            "fieldPath": ".prefixPull",
+        },
+    ],
     ("scaling",): [
         {"rule": "self.minGPUs <= self.maxGPUs", "message": "minGPUs must be <= maxGPUs", "fieldPath": ".minGPUs"},
         {

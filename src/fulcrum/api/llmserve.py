@@ -298,6 +298,7 @@ class RouterSpec(_Model):
     prefill_queue: Literal["direct", "nats"] = Field(default="direct", description="`nats` sends prefill jobs through a JetStream work queue (DOPD §V-C).")
     rescheduling: bool = Field(default=False, description="ARES decode rescheduling (ARES §5.2, Alg. 1): every second the router moves one running decode request from an overloaded to an underloaded decode instance (a recompute migration; the client's stream does not break).")
     role_reassignment: bool = Field(default=False, description="Role reassignment (BanaServe Alg. 1 with a role flip): the router shifts `both` (unified) instances between prefill and decode duty from measured utilisation, with hysteresis.")
+    prefix_pull: bool = Field(default=False, description="Load-aware dispatch over a shared KV store (BanaServe §4.2, §4.4.2; policy `load_aware` only): a request goes to the least-loaded instance, which pulls the prompt's cached prefix over NIXL from the instance holding it when that is cheaper than recomputing it. The workers' NIXL connector runs with `bidirectional_kv_xfer`.")
 
 
 class Toleration(_Model):
@@ -378,6 +379,8 @@ class LLMServeSpec(_Model):
             )
         if self.router.prefill_queue == "nats" and not self.connectors.nats:
             raise ValueError("router.prefillQueue nats requires connectors.nats")
+        if self.router.prefix_pull and self.router.policy is not RouterPolicy.LOAD_AWARE:
+            raise ValueError(f"router.prefixPull requires router.policy load_aware, not {self.router.policy.value}")
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,9 @@ def add_parser(sub: Any) -> None:
     engine.add_argument("--kv-connector", default="nixl", choices=["nixl", "none"],
                         help="KV transfer between instances (default nixl)")
     engine.add_argument("--nixl-port", type=int, default=5600, help="NIXL side-channel port (5600)")
+    engine.add_argument("--kv-prefix-pull", action="store_true",
+                        help="NIXL bidirectional_kv_xfer: other instances may pull this engine's cached prefixes "
+                             "(BanaServe prefix pulls; router policy load_aware with prefix_pull)")
     engine.add_argument("--scheduler", default="fulcrum", choices=["fulcrum", "vllm"],
                         help="fulcrum: the SLO-aware scheduler (Libra Alg. 2); vllm: vLLM's own")
     engine.add_argument("--tpot-slo-ms", type=float, default=None,
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, served_model_name=args.served_model_name, tp=args.tp, host=args.host, port=args.port,
         role=args.role, pool=args.pool, gpu_type=args.gpu_type, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_connector=args.kv_connector, nixl_host=pod_ip, nixl_port=args.nixl_port, scheduler=args.scheduler,
+        kv_connector=args.kv_connector, kv_prefix_pull=args.kv_prefix_pull, nixl_host=pod_ip, nixl_port=args.nixl_port, scheduler=args.scheduler,
         tpot_slo_ms=args.tpot_slo_ms, device=resolve_device(args.device, gpu_visible=gpu_visible()),
         extra_args=tuple(extra),
     )
