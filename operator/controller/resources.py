@@ -53,7 +53,7 @@ from fulcrum.router.config import RouterConfigError, parse_config
 from fulcrum.router.policies.registry import make_policy
 from fulcrum.router.prefill_queue import QueueLayout
 from fulcrum.scaling.fulcrum import FulcrumPlanner
-from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+from fulcrum.target import ClusterTarget, PoolSize, RoutingParams, role_bounds
 
 __all__ = [
     "POOLS",
@@ -592,6 +592,9 @@ def router_config(
     if spec.router.role_reassignment:
         doc["roles"] = {"enabled": True, "ttft_slo_s": spec.slo.ttft_ms / 1000.0,
                         "migrate_on_flip": bool(spec.router.rescheduling)}
+        if target.unified.replicas >= 2:  # the plan's duty split bounds the flips (BanaServe Alg. 1 within it)
+            lo_p, hi_p, lo_d, hi_d = role_bounds(target.unified.replicas, target.routing.prefill_share)
+            doc["roles"].update(min_prefill=lo_p, max_prefill=hi_p, min_decode=lo_d, max_decode=hi_d)
     if spec.router.prefix_pull:
         doc["kv_connector"] = _kv_connector(spec.engine.kind, target, profile)
     if spec.router.prefill_queue == "nats":

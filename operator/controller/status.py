@@ -112,6 +112,7 @@ def target_from_status(status: Mapping[str, Any] | None) -> ClusterTarget | None
                 batch_timeout_s=float(r.get("batchTimeoutSeconds", routing.batch_timeout_s)),
                 length_aware_batching=bool(r.get("lengthAwareBatching", routing.length_aware_batching)),
                 max_prefill_batch_tokens=int(r.get("maxPrefillBatchTokens", routing.max_prefill_batch_tokens)),
+                prefill_share=float(r["prefillShare"]) if r.get("prefillShare") is not None else None,
             )
         except (TypeError, ValueError):
             routing = RoutingParams()
@@ -122,7 +123,8 @@ def routing_status(routing: RoutingParams) -> dict[str, Any]:
     """``status.routing``: the router's split-policy parameters in force (read back after a restart)."""
     return {"ultraShortTokens": routing.ultra_short_tokens, "longRequestTokens": routing.long_request_tokens,
             "batchTimeoutSeconds": routing.batch_timeout_s, "lengthAwareBatching": routing.length_aware_batching,
-            "maxPrefillBatchTokens": routing.max_prefill_batch_tokens}
+            "maxPrefillBatchTokens": routing.max_prefill_batch_tokens,
+            **({"prefillShare": round(routing.prefill_share, 4)} if routing.prefill_share is not None else {})}
 
 
 def pools_status(target: ClusterTarget, ready: ReadyCounts) -> dict[str, dict[str, int]]:

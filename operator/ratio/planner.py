@@ -452,9 +452,14 @@ def plan_unified(
     notes += budget_notes
     n = counts["u"]
     u = ultra_short_threshold(profile, tp, tp, step, tpot_slo, settings)
+    # eq. (15) at the unified TP: the duty split role reassignment is bounded around (RoutingParams.prefill_share)
+    t_p = workload.isl.expect(lambda x: profile.ttft(x, tp))
+    r = cap.cc * t_p / (cap.step_s * max(workload.osl.mean(), 1.0)) if cap.step_s > 0 else math.nan
+    share = r / (1.0 + r) if math.isfinite(r) and r >= 0 else None
     inputs: dict[str, Any] = {
         "rate_rps": lam, "mean_isl": workload.isl.mean(), "mean_osl": workload.osl.mean(), "tp_unified": tp,
         "rate_per_instance": mu, "cc": cap.cc, "step_s": step, "unified_need": need, "ultra_short_tokens": u,
+        "prefill_share": share,
     }
     return Plan(
         mode=Mode.UNIFIED.value,
@@ -467,11 +472,12 @@ def plan_unified(
             batch_timeout_s=0.0,
             length_aware_batching=False,
             max_prefill_batch_tokens=settings.max_model_len,
+            prefill_share=share,
         ),
         ratio=math.nan,
         balanced_ratio=math.nan,
         decode_concurrency=cap.cc,
-        t_p_s=workload.isl.expect(lambda x: profile.ttft(x, tp)),
+        t_p_s=t_p,
         t_d_s=step,
         expected_ttft_s=profile.ttft(workload.isl.quantile(q), tp),
         gpus=n * tp,

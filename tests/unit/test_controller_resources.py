@@ -503,3 +503,18 @@ def test_prefix_pulls_reach_the_workers_and_the_router_when_the_spec_asks() -> N
     plain = _objects(_with(serve, router={"prefixPull": False}))
     assert all("--kv-prefix-pull" not in o["spec"]["template"]["spec"]["containers"][0]["args"]
                for o in plain if o["kind"] == "Deployment")
+
+
+def test_role_reassignment_bounds_come_from_the_plans_duty_split() -> None:
+    """A unified pool of 8 whose plan expects 0.8 of it on prefill duty: the router may flip within [3, 7]
+    prefill instances; before any plan (no share) only one instance per duty is kept."""
+    serve = _with(_serve("llmserve-unified-14b-a100"), router={"roleReassignment": True})
+    name = serve.metadata.name
+    base = initial_target(serve)
+    planned = ClusterTarget(unified=PoolSize(8, base.unified.tp),
+                            routing=RoutingParams(prefill_share=0.8, long_request_tokens=1000))
+    roles = parse_config(yaml.safe_load(_by(_objects(serve, planned), "ConfigMap", f"{name}-router")["data"]["router.yaml"])).roles
+    assert (roles.min_prefill, roles.max_prefill, roles.min_decode, roles.max_decode) == (3, 7, 1, 5)
+    unplanned = ClusterTarget(unified=PoolSize(8, base.unified.tp))
+    roles = parse_config(yaml.safe_load(_by(_objects(serve, unplanned), "ConfigMap", f"{name}-router")["data"]["router.yaml"])).roles
+    assert (roles.min_prefill, roles.max_prefill, roles.min_decode, roles.max_decode) == (1, 7, 1, 7)

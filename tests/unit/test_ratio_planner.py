@@ -21,6 +21,7 @@ from fulcrum.ratio.planner import (
     ultra_short_threshold,
 )
 from fulcrum.ratio.queueing import erlang_c, mean_wait, min_servers_for_ttft, wait_quantile
+from fulcrum.target import role_bounds
 
 # DOPD §VI-A3 (Fig. 6) reports an optimal 4.58 P-instances per TP=2 D-instance for ISL/OSL = 1000/150 with a
 # D capacity of 235, and 3.18 for 3000/300. The paper does not say at which (batch, context) point of Table I
@@ -153,6 +154,12 @@ def test_unified_mode_needs_a_tp_measured_for_both_phases(table_i, splitwise):
     p = plan_unified(WorkloadEstimate.from_means(4, 1000, 200), splitwise, SLOSpec())
     assert p.mode == "Unified" and p.unified.replicas >= 1 and p.prefill.replicas == 0
     assert p.t_d_s <= 0.08
+    # the duty split role reassignment is bounded around: eq. (15)'s r at the unified TP, as a share r / (1 + r)
+    cap = decode_capacity(splitwise, p.unified.tp, 1000, 200, SLOSpec().tpot_ms / 1e3)
+    r = cap.cc * p.t_p_s / (cap.step_s * 200)
+    assert p.routing.prefill_share == pytest.approx(r / (1 + r))
+    longer = plan_unified(WorkloadEstimate.from_means(4, 1000, 800), splitwise, SLOSpec())
+    assert longer.routing.prefill_share < p.routing.prefill_share  # longer outputs: more decode duty
 
 
 def test_auto_mode_picks_the_plan_with_fewer_gpus(splitwise):
@@ -180,3 +187,16 @@ def test_plans_carry_the_numbers_they_came_from(table_i):
         assert key in p.inputs
     assert p.balanced_ratio == pytest.approx(p.decode_concurrency * p.t_p_s / (p.inputs["t_d_full_s"] * 150))
     assert p.routing.length_aware_batching and p.routing.long_request_tokens == 1000
+
+
+def test_role_bounds_keep_one_instance_per_duty_and_follow_the_planned_share():
+    assert role_bounds(10, None) == (1, 9, 1, 9)
+    assert role_bounds(8, 0.8) == (3, 7, 1, 5)  # n_p* = 6.4: prefill duty within [3, 7]
+    assert role_bounds(4, 0.2) == (1, 2, 2, 3)
+    assert role_bounds(1, 0.5) == (0, 1, 0, 1) and role_bounds(0, None) == (0, 0, 0, 0)
+    for n in range(2, 40):
+        for share in (0.0, 0.05, 0.3, 0.5, 0.77, 1.0):
+            lo_p, hi_p, lo_d, hi_d = role_bounds(n, share)
+            assert 1 <= lo_p <= hi_p <= n - 1 and (lo_d, hi_d) == (n - hi_p, n - lo_p)
+    with pytest.raises(ValueError):
+        role_bounds(4, 1.5)
