@@ -77,13 +77,13 @@ RULES: tuple[dict[str, Any], ...] = (
     {
         "alert": "FulcrumDrainStuck",
         "expr": (
-            "histogram_quantile(0.99, sum by (le) (rate(fulcrum_operator_drain_seconds_bucket[30m])))"
+            "time() - max by (llmserve, pool) (fulcrum_operator_drain_started_timestamp_seconds > 0)"
             " > $(drainStuckSeconds)"
         ),
         "for": "0m",
         "labels": {"severity": "warning"},
         "annotations": {
-            "summary": "Drains of scaled-in instances take {{ $value | humanizeDuration }}",
+            "summary": "The drain of pool {{ $labels.pool }} of {{ $labels.llmserve }} has run {{ $value | humanizeDuration }}",
             "description": (
                 "Instances being scaled in keep running or waiting requests until the drain timeout: long decodes, "
                 "or the router still sends them work (docs/dashboards.md#fulcrumdrainstuck)."
@@ -92,7 +92,7 @@ RULES: tuple[dict[str, Any], ...] = (
     },
     {
         "alert": "FulcrumRouterNoHealthyInstance",
-        "expr": "max by (namespace, llmserve) (fulcrum_router_instance_healthy) == 0",
+        "expr": "max by (namespace, llmserve) (fulcrum_router_instances_available) == 0",
         "for": "1m",
         "labels": {"severity": "critical"},
         "annotations": {

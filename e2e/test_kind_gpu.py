@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "kind"))
 
 import harness  # noqa: E402
 
-pytestmark = [pytest.mark.cluster, pytest.mark.gpu]
+pytestmark = [pytest.mark.cluster, pytest.mark.gpu, pytest.mark.timeout(5400)]  # image pulls and model load: past 600 s
 
 NS = "default"
 NAME = "gpu-small"

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "kind"))
 
 import harness  # noqa: E402
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2700)]  # minutes of cluster set-up: past the suite's 600 s
 
 NS = "default"
 NAME = "sim-llama-70b"

@@ -26,7 +26,7 @@ import pytest
 from kube import kubectl  # e2e/kube.py (the test folder is on sys.path)
 import yaml
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2700)]  # minutes of cluster set-up: past the suite's 600 s
 
 REPO = Path(__file__).resolve().parents[1]
 

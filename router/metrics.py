@@ -43,6 +43,9 @@ class _InstanceCollector(Collector):
             "healthy": GaugeMetricFamily("fulcrum_router_instance_healthy", "1 when healthy and not ejected", labels=["instance", "role"]),
             "draining": GaugeMetricFamily("fulcrum_router_instance_draining", "1 while the router config lists the instance as draining (no new requests)", labels=["instance", "role"]),
         }
+        available = GaugeMetricFamily("fulcrum_router_instances_available",
+                                      "Instances that may take new requests (healthy, not ejected, not draining); 0 with none known")
+        available.add_metric([], float(sum(1 for v in views if v.available)))
         for v in views:
             lab = [v.id, v.role]
             fams["inflight"].add_metric(lab, v.inflight)
@@ -50,7 +53,7 @@ class _InstanceCollector(Collector):
             fams["running"].add_metric(lab, v.running_tokens)
             fams["healthy"].add_metric(lab, 1.0 if v.available else 0.0)
             fams["draining"].add_metric(lab, 1.0 if v.draining else 0.0)
-        return list(fams.values())
+        return [*fams.values(), available]
 
 
 class RouterMetrics:

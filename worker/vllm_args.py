@@ -106,6 +106,8 @@ class WorkerConfig:
         nixl_port: port of the NIXL side channel. 5600: vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT``.
         scheduler: "fulcrum" (SLO-aware scheduler, Libra Alg. 2) or "vllm" (vLLM's own).
         tpot_slo_ms: the TPOT SLO handed to the SLO-aware scheduler, milliseconds (None = its default).
+        scheduler_metrics_port: where the SLO-aware scheduler serves ``fulcrum_scheduler_*`` (its budget, step
+            times and latency table) from the engine-core process (None = not served).
         device: "cpu" or "cuda" (resolved already, see :func:`resolve_device`).
         extra_args: further vLLM arguments, appended verbatim.
 
@@ -131,6 +133,7 @@ class WorkerConfig:
     nixl_port: int = 5600
     scheduler: Literal["fulcrum", "vllm"] = "fulcrum"
     tpot_slo_ms: float | None = None
+    scheduler_metrics_port: int | None = None
     device: Device = "cuda"
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -160,9 +163,12 @@ def _problems(c: WorkerConfig) -> list[str]:
         out.append(f"device must be cpu or cuda, not {c.device!r}")
     if c.tp < 1:
         out.append(f"--tp must be >= 1, not {c.tp}")
-    for name, port in (("--port", c.port), ("--nixl-port", c.nixl_port)):
-        if not 1 <= port <= 65535:
+    for name, port in (("--port", c.port), ("--nixl-port", c.nixl_port),
+                       ("--scheduler-metrics-port", c.scheduler_metrics_port)):
+        if port is not None and not 1 <= port <= 65535:
             out.append(f"{name} must be in 1..65535, not {port}")
+    if c.scheduler_metrics_port is not None and c.scheduler_metrics_port in (c.port, c.nixl_port):
+        out.append(f"--scheduler-metrics-port must differ from --port and --nixl-port ({c.scheduler_metrics_port})")
     if c.kv_prefix_pull and c.kv_connector != "nixl":
         out.append("--kv-prefix-pull needs --kv-connector nixl")
     if c.kv_connector == "nixl" and c.port == c.nixl_port:
@@ -251,7 +257,8 @@ def vllm_env(c: WorkerConfig) -> dict[str, str]:
     """Environment variables to add to the child's (inherited) environment.
 
     ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT`` (with NIXL: where peers reach this engine's handshake socket; the host
-    is the pod IP), ``FULCRUM_TPOT_SLO_MS`` (with ``--scheduler fulcrum`` and an SLO given).
+    is the pod IP), ``FULCRUM_TPOT_SLO_MS`` (with ``--scheduler fulcrum`` and an SLO given),
+    ``FULCRUM_SCHEDULER_METRICS_PORT`` (with ``--scheduler fulcrum`` and a metrics port given).
     """
     env: dict[str, str] = {}
     if c.kv_connector == "nixl":
@@ -259,6 +266,8 @@ def vllm_env(c: WorkerConfig) -> dict[str, str]:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(c.nixl_port)
     if c.scheduler == "fulcrum" and c.tpot_slo_ms is not None:
         env["FULCRUM_TPOT_SLO_MS"] = f"{c.tpot_slo_ms:g}"
+    if c.scheduler == "fulcrum" and c.scheduler_metrics_port is not None:
+        env["FULCRUM_SCHEDULER_METRICS_PORT"] = str(c.scheduler_metrics_port)
     return env
 
 

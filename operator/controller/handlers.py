@@ -475,6 +475,8 @@ class Controller:
         timeout or a failure is left in ``drain_notes`` for the next interval's status."""
         io = _KubeDrainIO(self, rt, body, key)
         t0 = self.monotonic()
+        started = self.metrics.drain_started.labels(key, pool)
+        started.set(self.clock())  # a drain that hangs shows here (FulcrumDrainStuck) before it ends
         try:
             result: DrainResult = await drain_pool(
                 io, pool, new, timeout_s=float(rt.serve.spec.scaling.drain_timeout_seconds),
@@ -488,6 +490,7 @@ class Controller:
             rt.drain_notes.append(f"{pool}: drain failed: {type(err).__name__}: {err}")
             return
         finally:
+            started.set(0.0)
             if rt.drains.get(pool) is asyncio.current_task():
                 del rt.drains[pool]
         self.metrics.drain_seconds.observe(max(self.monotonic() - t0, 0.0))

@@ -49,6 +49,9 @@ class OperatorMetrics:
                                     ["llmserve", "series"], registry=r)
         self.drain_seconds = Histogram("fulcrum_operator_drain_seconds", "Time spent draining scaled-in instances",
                                        buckets=_DRAIN_BUCKETS, registry=r)
+        self.drain_started = Gauge("fulcrum_operator_drain_started_timestamp_seconds",
+                                   "Unix time the drain in progress of a pool began; 0 when none is in progress",
+                                   ["llmserve", "pool"], registry=r)
         self.reconcile_errors = Counter("fulcrum_operator_reconcile_errors", "Reconciles or intervals that failed", registry=r)
         self.observation_failures = Counter("fulcrum_operator_observation_failures",
                                             "Intervals without an observation (Prometheus down or empty)", ["llmserve"], registry=r)

@@ -62,6 +62,7 @@ __all__ = [
     "HTTP_PORT",
     "NIXL_PORT",
     "HEALTH_PORT",
+    "SCHEDULER_METRICS_PORT",
     "ROUTER_CONFIG_KEY",
     "ROUTER_CONFIG_DIR",
     "PROFILE_DIR",
@@ -105,6 +106,9 @@ HTTP_PORT = 8000
 """Port of the OpenAI API, ``/health`` and ``/metrics`` of workers and router (container port name ``http``)."""
 NIXL_PORT = 5600
 """NIXL side-channel port of vLLM workers (container port name ``nixl``)."""
+SCHEDULER_METRICS_PORT = 8002
+"""``fulcrum_scheduler_*`` of vLLM workers: the SLO-aware scheduler's budget, step times and latency table, served
+from the engine-core process (container port name ``scheduler``; the chart's PodMonitor scrapes it)."""
 HEALTH_PORT = 8001
 """Readiness endpoint of the ``fulcrum worker`` supervisor (container port name ``health``): ``GET /health`` is 200
 only while serving, 503 while starting or draining (vLLM's own ``/health`` on 8000 stays 200 while it drains;
@@ -338,6 +342,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
         *(["--kv-prefix-pull"] if spec.router.prefix_pull else []),
         "--nixl-port", str(NIXL_PORT),
         "--scheduler", "fulcrum",
+        "--scheduler-metrics-port", str(SCHEDULER_METRICS_PORT),
         "--tpot-slo-ms", _num(spec.slo.tpot_ms),
         "--health-port", str(HEALTH_PORT),
         *common_tail,
@@ -375,6 +380,7 @@ def _worker_pod_spec(serve: LLMServe, pool: str, tp: int) -> dict[str, Any]:
     if vllm:
         ports.append({"name": "nixl", "containerPort": NIXL_PORT, "protocol": "TCP"})
         ports.append({"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"})
+        ports.append({"name": "scheduler", "containerPort": SCHEDULER_METRICS_PORT, "protocol": "TCP"})
     # readiness: 200 only while serving, 503 while starting or draining (vllm: the supervisor's port; sim: http)
     ready_port = "health" if vllm else "http"
     # liveness must not restart a draining worker: vLLM's own /health stays 200 while draining; the sim-worker's

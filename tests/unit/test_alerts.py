@@ -127,11 +127,10 @@ _UNIT_TESTS = {
                 }]},
             ],
         },
-        {   # every instance unhealthy for 2 minutes
+        {   # every instance unhealthy for 2 minutes (a router that knows no instance at all exports 0 too)
             "interval": "1m",
             "input_series": [
-                {"series": 'fulcrum_router_instance_healthy{namespace="ns", llmserve="a", instance="w1", role="both"}', "values": "1 1 0 0 0 0"},
-                {"series": 'fulcrum_router_instance_healthy{namespace="ns", llmserve="a", instance="w2", role="both"}', "values": "1 0 0 0 0 0"},
+                {"series": 'fulcrum_router_instances_available{namespace="ns", llmserve="a", pod="a-router-0"}', "values": "2 1 0 0 0 0"},
             ],
             "alert_rule_test": [
                 {"eval_time": "1m", "alertname": "FulcrumRouterNoHealthyInstance", "exp_alerts": []},
@@ -159,18 +158,18 @@ _UNIT_TESTS = {
                 }]},
             ],
         },
-        {   # drains that all end at the 600-s bucket: p99 well over the threshold, fires at once
+        {   # a decode drain that began at 1m and never ends; a prefill drain that began at 1m and ended at 3m
             "interval": "1m",
             "input_series": [
-                {"series": 'fulcrum_operator_drain_seconds_bucket{le="300.0"}', "values": "0x40"},
-                {"series": 'fulcrum_operator_drain_seconds_bucket{le="600.0"}', "values": "0+1x40"},
-                {"series": 'fulcrum_operator_drain_seconds_bucket{le="+Inf"}', "values": "0+1x40"},
+                {"series": 'fulcrum_operator_drain_started_timestamp_seconds{llmserve="default/a", pool="decode"}', "values": "0 60x10"},
+                {"series": 'fulcrum_operator_drain_started_timestamp_seconds{llmserve="default/a", pool="prefill"}', "values": "0 60 60 0x8"},
             ],
             "alert_rule_test": [
-                {"eval_time": "31m", "alertname": "FulcrumDrainStuck", "exp_alerts": [{
-                    "exp_labels": {"severity": "warning"},
+                {"eval_time": "5m", "alertname": "FulcrumDrainStuck", "exp_alerts": []},
+                {"eval_time": "8m", "alertname": "FulcrumDrainStuck", "exp_alerts": [{
+                    "exp_labels": {"severity": "warning", "llmserve": "default/a", "pool": "decode"},
                     "exp_annotations": {
-                        "summary": "Drains of scaled-in instances take 9m 57s",
+                        "summary": "The drain of pool decode of default/a has run 7m 0s",
                         "description": alerts.RULES[3]["annotations"]["description"],
                     },
                 }]},

@@ -153,7 +153,8 @@ def _check_custom(obj: dict[str, Any]) -> None:
     elif kind == "PodMonitor":
         assert spec["selector"] and spec["podMetricsEndpoints"]
         for ep in spec["podMetricsEndpoints"]:
-            assert ep["port"] == "http"  # the contract's container port name of routers and workers
+            # the contract's container port names: http (routers, workers), scheduler (vLLM workers' scheduler)
+            assert ep["port"] in ("http", "scheduler")
             for r in ep.get("relabelings", []):
                 assert set(r) <= {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
     elif kind == "PrometheusRule":

@@ -21,6 +21,7 @@ from fulcrum.controller.resources import (
     ANNOTATION_POD_SPEC_HASH,
     MODE_POOLS,
     POOL_ROLES,
+    SCHEDULER_METRICS_PORT,
     build_objects,
     initial_target,
     pool_deployment_name,
@@ -217,14 +218,15 @@ def test_vllm_worker_args_carry_the_contract_flags_and_extra_args_after_a_double
         "--model": "meta-llama/Llama-3.1-70B-Instruct", "--served-model-name": "llama-3.1-70b", "--tp": "2",
         "--host": "0.0.0.0", "--port": "8000", "--role": "decode", "--pool": "decode", "--gpu-type": "H100",
         "--max-model-len": "8192", "--block-size": "16", "--kv-connector": "nixl", "--nixl-port": "5600",
-        "--scheduler": "fulcrum", "--tpot-slo-ms": "80", "--health-port": "8001", "--etcd": "etcd.fulcrum:2379",
+        "--scheduler": "fulcrum", "--scheduler-metrics-port": "8002", "--tpot-slo-ms": "80", "--health-port": "8001", "--etcd": "etcd.fulcrum:2379",
         "--namespace": "default",
         "--llmserve": "llama-70b-fp8", "--drain-timeout-s": "300",
     }
     assert args[args.index("--") + 1:] == ["--quantization", "fp8"]
     assert [e["name"] for e in c["env"]] == ["POD_NAME", "POD_NAMESPACE", "POD_IP"]
     assert c["env"][2]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "nixl": 5600, "health": 8001}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "nixl": 5600, "health": 8001,
+                                                                    "scheduler": 8002}
     # readiness follows the supervisor (503 while starting or draining); liveness vLLM's own /health (200 while
     # draining), so a draining worker leaves the Service but is not restarted
     assert c["readinessProbe"]["httpGet"] == c["startupProbe"]["httpGet"] == {"path": "/health", "port": "health"}
@@ -518,3 +520,15 @@ def test_role_reassignment_bounds_come_from_the_plans_duty_split() -> None:
     unplanned = ClusterTarget(unified=PoolSize(8, base.unified.tp))
     roles = parse_config(yaml.safe_load(_by(_objects(serve, unplanned), "ConfigMap", f"{name}-router")["data"]["router.yaml"])).roles
     assert (roles.min_prefill, roles.max_prefill, roles.min_decode, roles.max_decode) == (1, 7, 1, 7)
+
+
+def test_vllm_workers_serve_the_scheduler_metrics_on_a_named_port_the_pod_monitor_scrapes() -> None:
+    serve = _serve("llmserve-disaggregated-70b-h100")
+    workers = [o for o in _objects(serve) if o["kind"] == "Deployment" and o["metadata"]["name"] != f"{serve.metadata.name}-router"]
+    assert workers
+    for o in workers:
+        (c,) = o["spec"]["template"]["spec"]["containers"]
+        assert {"name": "scheduler", "containerPort": SCHEDULER_METRICS_PORT, "protocol": "TCP"} in c["ports"]
+        assert c["args"][c["args"].index("--scheduler-metrics-port") + 1] == str(SCHEDULER_METRICS_PORT)
+    sim = [o for o in _objects(_serve("llmserve-sim")) if o["kind"] == "Deployment"]
+    assert all("--scheduler-metrics-port" not in o["spec"]["template"]["spec"]["containers"][0]["args"] for o in sim)

@@ -93,8 +93,8 @@ async def test_the_router_groups_short_prefills_on_a_busy_prefill_instance_and_a
         router_harness) -> None:
     """e0 prefills (slowly), e1 decodes. The first request finds e0 idle and passes (flush); the next two arrive
     while e0 is busy, wait together at the gate and are released by the timeout as one group of two."""
-    policy = DisaggregatedPolicy(long_request_tokens=4096, batch_timeout_s=0.3)
-    h = await router_harness(policy=policy, settings=FakeEngineSettings(prefill_delay_s=1.0),
+    policy = DisaggregatedPolicy(long_request_tokens=4096, batch_timeout_s=1.0)
+    h = await router_harness(policy=policy, settings=FakeEngineSettings(prefill_delay_s=3.0),
                              roles=["prefill", "decode"])
     body = {"prompt": "the quick brown fox jumps over", "max_tokens": 6, "temperature": 0}
 
@@ -109,7 +109,10 @@ async def test_the_router_groups_short_prefills_on_a_busy_prefill_instance_and_a
         if h.engine("e0").requests:
             break
     later = [asyncio.create_task(ask()) for _ in range(2)]
-    await asyncio.sleep(0.1)
+    for _ in range(100):  # both reach the gate (well before its 1 s timeout) and wait there
+        await asyncio.sleep(0.01)
+        if h.state.prefill_gate.pending("e0") == 2:
+            break
     assert len(h.engine("e0").requests) == 1 and h.state.prefill_gate.pending("e0") == 2  # held at the gate
     texts = await asyncio.gather(first, *later)
     assert len(set(texts)) == 1 and texts[0]

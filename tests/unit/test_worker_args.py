@@ -169,3 +169,17 @@ def test_prefix_pulls_turn_on_nixl_bidirectional_transfers() -> None:
     assert "kv_connector_extra_config" not in off
     with pytest.raises(SpecError, match="--kv-prefix-pull needs --kv-connector nixl"):
         WorkerConfig(model="m", kv_prefix_pull=True, kv_connector="none")
+
+
+def test_the_scheduler_metrics_port_reaches_the_engine_core_only_with_fulcrums_scheduler() -> None:
+    """``fulcrum_scheduler_*`` (the budget, step times and latency table) are served from the engine-core process
+    on the port the worker names; vLLM's own scheduler has none to serve."""
+    env = vllm_env(WorkerConfig(model="m", scheduler_metrics_port=8002))
+    assert env["FULCRUM_SCHEDULER_METRICS_PORT"] == "8002"
+    assert "FULCRUM_SCHEDULER_METRICS_PORT" not in vllm_env(WorkerConfig(model="m", scheduler="vllm",
+                                                                        scheduler_metrics_port=8002))
+    assert "FULCRUM_SCHEDULER_METRICS_PORT" not in vllm_env(WorkerConfig(model="m"))
+    with pytest.raises(SpecError, match="--scheduler-metrics-port must differ"):
+        WorkerConfig(model="m", scheduler_metrics_port=8000)
+    with pytest.raises(SpecError, match="--scheduler-metrics-port must be in 1..65535"):
+        WorkerConfig(model="m", scheduler_metrics_port=0)

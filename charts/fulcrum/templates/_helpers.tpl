@@ -127,3 +127,25 @@ imagePullSecrets:
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 {{- end }}
+
+{{/*
+Relabelings of the workload PodMonitor's endpoints: the operator's pod labels become the series' labels, and
+job = the pod's Deployment (<llmserve>-router, <llmserve>-prefill, ...): the operator's observe step selects the
+router's series by job="<llmserve>-router".
+*/}}
+{{- define "fulcrum.workloadRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_name]
+  regex: (.+)-[a-z0-9]+-[a-z0-9]+
+  targetLabel: job
+  replacement: $1
+- sourceLabels: [__meta_kubernetes_pod_label_fulcrum_dev_llmserve]
+  targetLabel: llmserve
+- sourceLabels: [__meta_kubernetes_pod_label_fulcrum_dev_pool]
+  targetLabel: pool
+- sourceLabels: [__meta_kubernetes_pod_label_fulcrum_dev_role]
+  targetLabel: role
+- sourceLabels: [__meta_kubernetes_namespace]
+  targetLabel: namespace
+- sourceLabels: [__meta_kubernetes_pod_name]
+  targetLabel: pod
+{{- end }}

@@ -56,6 +56,8 @@ def add_parser(sub: Any) -> None:
                              "(BanaServe prefix pulls; router policy load_aware with prefix_pull)")
     engine.add_argument("--scheduler", default="fulcrum", choices=["fulcrum", "vllm"],
                         help="fulcrum: the SLO-aware scheduler (Libra Alg. 2); vllm: vLLM's own")
+    engine.add_argument("--scheduler-metrics-port", type=int, default=None,
+                        help="serve the SLO-aware scheduler's fulcrum_scheduler_* metrics on this port (default: off)")
     engine.add_argument("--tpot-slo-ms", type=float, default=None,
                         help="TPOT SLO for the SLO-aware scheduler, ms (default: the scheduler's)")
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         role=args.role, pool=args.pool, gpu_type=args.gpu_type, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_connector=args.kv_connector, kv_prefix_pull=args.kv_prefix_pull, nixl_host=pod_ip, nixl_port=args.nixl_port, scheduler=args.scheduler,
-        tpot_slo_ms=args.tpot_slo_ms, device=resolve_device(args.device, gpu_visible=gpu_visible()),
+        tpot_slo_ms=args.tpot_slo_ms, scheduler_metrics_port=args.scheduler_metrics_port, device=resolve_device(args.device, gpu_visible=gpu_visible()),
         extra_args=tuple(extra),
     )
     if args.health_port and args.health_port in (args.port, args.nixl_port):
