@@ -442,11 +442,32 @@ async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: Client
     if d.kind == "split" and d.handoff_after > 0:
         return await run_split(st.pool, ex, d.first, d.second, d.handoff_after, sink, st.metrics, bs)
     if d.kind == "split" and d.split_token < ex.prompt.count:
+        out = await _run_partial_split(st, ex, d, sink)
+        if out is not None:
+            return out
         st.metrics.child(st.metrics.handoff_guard, "partial-prefix").inc()
     return await run_disaggregated(st.pool, ex, d.first, d.second, sink, st.metrics, bs)
 
 
-async def _run_with_prefix_pull(st: RouterState, ex: Exchange, pull: PrefixPull, sink: ClientSink) -> Outcome | None:
+async def _run_partial_split(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome | None:
+    """A split inside the prompt (Libra §4.1, s < P): A prefills the prompt's first s tokens (rounded down to
+    whole KV blocks) and B loads that KV, prefills the rest and decodes — the prefix-pull path with A as the
+    holder. Only when both instances load partial prefixes (the split policy decides s < P only then); None =
+    run it as s = P (the caller counts ``handoff_guard{action="partial-prefix"}``)."""
+    assert st.pool is not None and d.second is not None
+    aligned = d.split_token // st.config.kv_block_size * st.config.kv_block_size
+    views = {v.id: v for v in st.pool.views()}
+    a, b = views.get(d.first), views.get(d.second)
+    if aligned <= 0 or a is None or b is None or not (a.supports_partial_prefix and b.supports_partial_prefix):
+        return None
+    out = await _run_with_prefix_pull(st, ex, PrefixPull(d.first, d.second, aligned, 0), sink, priced=False)
+    if out is not None:
+        st.metrics.child(st.metrics.handoff_guard, "partial-split").inc()
+    return out
+
+
+async def _run_with_prefix_pull(st: RouterState, ex: Exchange, pull: PrefixPull, sink: ClientSink,
+                                priced: bool = True) -> Outcome | None:
     """BanaServe §4.2 over the engines' caches: the holder hands over the KV of the prompt's first ``pull.tokens``
     tokens (``max_tokens = 1`` on the block-aligned prefix, ``do_remote_decode``) and the chosen instance runs the
     whole request on it, computing the rest (``kv_transfer_params`` with ``do_remote_decode`` and the holder's
@@ -454,18 +475,20 @@ async def _run_with_prefix_pull(st: RouterState, ex: Exchange, pull: PrefixPull,
     tripping the decode side's block assertion). None = recompute instead (the reason is counted in
     ``fulcrum_router_prefix_pulls_total{outcome}``): the engines do not support partial prefixes
     (``kv_connector.partial_prefix: false``), recomputing is cheaper, the request cannot be handed off, or the
-    holder failed."""
+    holder failed. ``priced=False`` (a split inside the prompt, whose instances already support partial prefixes):
+    no support or cost check — the split policy chose where the prompt is cut for balance, not for the transfer."""
     assert st.pool is not None
     m, kvc = st.metrics, st.config.kv_connector
     ids = ex.prompt.ids
-    if not kvc.partial_prefix:
+    if priced and not kvc.partial_prefix:
         m.child(m.prefix_pulls, "recompute-unsupported").inc()
         return None
-    pull_s, recompute_s = pull_costs(pull.tokens - pull.local_tokens, kvc.kv_bytes_per_token, kvc.link_gbps,
-                                     kvc.transfer_overhead_s, kvc.prefill_tokens_per_s)
-    if pull_s >= recompute_s:
-        m.child(m.prefix_pulls, "recompute-cheaper").inc()
-        return None
+    if priced:
+        pull_s, recompute_s = pull_costs(pull.tokens - pull.local_tokens, kvc.kv_bytes_per_token, kvc.link_gbps,
+                                         kvc.transfer_overhead_s, kvc.prefill_tokens_per_s)
+        if pull_s >= recompute_s:
+            m.child(m.prefix_pulls, "recompute-cheaper").inc()
+            return None
     if ids is None or disagg_blocker(ex) is not None or pull.holder not in st.pool.ids():
         m.child(m.prefix_pulls, "recompute-ineligible").inc()
         return None

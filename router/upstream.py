@@ -98,8 +98,9 @@ class InstanceState:
         """Healthy, not ejected, not draining, still registered."""
         return self.healthy and not self.draining and not self.removed and now >= self.ejected_until
 
-    def view(self, now: float) -> InstanceView:
-        """The policy's view."""
+    def view(self, now: float, partial_prefix: bool = False) -> InstanceView:
+        """The policy's view; ``partial_prefix``: the router config says every engine loads partial prefixes
+        (``kv_connector.partial_prefix``), else the instance's own ``partial_prefix`` label says so."""
         r = self.record
         return InstanceView(
             id=r.id, role=r.role, tp=r.tp,
@@ -109,7 +110,7 @@ class InstanceState:
             kv_capacity_tokens=r.kv_capacity_tokens, max_num_batched_tokens=r.max_num_batched_tokens,
             max_num_seqs=r.max_concurrency, compute_utilisation=self.compute_utilisation,
             memory_utilisation=self.memory_utilisation,
-            supports_partial_prefix=r.labels.get("partial_prefix", "") == "true",
+            supports_partial_prefix=partial_prefix or r.labels.get("partial_prefix", "") == "true",
         )
 
 
@@ -209,9 +210,10 @@ class UpstreamPool:
     def views(self, exclude: Sequence[str] = ()) -> list[InstanceView]:
         """Every instance's view; ids in ``exclude`` are shown unhealthy (retries avoid them)."""
         now = self.clock()
+        partial = self.config.kv_connector.partial_prefix
         out = []
         for st in self._states.values():
-            v = st.view(now)
+            v = st.view(now, partial)
             if st.record.id in exclude and v.healthy:
                 v = InstanceView(**{**{f: getattr(v, f) for f in v.__dataclass_fields__}, "healthy": False})
             out.append(v)

@@ -18,7 +18,9 @@ Per request of P prompt tokens and predicted D output tokens (L = P + D):
    best-balanced probe is kept (Alg. 1 keeps the last; the best is never worse).
 4. **Decision.** s ≥ L → colocated on A; s = 0 → colocated on B; s = P → disaggregated; s > P → split with
    ``handoff_after = k = s − P`` (A prefills and decodes k tokens, then hands off its KV cache); 0 < s < P →
-   split inside the prompt only when both instances report ``supports_partial_prefix``, otherwise the nearest
+   split inside the prompt only when both instances report ``supports_partial_prefix`` (the router config's
+   ``kv_connector.partial_prefix`` or the instance's label; the router then runs A's head prefill and B's
+   partial-prefix load, ``fulcrum.router.app._run_partial_split``), otherwise the nearest
    safe split s = P with reason "safe-split" (vLLM's decode engine must never be sent a prompt whose KV the
    transferred blocks do not cover). With ``kv_block_tokens`` > 0, a handoff at which P + k − 1 is a multiple of
    the block size is moved one token later (that exact boundary trips the decode engine's block check).

@@ -193,3 +193,61 @@ async def test_with_vllm_cpu_coverage_every_k_hands_off_on_the_transferred_kv(ro
     b = h.engine("e1")
     assert b.kv_loads == 19 and b.kv_mismatches == 0 and not b.crashed
     assert b"handoff_guard_total{action=\"fallback\"}" not in h.state.metrics.exposition()
+
+
+class _CutInsidePrompt:
+    """A policy that splits every request inside its prompt at token ``s`` (Libra §4.1, s < P): A = e0, B = e1."""
+
+    name = "cut-inside-prompt"
+
+    def __init__(self, s: int) -> None:
+        self.s = s
+
+    def route(self, req, instances, now):
+        from fulcrum.router.policies.base import RouteDecision
+
+        return RouteDecision("split", "e0", "e1", split_token=self.s, handoff_after=0, reason="fake split inside")
+
+    def on_start(self, req, decision, now) -> None:
+        return None
+
+    def on_finish(self, request_id, now) -> None:
+        return None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_split_inside_the_prompt_prefills_the_head_on_a_and_the_rest_on_b(router_harness, stream):
+    """s < P with partial-prefix support (vLLM NIXL bidirectional_kv_xfer): A prefills the first ⌊s/16⌋·16 prompt
+    tokens, B loads that KV, computes the rest and decodes; the tokens are the colocated ones."""
+    body = {"prompt": PROMPT + PROMPT, "max_tokens": 10, "temperature": 0}  # P = 60
+    h = await router_harness(policy=_CutInsidePrompt(40), config={"kv_connector": {"partial_prefix": True}},
+                             settings=FakeEngineSettings(block_size=BS, bidirectional_kv_xfer=True))
+    req = dict(body, stream=stream)
+    if stream:
+        req["stream_options"] = {"include_usage": True}
+    r = await h.client.post("/v1/completions", json=req)
+    assert r.status == 200, await r.text()
+    if stream:
+        text, usage, _, done_once = parse_stream(await r.read())
+        assert done_once
+    else:
+        data = await r.json()
+        text, usage = answer_text(data), data["usage"]
+    assert text == expected_tokens(PROMPT + PROMPT, 10)
+    assert usage == {"prompt_tokens": 60, "completion_tokens": 10, "total_tokens": 70}
+    a, b = h.engine("e0"), h.engine("e1")
+    assert [len(x["prompt"]) for x in a.requests] == [32] and a.requests[0]["max_tokens"] == 1  # 40 → 2 blocks
+    assert b.partial_loads == 1 and b.kv_mismatches == 0 and not b.crashed
+    guard = h.state.metrics.registry.get_sample_value("fulcrum_router_handoff_guard_total", {"action": "partial-split"})
+    assert guard == 1
+    assert h.router_inflight() == 0
+
+
+async def test_without_partial_prefix_support_a_split_inside_the_prompt_runs_at_the_prompt_boundary(router_harness):
+    h = await router_harness(policy=_CutInsidePrompt(40), settings=FakeEngineSettings(block_size=BS))
+    r = await h.client.post("/v1/completions", json={"prompt": PROMPT + PROMPT, "max_tokens": 10, "temperature": 0})
+    assert r.status == 200
+    assert answer_text(await r.json()) == expected_tokens(PROMPT + PROMPT, 10)
+    assert len(h.engine("e0").requests[0]["prompt"]) == 60  # A prefilled the whole prompt (s = P)
+    assert h.state.metrics.registry.get_sample_value("fulcrum_router_handoff_guard_total",
+                                                     {"action": "partial-prefix"}) == 1
