@@ -33,8 +33,8 @@ def expected_tokens(prompt: list[int], n: int) -> str:
     return bytes(seq[len(prompt):]).decode()
 
 
-async def run(harness, kind, k, body, stream):
-    h = await harness(policy=FakePolicy(kind, k, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS))
+async def ask(h, body, stream):
+    """One request through the router: (answer text, usage), streamed (with usage) or not."""
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     req = dict(body, stream=stream)
     if stream:
@@ -44,9 +44,14 @@ async def run(harness, kind, k, body, stream):
     if stream:
         text, usage, chunks, done_once = parse_stream(await r.read())
         assert done_once
-    else:
-        data = await r.json()
-        text, usage = answer_text(data), data["usage"]
+        return text, usage
+    data = await r.json()
+    return answer_text(data), data["usage"]
+
+
+async def run(harness, kind, k, body, stream):
+    h = await harness(policy=FakePolicy(kind, k, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS))
+    text, usage = await ask(h, body, stream)
     return h, text, usage
 
 
@@ -222,17 +227,7 @@ async def test_a_split_inside_the_prompt_prefills_the_head_on_a_and_the_rest_on_
     body = {"prompt": PROMPT + PROMPT, "max_tokens": 10, "temperature": 0}  # P = 60
     h = await router_harness(policy=_CutInsidePrompt(40), config={"kv_connector": {"partial_prefix": True}},
                              settings=FakeEngineSettings(block_size=BS, bidirectional_kv_xfer=True))
-    req = dict(body, stream=stream)
-    if stream:
-        req["stream_options"] = {"include_usage": True}
-    r = await h.client.post("/v1/completions", json=req)
-    assert r.status == 200, await r.text()
-    if stream:
-        text, usage, _, done_once = parse_stream(await r.read())
-        assert done_once
-    else:
-        data = await r.json()
-        text, usage = answer_text(data), data["usage"]
+    text, usage = await ask(h, body, stream)
     assert text == expected_tokens(PROMPT + PROMPT, 10)
     assert usage == {"prompt_tokens": 60, "completion_tokens": 10, "total_tokens": 70}
     a, b = h.engine("e0"), h.engine("e1")
