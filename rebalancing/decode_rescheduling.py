@@ -108,6 +108,9 @@ class ReschedulingConfig:
         min_gain: least relative reduction of σ̂² that justifies a migration (hysteresis).
         request_cooldown_s: a migrated request is not moved again within this time, seconds.
         instance_cooldown_s: an instance that received a migration is not a source within this time, seconds.
+        recompute_tokens_per_s: None (ARES: the KV moves over the link) or the target's prefill throughput,
+            tokens/s, for a migration that recomputes the context on the target instead (the live router's,
+            vLLM 0.32 cannot export a running request's KV): C_mig is then tokens over it.
     """
 
     theta: float = 0.1
@@ -120,6 +123,7 @@ class ReschedulingConfig:
     min_gain: float = 0.02
     request_cooldown_s: float = 10.0
     instance_cooldown_s: float = 2.0
+    recompute_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.theta >= 0 and math.isfinite(self.theta)):
@@ -132,6 +136,8 @@ class ReschedulingConfig:
             raise ValueError("kv_bytes_per_token and link_gbps must be > 0, transfer_overhead_s >= 0")
         if not (0 <= self.min_gain < 1):
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain!r}")
+        if self.recompute_tokens_per_s is not None and not self.recompute_tokens_per_s > 0:
+            raise ValueError(f"recompute_tokens_per_s must be > 0 or None, got {self.recompute_tokens_per_s!r}")
 
     def times(self) -> np.ndarray:
         """The horizon's sample points t (decode steps), shape (points + 1,), starting at 0."""
@@ -143,7 +149,10 @@ class ReschedulingConfig:
         return np.power(self.discount, t / self.horizon_steps)
 
     def migration_seconds(self, tokens: float) -> float:
-        """C_mig: seconds to move ``tokens`` tokens of KV cache."""
+        """C_mig: seconds to move ``tokens`` tokens of KV cache — over the link, or, with
+        ``recompute_tokens_per_s``, by recomputing them on the target."""
+        if self.recompute_tokens_per_s is not None:
+            return tokens / self.recompute_tokens_per_s + self.transfer_overhead_s
         return tokens * self.kv_bytes_per_token / (self.link_gbps * 1e9) + self.transfer_overhead_s
 
 

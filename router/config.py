@@ -227,6 +227,10 @@ class ReschedulingSection(_Strict):
     default_kv_capacity_tokens: int = Field(default=0, ge=0)
     """C_mem of an instance whose registry record has no ``kv_capacity_tokens``; 0 = unbounded (the memory
     filter of Alg. 1 line 21 then never refuses)."""
+    recompute_tokens_per_s: float = Field(default=10_000.0, gt=0)
+    """The targets' prefill throughput, tokens/s: the router's migrations recompute the request's context (prompt +
+    generated so far) on the target, so C_mig of Alg. 1 lines 17–20 is those tokens over it, not a KV transfer
+    (the operator writes the profile's; ``kv_bytes_per_token``/``link_gbps`` price KV moves in the simulator)."""
 
     def planner(self) -> ReschedulingConfig:
         """The pure planner's :class:`~fulcrum.rebalancing.decode_rescheduling.ReschedulingConfig`."""
@@ -235,6 +239,7 @@ class ReschedulingSection(_Strict):
             discount=self.discount, kv_bytes_per_token=self.kv_bytes_per_token, link_gbps=self.link_gbps,
             transfer_overhead_s=self.transfer_overhead_s, min_gain=self.min_gain,
             request_cooldown_s=self.request_cooldown_s, instance_cooldown_s=self.instance_cooldown_s,
+            recompute_tokens_per_s=self.recompute_tokens_per_s,
         )
 
 

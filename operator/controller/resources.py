@@ -542,10 +542,16 @@ def _kv_connector(kind: EngineKind, target: ClusterTarget, profile: PerformanceP
     prompts only, so their prefixes are recomputed (and counted)."""
     kv: dict[str, Any] = {"partial_prefix": kind is not EngineKind.SIM}
     if profile is not None:
-        tp = target.unified.tp if target.unified.replicas else target.prefill.tp
         kv["kv_bytes_per_token"] = float(profile.kv_bytes_per_token)
-        kv["prefill_tokens_per_s"] = round(2048.0 / max(profile.ttft(2048, tp), 1e-6), 1)
+        kv["prefill_tokens_per_s"] = _prefill_tokens_per_s(profile, target)
     return kv
+
+
+def _prefill_tokens_per_s(profile: PerformanceProfile, target: ClusterTarget) -> float:
+    """Prefill throughput of the serving TP (unified pool's, else the prefill pool's), tokens/s: 2,048 tokens over
+    the profile's TTFT at 2,048 — what recomputing a prefix or a migrated context costs."""
+    tp = target.unified.tp if target.unified.replicas else target.prefill.tp
+    return round(2048.0 / max(profile.ttft(2048, tp), 1e-6), 1)
 
 
 def router_config(
@@ -594,6 +600,7 @@ def router_config(
         resched: dict[str, Any] = {"enabled": True}
         if profile is not None:
             resched["kv_bytes_per_token"] = float(profile.kv_bytes_per_token)
+            resched["recompute_tokens_per_s"] = _prefill_tokens_per_s(profile, target)
         doc["rescheduling"] = resched
     if spec.router.role_reassignment:
         doc["roles"] = {"enabled": True, "ttft_slo_s": spec.slo.ttft_ms / 1000.0,

@@ -130,3 +130,14 @@ def test_bad_parameters_are_rejected() -> None:
         ReschedulingConfig(discount=0.0)
     with pytest.raises(ValueError, match="min_gain"):
         ReschedulingConfig(min_gain=1.0)
+
+
+def test_a_recompute_migration_is_priced_by_the_targets_prefill_throughput_not_the_link() -> None:
+    """The live router moves a request by recomputing its context on the target (vLLM cannot export a running
+    request's KV): C_mig = tokens / prefill rate; ARES's KV move (the simulator's) = bytes over the link."""
+    kv = ReschedulingConfig(kv_bytes_per_token=327_680.0, link_gbps=25.0, transfer_overhead_s=0.005)
+    recompute = ReschedulingConfig(recompute_tokens_per_s=8_000.0, transfer_overhead_s=0.005)
+    assert kv.migration_seconds(4000) == pytest.approx(4000 * 327_680.0 / 25e9 + 0.005)
+    assert recompute.migration_seconds(4000) == pytest.approx(0.5 + 0.005)
+    with pytest.raises(ValueError, match="recompute_tokens_per_s"):
+        ReschedulingConfig(recompute_tokens_per_s=0.0)
