@@ -167,7 +167,6 @@ class RouterState:
                     self.tasks.append(asyncio.create_task(_retire_queue(retired, old.prefill_queue.timeout_s),
                                                           name="router-prefill-queue-retire"))
 
-
     def reset_prefill_gate(self) -> None:
         """A new DOPD Alg. 1 gate for the current policy (none when it groups no prefills); prompts waiting at
         the old gate are released."""
@@ -427,7 +426,7 @@ async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: Client
             return out
     if d.kind == "disaggregated" and d.second is not None and st.prefill_gate is not None \
             and disagg_blocker(ex) is None:
-        view = next((v for v in st.pool.views() if v.id == d.first), None)
+        view = st.pool.view_of(d.first)
         idle = view is None or view.queued_prefill_tokens == 0
         await st.prefill_gate.admit(d.first, ex.prompt.count, idle=idle)
     if st.config.rescheduling.enabled and st.rescheduler is not None and (d.kind != "split" or d.handoff_after == 0):
@@ -456,8 +455,7 @@ async def _run_partial_split(st: RouterState, ex: Exchange, d: RouteDecision, si
     run it as s = P (the caller counts ``handoff_guard{action="partial-prefix"}``)."""
     assert st.pool is not None and d.second is not None
     aligned = d.split_token // st.config.kv_block_size * st.config.kv_block_size
-    views = {v.id: v for v in st.pool.views()}
-    a, b = views.get(d.first), views.get(d.second)
+    a, b = st.pool.view_of(d.first), st.pool.view_of(d.second)
     if aligned <= 0 or a is None or b is None or not (a.supports_partial_prefix and b.supports_partial_prefix):
         return None
     out = await _run_with_prefix_pull(st, ex, PrefixPull(d.first, d.second, aligned, 0), sink, priced=False)

@@ -207,6 +207,11 @@ class UpstreamPool:
         """The state of one instance. Raises KeyError when it is not registered."""
         return self._states[iid]
 
+    def view_of(self, iid: str) -> InstanceView | None:
+        """One instance's view as :meth:`views` shows it, or None when it is not registered."""
+        st = self._states.get(iid)
+        return st.view(self.clock(), self.config.kv_connector.partial_prefix) if st is not None else None
+
     def views(self, exclude: Sequence[str] = ()) -> list[InstanceView]:
         """Every instance's view; ids in ``exclude`` are shown unhealthy (retries avoid them)."""
         now = self.clock()
