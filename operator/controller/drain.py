@@ -182,8 +182,8 @@ async def drain_pool(
     try:
         for step in drain_steps(pool, victims, new_replicas):
             if step.kind == "mark":
+                marked = step.pods  # before the await: a cancel during the mark must still unmark them
                 await io.mark_draining(step.pods)
-                marked = step.pods
             elif step.kind == "wait":
                 result = await _wait_idle(io, result, timeout_s=timeout_s, poll_s=poll_s, clock=clock, sleep=sleep)
             elif step.kind == "deletion_cost":
