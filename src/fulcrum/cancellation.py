@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["cancel_and_wait"]
 
 log = logging.getLogger(__name__)
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | asyncio.Future[object]], *,
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *,
                           recancel_after_s: float = 1.0) -> None:
     """Cancel ``tasks`` and return once every one of them has ended.
 
