@@ -331,3 +331,17 @@ def test_the_cli_runs_with_only_the_base_dependencies() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ratio" in proc.stdout.lower()
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")), ids=lambda n: n.removesuffix(".yaml"))
+def test_every_shipped_example_replays_as_shipped(capsys: pytest.CaptureFixture[str], example: str) -> None:
+    # a user copies an example and runs it: its profile must resolve and the planner must run on its mode
+    spec = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
+    data = run_json(capsys, ["replay", "--trace", "azure-conv-2023", "--llmserve", str(EXAMPLES / example),
+                             "--duration", "240", "--warmup", "0", "--policy", "fulcrum", "--json", "--no-progress"])
+    check_policies(data, {"fulcrum"})
+    assert data["mode"] == spec["mode"]
+    assert data["profile"] == spec["profile"]["name"]

@@ -40,7 +40,7 @@ UID = "0f6b7c1e-5d1a-4c55-9a0e-7d3f2b1c9e10"
 IMAGE = "ghcr.io/fulcrum-llm/fulcrum:0.1.0"
 EXAMPLE_NAMES = [
     "llmserve-disaggregated-70b-h100",
-    "llmserve-unified-14b-a100",
+    "llmserve-unified-70b-a100",
     "llmserve-auto",
     "llmserve-sim",
 ]
@@ -155,7 +155,7 @@ def test_every_object_is_owned_by_the_llmserve_and_labelled(example: str) -> Non
     ("example", "pools"),
     [
         ("llmserve-disaggregated-70b-h100", {"prefill", "decode"}),
-        ("llmserve-unified-14b-a100", {"unified"}),
+        ("llmserve-unified-70b-a100", {"unified"}),
         ("llmserve-auto", {"prefill", "decode", "unified"}),
         ("llmserve-sim", {"prefill", "decode"}),
     ],
@@ -234,14 +234,14 @@ def test_vllm_worker_args_carry_the_contract_flags_and_extra_args_after_a_double
 
 
 def test_without_an_etcd_connector_workers_get_no_etcd_flag_and_the_router_reads_endpointslices() -> None:
-    serve = _serve("llmserve-unified-14b-a100")
+    serve = _serve("llmserve-unified-70b-a100")
     objects = _objects(serve)
-    assert "--etcd" not in _worker(objects, "qwen-14b-unified")["args"]
-    assert "--" not in _worker(objects, "qwen-14b-unified")["args"]
-    assert _worker(objects, "qwen-14b-unified")["args"][_worker(objects, "qwen-14b-unified")["args"].index("--role") + 1] == "both"
-    config = parse_config(yaml.safe_load(_by(objects, "ConfigMap", "qwen-14b-router")["data"]["router.yaml"]))
+    assert "--etcd" not in _worker(objects, "llama2-70b-a100-unified")["args"]
+    assert "--" not in _worker(objects, "llama2-70b-a100-unified")["args"]
+    assert _worker(objects, "llama2-70b-a100-unified")["args"][_worker(objects, "llama2-70b-a100-unified")["args"].index("--role") + 1] == "both"
+    config = parse_config(yaml.safe_load(_by(objects, "ConfigMap", "llama2-70b-a100-router")["data"]["router.yaml"]))
     assert config.registry == "kubernetes"
-    assert config.kubernetes.label_selector == worker_selector("qwen-14b")
+    assert config.kubernetes.label_selector == worker_selector("llama2-70b-a100")
 
 
 def test_sim_workers_run_fulcrum_sim_worker_with_the_profile_and_a_configmap_profile_is_mounted() -> None:
@@ -474,7 +474,7 @@ def test_initial_target_uses_the_planner_start_and_splits_an_external_total_by_t
     t = initial_target(external)
     assert (t.prefill.replicas, t.decode.replicas) == (5, 2)
     assert t.prefill.replicas + t.decode.replicas == 7
-    unified = initial_target(_with(_serve("llmserve-unified-14b-a100"),
+    unified = initial_target(_with(_serve("llmserve-unified-70b-a100"),
                                    scaling={"replicaOwner": "External", "replicas": 3}))
     assert (unified.unified.replicas, unified.prefill.replicas, unified.decode.replicas) == (3, 0, 0)
 
@@ -514,7 +514,7 @@ def test_prefix_pulls_reach_the_workers_and_the_router_when_the_spec_asks() -> N
 def test_role_reassignment_bounds_come_from_the_plans_duty_split() -> None:
     """A unified pool of 8 whose plan expects 0.8 of it on prefill duty: the router may flip within [3, 7]
     prefill instances; before any plan (no share) only one instance per duty is kept."""
-    serve = _with(_serve("llmserve-unified-14b-a100"), router={"roleReassignment": True})
+    serve = _with(_serve("llmserve-unified-70b-a100"), router={"roleReassignment": True})
     name = serve.metadata.name
     base = initial_target(serve)
     planned = ClusterTarget(unified=PoolSize(8, base.unified.tp),

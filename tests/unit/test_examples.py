@@ -16,7 +16,7 @@ from fulcrum.ratio.profiles import builtin_profile
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NAMES = [
-    "llmserve-disaggregated-70b-h100.yaml", "llmserve-unified-14b-a100.yaml", "llmserve-auto.yaml", "llmserve-sim.yaml",
+    "llmserve-disaggregated-70b-h100.yaml", "llmserve-unified-70b-a100.yaml", "llmserve-auto.yaml", "llmserve-sim.yaml",
 ]
 
 
@@ -39,13 +39,15 @@ def test_disaggregated_example_is_dopd_llama70b_fp8_on_h100() -> None:
     assert spec.scaling.min_gpus >= 1 + 2  # room for one prefill and one decode instance
 
 
-def test_unified_example_is_a_14b_model_on_a100_80gb_with_the_split_policy() -> None:
-    spec = _load("llmserve-unified-14b-a100.yaml").spec
+def test_unified_example_is_llama2_70b_on_a100_80gb_with_the_split_policy_and_its_measured_profile() -> None:
+    spec = _load("llmserve-unified-70b-a100.yaml").spec
     assert spec.mode is Mode.UNIFIED
-    assert "14B" in spec.model.name
+    assert "70b" in spec.model.name
     assert (spec.gpu.type, spec.gpu.memory_gib, spec.gpu.hbm_bandwidth_gbps) == ("A100", 80.0, 2039.0)
     assert spec.router.policy is RouterPolicy.SPLIT
-    assert spec.profile.path is not None and spec.profile.name is None
+    assert spec.profile.name == "splitwise-llama2-70b-a100"
+    profile = builtin_profile(spec.profile.name)
+    assert profile.gpu_type == "A100" and "Splitwise" in profile.source
 
 
 def test_auto_example_uses_the_splitwise_profile() -> None:

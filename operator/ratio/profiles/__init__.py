@@ -3,6 +3,7 @@
 - ``dopd-llama70b-fp8-h100``: DOPD Table I as published (prefill TP=1, decode TP=2).
 - ``splitwise-llama2-70b-h100``: Llama-2-70B on H100 at TP 2/4/8 from Splitwise's measurements
   (``scripts/build_splitwise_profile.py``).
+- ``splitwise-llama2-70b-a100``: the same model and measurements on A100-80GB (DGX-A100).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fulcrum.ratio.profile import PerformanceProfile, load_profile
 
 __all__ = ["BUILTIN_PROFILES", "builtin_profile", "resolve_profile"]
 
-BUILTIN_PROFILES: tuple[str, ...] = ("dopd-llama70b-fp8-h100", "splitwise-llama2-70b-h100")
+BUILTIN_PROFILES: tuple[str, ...] = ("dopd-llama70b-fp8-h100", "splitwise-llama2-70b-h100", "splitwise-llama2-70b-a100")
 
 
 def builtin_profile(name: str) -> PerformanceProfile:
