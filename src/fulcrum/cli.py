@@ -8,7 +8,8 @@ endpoint into a performance profile). Each lives in ``fulcrum.commands.<name>``;
 happen when it runs, so ``fulcrum --help`` works with the base install. Environment variables are read in the
 command modules, never inside defaults.
 
-Exit codes: 0 success, 1 a run that failed its own check, 2 bad input (a clear one-line error on stderr).
+Exit codes: 0 success, 1 a run that failed its own check, 2 bad input or a missing extra (a clear one-line error
+on stderr; for a missing extra it names the ``pip install 'fulcrum[EXTRA]'`` to run).
 """
 
 from __future__ import annotations
@@ -21,10 +22,30 @@ from collections.abc import Sequence
 from fulcrum import __version__
 from fulcrum.errors import FulcrumError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "missing_extra_message", "EXTRA_OF_COMMAND", "EXTRA_OF_MODULE"]
 
 # subcommands, in the order ``fulcrum --help`` lists them; each module has ``add_parser(sub)``
 _COMMANDS = ("replay", "plan", "forecast", "crd", "router", "operator", "worker", "sim_worker", "profile")
+
+# the pip extra (pyproject.toml) that brings each command's libraries; commands not named need the base install
+EXTRA_OF_COMMAND = {"router": "router", "operator": "operator", "worker": "worker", "sim-worker": "worker",
+                    "profile": "worker"}
+# the libraries the extras bring (top-level import names), and the extra that brings each
+EXTRA_OF_MODULE = {"aiohttp": "router", "prometheus_client": "router", "aetcd": "router", "nats": "router",
+                   "kubernetes": "router", "kopf": "operator", "prometheus_api_client": "operator"}
+
+
+def missing_extra_message(command: str, err: ModuleNotFoundError) -> str | None:
+    """The one-line hint for a command that stopped on a library of an extra that is not installed, e.g.
+    ``needs the 'operator' extra (no module 'kopf'): pip install 'fulcrum[operator]'``; None when the missing
+    module is none of the extras' (a broken install, not a missing extra)."""
+    module = (err.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    if extra is None:
+        return None
+    # the command's own extra includes the module's (operator and worker include router)
+    extra = EXTRA_OF_COMMAND.get(command, extra)
+    return f"`fulcrum {command}` needs the '{extra}' extra (no module '{module}'): pip install 'fulcrum[{extra}]'"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except ModuleNotFoundError as err:
+        hint = missing_extra_message(args.command, err)
+        if hint is None:
+            raise
+        print(f"fulcrum {args.command}: error: {hint}", file=sys.stderr)
+        return 2
     except (FulcrumError, ValueError, OSError) as err:
         print(f"fulcrum {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -345,3 +345,58 @@ def test_every_shipped_example_replays_as_shipped(capsys: pytest.CaptureFixture[
     check_policies(data, {"fulcrum"})
     assert data["mode"] == spec["mode"]
     assert data["profile"] == spec["profile"]["name"]
+
+
+# A command's first step on a base install (`pip install -e .`, no extras): what each needs at least to start.
+BASE_INSTALL_FIRST_STEPS = {
+    "router": ["--config", "router.yaml"],
+    "operator": ["--namespace", "default", "--prometheus-url", "http://127.0.0.1:9", "--image", "fulcrum:dev"],
+    "worker": ["--model", "m", "--tp", "1", "--role", "prefill"],
+    "sim-worker": ["--profile", "dopd-llama70b-fp8-h100", "--tp", "1"],
+    "profile": ["--url", "http://127.0.0.1:9", "--model", "m", "--tp", "1", "--out", "p.yaml", "--gpu", "H100",
+                "--weight-gib", "10"],
+}
+EXTRAS_MODULES = ["aiohttp", "kopf", "aetcd", "nats", "kubernetes", "prometheus_client", "prometheus_api_client",
+                  "uvloop", "grafana_foundation_sdk"]
+
+
+def _run_on_base_install(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``fulcrum ARGV`` in a fresh interpreter where every extra's library is blocked (as on a base install)."""
+    import sys
+
+    code = (
+        "import sys\n"
+        f"for m in {EXTRAS_MODULES!r}: sys.modules[m] = None\n"
+        "from fulcrum.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize("command", ["replay", "plan", "forecast", "crd", *BASE_INSTALL_FIRST_STEPS])
+def test_every_command_shows_its_help_on_a_base_install(command: str, tmp_path: Path) -> None:
+    proc = _run_on_base_install([command, "--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: fulcrum {command}")
+
+
+@pytest.mark.parametrize("command", sorted(BASE_INSTALL_FIRST_STEPS))
+def test_a_command_whose_extra_is_missing_names_the_extra_to_install(command: str, tmp_path: Path) -> None:
+    from fulcrum.cli import EXTRA_OF_COMMAND
+
+    (tmp_path / "router.yaml").write_text("policy: round_robin\n")
+    proc = _run_on_base_install([command, *BASE_INSTALL_FIRST_STEPS[command]], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    extra = EXTRA_OF_COMMAND[command]
+    assert line.startswith(f"fulcrum {command}: error: ")
+    assert f"pip install 'fulcrum[{extra}]'" in line
+
+
+def test_a_missing_module_of_no_extra_is_not_disguised_as_a_missing_extra() -> None:
+    from fulcrum.cli import missing_extra_message
+
+    assert missing_extra_message("router", ModuleNotFoundError("no", name="numpy")) is None
+    assert missing_extra_message("operator", ModuleNotFoundError("no", name="kubernetes.client")) == (
+        "`fulcrum operator` needs the 'operator' extra (no module 'kubernetes'): pip install 'fulcrum[operator]'")
