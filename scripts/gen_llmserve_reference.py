@@ -7,8 +7,8 @@ Every row comes from the code, never from hand-written text, so the page cannot 
   :func:`fulcrum.api.crd.spec_schema` derives from the pydantic model ``fulcrum.api.llmserve.LLMServe`` — the
   same schema ``kubectl apply`` validates against;
 - ``metadata.name`` from ``fulcrum.api.llmserve.ObjectMeta``;
-- the enumerations' meanings from the docstrings of ``Mode``, ``EngineKind``, ``ReplicaOwner``, ``RouterPolicy``
-  and ``ForecasterMethod``;
+- the enumerations' meanings from the docstrings of ``Mode``, ``EngineKind``, ``ReplicaOwner``, ``RouterPolicy``,
+  ``PlannerName`` and ``ForecasterMethod``;
 - the cross-field CEL rules (``x-kubernetes-validations``) from :func:`fulcrum.api.crd.build_crd`;
 - the printer columns and the scale subresource from ``fulcrum.api.crd.PRINTER_COLUMNS`` and
   ``SCALE_SUBRESOURCE``;
@@ -228,7 +228,7 @@ def render() -> str:
         out += _table(header, field_rows(node, f"spec.{name}", name in req))
         out.append("")
     out += ["## Enumerations", ""]
-    for enum in (m.Mode, m.EngineKind, m.ReplicaOwner, m.RouterPolicy, m.ForecasterMethod):
+    for enum in (m.Mode, m.EngineKind, m.ReplicaOwner, m.RouterPolicy, m.PlannerName, m.ForecasterMethod):
         values = ", ".join(f"`{e.value}`" for e in enum)
         out += [f"### {enum.__name__} ({values})", "", _md(inspect.getdoc(enum) or ""), ""]
     out += [

@@ -36,9 +36,8 @@ POOLS: tuple[str, ...] = ("prefill", "decode", "unified")
 
 
 def policy_name(spec: LLMServeSpec) -> str:
-    """The scaling policy the spec names (``spec.scaling.policy``), ``fulcrum`` when it names none."""
-    name = getattr(spec.scaling, "policy", None)
-    return str(getattr(name, "value", name) or "fulcrum")
+    """The planner the spec names (``spec.scaling.planner``; ``fulcrum`` by default)."""
+    return spec.scaling.planner.value
 
 
 def replica_owner(spec: LLMServeSpec) -> tuple[str, int | None]:

@@ -8,6 +8,7 @@ import pytest
 
 from fulcrum.api.llmserve import parse_llmserve
 from fulcrum.controller.loop import ControlLoop, distribute, pool_changes, policy_name, replica_owner
+from fulcrum.errors import SpecError
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.scaling.fulcrum import FulcrumPlanner
 from fulcrum.scaling.planner import Decision
@@ -104,8 +105,20 @@ def test_distribute_keeps_one_instance_per_pool_and_handles_unified() -> None:
 def test_the_policy_defaults_to_fulcrum_and_an_owner_to_the_operator() -> None:
     s = spec()
     assert policy_name(s) == "fulcrum"
+    assert policy_name(spec(planner="dopd")) == "dopd"
     assert replica_owner(s) == ("Operator", None)
     assert pool_changes(START, START) == {}
+
+
+@pytest.mark.parametrize("planner", ["fulcrum", "dopd", "static", "dynamo-sla", "dynamo-load"])
+def test_the_control_loop_runs_the_planner_the_spec_names(planner: str, table_i) -> None:
+    loop = ControlLoop(spec(planner=planner), table_i, START)
+    assert loop.planner.name == planner
+
+
+def test_an_unknown_planner_is_rejected_with_the_choices() -> None:
+    with pytest.raises(SpecError, match="scaling.planner"):
+        spec(planner="magic")
 
 
 def test_a_planner_that_keeps_the_pools_reports_hold(table_i) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "Mode",
     "EngineKind",
     "ReplicaOwner",
+    "PlannerName",
     "ForecasterMethod",
     "RouterPolicy",
     "Quantity",
@@ -108,6 +109,24 @@ class ReplicaOwner(str, Enum):
 
     OPERATOR = "Operator"
     EXTERNAL = "External"
+
+
+class PlannerName(str, Enum):
+    """The planner the operator runs every interval (the same planners ``fulcrum replay --policy`` compares).
+
+    - ``fulcrum``: forecast at the pod start-up horizon, P/D ratio and TP from the profile (DOPD eqs. 11–16),
+      queueing headroom for the SLO percentile, hysteresis and a reactive guard (docs/planner.md).
+    - ``dopd``: DOPD Algorithm 2 as published (point forecasts, eqs. 11–15).
+    - ``static``: the spec's initial instance counts, never changed.
+    - ``dynamo-sla``: NVIDIA Dynamo's SLA planner (re-implemented from its published code; demand at arrivals).
+    - ``dynamo-load``: NVIDIA Dynamo's load-based planner (re-implemented from its published code).
+    """
+
+    FULCRUM = "fulcrum"
+    DOPD = "dopd"
+    STATIC = "static"
+    DYNAMO_SLA = "dynamo-sla"
+    DYNAMO_LOAD = "dynamo-load"
 
 
 class ForecasterMethod(str, Enum):
@@ -262,6 +281,11 @@ class ScalingSpec(_Model):
         default=300, ge=0, le=86_400,
         description="Longest wait for a scaled-in instance's in-flight requests to finish before it is deleted; pods get "
         "this plus 30 s of termination grace.",
+    )
+    planner: PlannerName = Field(
+        default=PlannerName.FULCRUM,
+        description="The planner run every interval: `fulcrum` (default), `dopd` (DOPD Alg. 2 as published), `static` "
+        "(the initial counts), `dynamo-sla` or `dynamo-load` (Dynamo's planners); `fulcrum replay --compare` compares them.",
     )
 
     @model_validator(mode="after")
