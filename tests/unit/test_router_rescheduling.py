@@ -75,7 +75,10 @@ async def tracked_after(h, tokens: int):
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_forced_migration_mid_answer_gives_the_tokens_and_usage_of_an_unmigrated_run(router_harness, endpoint, stream):
-    h = await router_harness(n=2, settings=SLOW, policy=PinnedTestPolicy("e0"), config={"rescheduling": NEVER})
+    # 50 ms a token: the migration asked after token 10 must land before the 40th; at 10 ms a token that left 0.3 s,
+    # which a busy 2-core machine's event loop sometimes overran (the answer ended unmigrated)
+    h = await router_harness(n=2, settings=FakeEngineSettings(token_delay_s=0.05), policy=PinnedTestPolicy("e0"),
+                             config={"rescheduling": NEVER})
     n = 40
     if endpoint == "completions":
         prompt = "migrate me while I am decoding"
