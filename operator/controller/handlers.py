@@ -627,15 +627,21 @@ class _KubeDrainIO:
         return out
 
     async def mark_draining(self, pods: Sequence[str]) -> None:
-        rt = self.rt
-        async with rt.apply_lock:
-            rt.draining = sorted(set(rt.draining) | set(pods))
-            await self.c._apply_locked(rt, self.body, rt.applied)
+        # Shielded: the API write runs in a thread that a cancellation cannot stop, so the write finishes under the
+        # apply lock even when the drain is cancelled meanwhile; the unmark that follows a cancel then waits for
+        # the lock and its write lands after the mark's (it could land before, leaving the pods marked).
+        inner = asyncio.ensure_future(self._set_draining(pods, draining=True))
+        inner.add_done_callback(_consume_failure)
+        await asyncio.shield(inner)
 
     async def unmark_draining(self, pods: Sequence[str]) -> None:
+        await self._set_draining(pods, draining=False)
+
+    async def _set_draining(self, pods: Sequence[str], *, draining: bool) -> None:
+        """Add ``pods`` to (or remove them from) the router's draining list and apply the router config."""
         rt = self.rt
         async with rt.apply_lock:
-            rt.draining = sorted(set(rt.draining) - set(pods))
+            rt.draining = sorted(set(rt.draining) | set(pods) if draining else set(rt.draining) - set(pods))
             await self.c._apply_locked(rt, self.body, rt.applied)
 
     async def set_deletion_cost(self, pods: Sequence[str], cost: int) -> None:
@@ -655,6 +661,12 @@ class _KubeDrainIO:
 
     async def event(self, type_: str, reason: str, message: str) -> None:
         await self.c.event(self.body, type_, reason, message)
+
+
+def _consume_failure(task: asyncio.Future[None]) -> None:
+    """Log the failure of a shielded write whose awaiting drain was cancelled (nobody else reads its result)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("draining-list write failed: %s", task.exception())
 
 
 def _prometheus_connect(url: str) -> QueryClient:
