@@ -38,6 +38,8 @@ POLICY_KEYS = {
     "requests",
     "scale_events",
     "wall_s",
+    "latency",
+    "slo_infeasible",
 }
 
 

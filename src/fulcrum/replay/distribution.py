@@ -37,6 +37,7 @@ __all__ = [
     "LatencyMetric",
     "METRICS",
     "METRIC_UNITS",
+    "METRIC_NAMES",
     "PERCENTILES",
     "Percentiles",
     "LatencyDistribution",
@@ -58,6 +59,13 @@ METRIC_UNITS: dict[LatencyMetric, tuple[str, str, float]] = {
     "tpot": ("TPOT", "ms", 1000.0),
     "e2e": ("E2E", "s", 1.0),
     "queue": ("queue", "s", 1.0),
+}
+#: What each metric is, for plot titles.
+METRIC_NAMES: dict[LatencyMetric, str] = {
+    "ttft": "time to first token",
+    "tpot": "time per output token",
+    "e2e": "end-to-end latency",
+    "queue": "queueing time (arrival → prefill start)",
 }
 #: The percentiles reported (0..100).
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)

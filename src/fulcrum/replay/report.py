@@ -34,7 +34,15 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from fulcrum.api import SLOSpec
-from fulcrum.replay.distribution import METRIC_UNITS, METRICS, PERCENTILES, LatencyMetric, metric_values, scored_records
+from fulcrum.replay.distribution import (
+    METRIC_NAMES,
+    METRIC_UNITS,
+    METRICS,
+    PERCENTILES,
+    LatencyMetric,
+    metric_values,
+    scored_records,
+)
 from fulcrum.replay.result import ForecastPoint, PolicyRun
 from fulcrum.replay.table import check_runs, comparison_table, percentile_label, percentiles_table, summary_json
 
@@ -363,7 +371,7 @@ def _plot_metric(runs: Sequence[PolicyRun], colours: dict[str, str], trace_name:
     ax.set_ylabel("fraction of scored requests")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize="small", framealpha=0.85)
-    ax.set_title(f"{label} distribution per policy — trace {trace_name}\n"
+    ax.set_title(f"{label}: {METRIC_NAMES[metric]}, per policy — trace {trace_name}\n"
                  "dots: p50 / p90 / p99; requests never served lie beyond the axis", fontsize="medium")
     return _save(figure, path)
 
