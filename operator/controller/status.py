@@ -6,7 +6,7 @@ writes it through the status subresource). Paths (the printer columns in ``fulcr
     status:
       observedGeneration: 3
       conditions: [{type, status: "True"|"False", reason, message, lastTransitionTime}]  # Ready, Progressing,
-                                                                       # Degraded, ForecastReady, SLOFeasible
+                                                                                         # Degraded, ForecastReady, SLOFeasible
       forecast: {rate: 12.5, rateLower, rateUpper, islTokens, oslTokens, concurrency, horizonIntervals?}
       plan: {ratio, reason, time, decodeConcurrency, expectedTtftSeconds, gpus, mode, feasible,
              sloInfeasible?: [{metric, targetSeconds, bestSeconds, atIsl, atOsl, tp, plannedForSeconds}]}
