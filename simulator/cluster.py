@@ -918,10 +918,11 @@ class Simulation:
 
     def _record(self, r: SimRequest) -> RequestRecord:
         ttft = r.first_token - r.arrival if not math.isnan(r.first_token) else math.inf
+        queue = r.prefill_start - r.arrival if not math.isnan(r.prefill_start) else math.inf
         if math.isnan(r.finish):
-            return RequestRecord(r.arrival, r.isl, r.osl, ttft, math.inf, math.inf, r.path)
+            return RequestRecord(r.arrival, r.isl, r.osl, ttft, math.inf, math.inf, r.path, queue, r.prefill_iid)
         tpot = (r.finish - r.first_token) / (r.osl - 1) if r.osl > 1 else 0.0
-        return RequestRecord(r.arrival, r.isl, r.osl, ttft, tpot, r.finish, r.path)
+        return RequestRecord(r.arrival, r.isl, r.osl, ttft, tpot, r.finish, r.path, queue, r.prefill_iid, r.decode_iid)
 
     def _snapshot(self) -> ClusterSnapshot:
         now = self._kernel.now

@@ -112,6 +112,8 @@ class SimRequest:
         qseq / enq: order and time of entry into the prefill queue. dest: engine a KV transfer heads to.
         preemptions: times it was preempted. migrating: asked to leave its engine at the next step boundary
             (decode rescheduling).
+        prefill_start: when its first prefill began (on a P instance, or admitted to an engine), s; ``nan`` until.
+        prefill_iid / decode_iid: the instance that first prefilled it / the engine it finished on (-1 until).
     """
 
     __slots__ = (
@@ -136,6 +138,9 @@ class SimRequest:
         "dest",
         "preemptions",
         "migrating",
+        "prefill_start",
+        "prefill_iid",
+        "decode_iid",
     )
 
     def __init__(self, idx: int, arrival: float, isl: int, osl: int) -> None:
@@ -160,6 +165,9 @@ class SimRequest:
         self.dest: EngineInstance | None = None
         self.preemptions = 0
         self.migrating = False
+        self.prefill_start = math.nan
+        self.prefill_iid = -1
+        self.decode_iid = -1
 
 
 class InstanceHost(Protocol):
@@ -273,6 +281,9 @@ class PrefillInstance(Instance):
         duration = self._profile.prefill_batch_time([r.isl for r in batch], self.tp)
         self.batch = batch
         self._started = self._kernel.now
+        for r in batch:
+            if r.prefill_iid < 0:
+                r.prefill_start, r.prefill_iid = self._started, self.iid
         self._event = self._kernel.schedule(self._kernel.now + duration, Priority.PREFILL_DONE, self._on_done)
         return duration
 
@@ -453,6 +464,7 @@ class EngineInstance(Instance):
             del self.running[r.idx]
             r.generated = r.osl
             r.phase = Phase.OUTSIDE
+            r.decode_iid = self.iid
             host.on_finish(r, self._t0 + (f - self._s0) * self._dt)
         if self._pieces is not None:
             self._finish_pieces(s, t)
@@ -482,6 +494,7 @@ class EngineInstance(Instance):
             if r.generated >= r.osl:
                 del self.running[r.idx]
                 r.phase = Phase.OUTSIDE
+                r.decode_iid = self.iid
                 self._host.on_finish(r, t)
             else:
                 self._join_decode(r, s)
@@ -555,6 +568,8 @@ class EngineInstance(Instance):
                 self._join_decode(r, s)
             else:
                 r.phase = Phase.PREFILLING
+                if r.prefill_iid < 0:
+                    r.prefill_start, r.prefill_iid = self._kernel.now, self.iid
                 r.pf_total = need
                 r.pf_done = 0
                 self._reserved += need

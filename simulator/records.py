@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["RequestRecord", "InstanceStatus", "DecodeRequestView", "DecodeInstanceView", "RoleView"]
@@ -20,6 +21,11 @@ class RequestRecord:
         finish_s: completion time; ``inf`` if never finished.
         path: "disaggregated" (P then D, KV transferred) | "local" (ultra-short prompt prefilled on the decode
             instance) | "unified" (one instance did both).
+        queue_s: queueing time, arrival → start of its first prefill (the shared P queue and the router, or an
+            engine's waiting queue for local and unified prompts), seconds; ``inf`` if its prefill never began.
+        prefill_instance: id of the instance that (first) prefilled it; -1 if none did.
+        decode_instance: id of the engine it finished on (the last, after a preemption or migration); -1 if
+            unfinished, or finished on its P instance (one output token).
     """
 
     arrival_s: float
@@ -29,6 +35,14 @@ class RequestRecord:
     tpot_s: float
     finish_s: float
     path: str
+    queue_s: float = math.inf
+    prefill_instance: int = -1
+    decode_instance: int = -1
+
+    @property
+    def e2e_s(self) -> float:
+        """End-to-end latency, arrival → last token, seconds; ``inf`` if unfinished."""
+        return self.finish_s - self.arrival_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe, parse_llmserve
 from fulcrum.cancellation import cancel_and_wait
 from fulcrum.errors import FulcrumError, ProfileError, SpecError
 from fulcrum.observation import Observation, ReadyCounts
+from fulcrum.ratio.feasibility import condition_reason
 from fulcrum.ratio.profile import PerformanceProfile, load_profile, profile_from_dict
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.target import ClusterTarget, PoolSize
@@ -56,7 +57,7 @@ from fulcrum.controller.resources import (
     pool_deployment_name,
     worker_selector,
 )
-from fulcrum.controller.status import build_status, target_from_status
+from fulcrum.controller.status import build_status, get_condition, slo_infeasibility, target_from_status
 
 __all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "register", "fetch_text"]
 
@@ -401,6 +402,7 @@ class Controller:
         degraded = outcome.degraded
         if degraded and rt.degraded is None:
             await self.event(body, "Warning", "ObservationUnavailable", f"holding the current pools: {degraded}")
+        await self._slo_event(body, rt, outcome)
         drain_msgs = await self._act(body, rt, outcome)
         if drain_msgs:
             degraded = "; ".join(([degraded] if degraded else []) + drain_msgs)
@@ -408,6 +410,24 @@ class Controller:
         self.metrics.record_interval(key, outcome, ready)
         log.info("%s: %s", key, outcome.reason)
         return await self._write_status(body, self._status(rt, body, ready, degraded=degraded, outcome=outcome))
+
+    async def _slo_event(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> None:
+        """A Warning Event ``SLOInfeasible`` when the plan finds an SLO target out of the profile's reach at the
+        forecast lengths (and again when which targets changes), a Normal ``SLOFeasible`` when both are in reach
+        again. Judged against the ``SLOFeasible`` condition last written to ``body``'s status, so one Event per
+        change, across operator restarts too. Nothing for planners that do not judge feasibility."""
+        found = slo_infeasibility(outcome)
+        if found is None:
+            return
+        prev = get_condition((body.get("status") or {}).get("conditions"), "SLOFeasible")
+        if prev is not None and prev.get("reason") == condition_reason(found):
+            return
+        if found:
+            await self.event(body, "Warning", "SLOInfeasible",
+                             "; ".join(f.message() for f in found)
+                             + f", within maxGPUs={rt.serve.spec.scaling.max_gpus}")
+        elif prev is not None:
+            await self.event(body, "Normal", "SLOFeasible", "both SLO targets can be met again at the forecast lengths")
 
     def _status(self, rt: _Runtime, body: Mapping[str, Any], ready: ReadyCounts, *, degraded: str | None,
                 outcome: LoopOutcome | None = None) -> dict[str, Any]:

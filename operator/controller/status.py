@@ -6,9 +6,10 @@ writes it through the status subresource). Paths (the printer columns in ``fulcr
     status:
       observedGeneration: 3
       conditions: [{type, status: "True"|"False", reason, message, lastTransitionTime}]  # Ready, Progressing,
-                                                                                         # Degraded, ForecastReady
+                                                                                         # Degraded, ForecastReady, SLOFeasible
       forecast: {rate: 12.5, rateLower, rateUpper, islTokens, oslTokens, concurrency, horizonIntervals?}
-      plan: {ratio, reason, time, decodeConcurrency, expectedTtftSeconds, gpus, mode, feasible}
+      plan: {ratio, reason, time, decodeConcurrency, expectedTtftSeconds, gpus, mode, feasible,
+             sloInfeasible?: [{metric, targetSeconds, bestSeconds, atIsl, atOsl, tp, plannedForSeconds}]}
       pools: {prefill: {ready, desired, tp}, decode: {...}, unified: {...}}
       routing: {ultraShortTokens, longRequestTokens, batchTimeoutSeconds, lengthAwareBatching, maxPrefillBatchTokens}
       sloAttainment: 0.97                      # last interval's, absent when nothing finished
@@ -17,6 +18,11 @@ writes it through the status subresource). Paths (the printer columns in ``fulcr
       lastObservation: {time, arrivals, rate, meanIsl, meanOsl}
 
 ``lastTransitionTime`` changes only when a condition's ``status`` flips (Kubernetes API conventions).
+
+``SLOFeasible`` is written when the planner judges feasibility (the ``fulcrum`` policy: the plan's
+``slo_infeasible``, :mod:`fulcrum.ratio.feasibility`): True/``Feasible``, or False with reason ``TTFTInfeasible``,
+``TPOTInfeasible`` or ``TTFTAndTPOTInfeasible`` and a message with the target, the best the profile achieves and
+the lengths; ``status.plan.sloInfeasible`` holds the same numbers. Reference policies leave it unset.
 After an operator restart :func:`target_from_status` reads the target in force back from ``status.pools`` and
 ``status.routing``.
 """
@@ -29,6 +35,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from fulcrum.observation import ReadyCounts
+from fulcrum.ratio.feasibility import SLOInfeasible, condition_reason
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 
 from fulcrum.controller.loop import POOLS, LoopOutcome
@@ -42,10 +49,11 @@ __all__ = [
     "routing_status",
     "build_status",
     "rfc3339",
+    "slo_infeasibility",
 ]
 
 #: Condition types the operator maintains, in the order they are written.
-CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "Degraded", "ForecastReady")
+CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "Degraded", "ForecastReady", "SLOFeasible")
 
 
 def rfc3339(now: datetime) -> str:
@@ -154,6 +162,21 @@ def _forecast_status(outcome: LoopOutcome) -> dict[str, Any] | None:
     return out or None
 
 
+def slo_infeasibility(outcome: LoopOutcome) -> tuple[SLOInfeasible, ...] | None:
+    """The SLO targets the plan found out of reach (empty: both can be met), or None when the planner does not
+    judge feasibility (no ``slo_infeasible`` in its inputs: the reference policies)."""
+    found = outcome.inputs.get("slo_infeasible")
+    if not isinstance(found, (tuple, list)):
+        return None
+    return tuple(f for f in found if isinstance(f, SLOInfeasible))
+
+
+def _slo_condition(conds: list[dict[str, Any]], found: tuple[SLOInfeasible, ...], now: datetime) -> list[dict[str, Any]]:
+    message = ("; ".join(f.message() for f in found) if found
+               else "both targets can be met at the forecast lengths")
+    return set_condition(conds, "SLOFeasible", not found, condition_reason(found), message, now)
+
+
 def _plan_status(outcome: LoopOutcome, now: datetime) -> dict[str, Any]:
     inp = outcome.inputs
     plan: dict[str, Any] = {"reason": outcome.reason[:1000], "time": rfc3339(now)}
@@ -166,6 +189,12 @@ def _plan_status(outcome: LoopOutcome, now: datetime) -> dict[str, Any]:
         plan["mode"] = inp["mode"]
     if isinstance(inp.get("feasible"), bool):
         plan["feasible"] = inp["feasible"]
+    found = slo_infeasibility(outcome)
+    if found:
+        plan["sloInfeasible"] = [
+            {"metric": f.metric, "targetSeconds": round(f.target_s, 6), "bestSeconds": round(f.best_s, 6),
+             "atIsl": round(f.at_isl, 1), "atOsl": round(f.at_osl, 1), "tp": f.tp,
+             "plannedForSeconds": round(f.planned_for_s, 6)} for f in found]
     return plan
 
 
@@ -237,6 +266,9 @@ def build_status(
             status["forecast"] = fc
         if outcome.observed:
             status["plan"] = _plan_status(outcome, now)
+            found = slo_infeasibility(outcome)
+            if found is not None:
+                conds = _slo_condition(conds, found, now)
             obs = outcome.observation
             if obs is not None:
                 att = _num(obs.slo_attainment)

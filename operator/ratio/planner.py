@@ -21,6 +21,11 @@ Unified mode sizes one pool of ``kv_both`` instances doing chunked prefill and d
 per instance, the largest arrival rate whose decode step stretched by the prefill work still meets the TPOT
 SLO and whose prefill at the percentile still meets the TTFT SLO. Auto picks the mode with fewer GPUs.
 
+Both modes first check that the SLOs can be met at all at the forecast lengths (:mod:`fulcrum.ratio.feasibility`:
+TPOT at batch 1, TTFT of the percentile prompt on an idle instance). A target out of reach is reported on the plan
+(``slo_infeasible``, also ``inputs["slo_infeasible"]``) and the plan is sized for the best achievable value plus
+``PlannerSettings.infeasible_slo_slack`` instead of buying instances up to ``maxGPUs`` for a target no count meets.
+
 Every :class:`Plan` carries the numbers it came from (``inputs``).
 """
 
@@ -33,6 +38,7 @@ from typing import Any
 from fulcrum.api.llmserve import LLMServeSpec, Mode, SLOSpec
 from fulcrum.errors import PlanningError
 from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity
+from fulcrum.ratio.feasibility import SLOInfeasible, relaxed_slo, slo_feasibility
 from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.queueing import batching_timeout, mean_wait, min_servers_for_ttft, wait_quantile
@@ -66,6 +72,10 @@ class PlannerSettings:
         batching_alpha: α of eq. (18), the share of the expected wait a short prompt may spend being grouped.
         max_model_len: longest context, tokens; a P-instance must hold one such prompt's KV.
         max_tp: largest TP considered (GPUs per node).
+        infeasible_slo_slack: a target the profile cannot meet at any count is planned as best · (1 + slack):
+            0.1 lies within a profile's run-to-run noise, and since a memory-bound decode step of a few tens of
+            requests costs little more than one request's (DOPD Table I), D-instances still batch instead of
+            holding one request each (which would scale to ``maxGPUs`` and still miss the target).
     """
 
     bandwidth_utilisation: float = 0.6
@@ -77,6 +87,7 @@ class PlannerSettings:
     batching_alpha: float = 0.5
     max_model_len: int = 8192
     max_tp: int = 8
+    infeasible_slo_slack: float = 0.1
 
     @classmethod
     def from_spec(cls, spec: LLMServeSpec) -> "PlannerSettings":
@@ -124,6 +135,9 @@ class Plan:
         feasible: False when the budget or the hardware cannot meet the SLOs for this load.
         notes: why a plan is infeasible or was adjusted, one line each.
         inputs: every number the plan came from, for status, events and reports.
+        slo_infeasible: the SLO targets no instance count meets at these lengths (TTFT first), each with the
+            best value the profile achieves; the plan is sized for those best values (module doc). Empty when
+            both targets can be met. Also in ``inputs["slo_infeasible"]``.
     """
 
     mode: str
@@ -141,6 +155,7 @@ class Plan:
     feasible: bool = True
     notes: tuple[str, ...] = ()
     inputs: dict[str, Any] = field(default_factory=dict)
+    slo_infeasible: tuple[SLOInfeasible, ...] = ()
 
     def target(self) -> ClusterTarget:
         """The cluster target this plan asks for."""
@@ -263,6 +278,12 @@ def plan_disaggregated(
         PlanningError: no TP of the profile holds the model, or a fixed TP is not in the profile.
     """
     q = _q(slo)
+    infeasible = slo_feasibility(
+        profile, slo, workload.isl, workload.osl, prefill_tps=profile.prefill_tps, decode_tps=profile.decode_tps,
+        fixed_prefill=tp_prefill, fixed_decode=tp_decode, max_tp=settings.max_tp, kv_link_gbps=settings.kv_link_gbps,
+        kv_transfer_overhead_s=settings.kv_transfer_overhead_s, slack=settings.infeasible_slo_slack,
+    )
+    slo = relaxed_slo(slo, infeasible)
     ttft_slo, tpot_slo = slo.ttft_ms / 1e3, slo.tpot_ms / 1e3
     lam = max(float(workload.rate_rps), 0.0) if math.isfinite(workload.rate_rps) else 0.0
     mean_isl, mean_osl = workload.isl.mean(), workload.osl.mean()
@@ -273,7 +294,7 @@ def plan_disaggregated(
     tp_p = choose_prefill_tp(
         profile, workload.isl, ttft_slo, q, fixed=tp_prefill, max_tp=settings.max_tp, max_model_len=settings.max_model_len
     )
-    notes: list[str] = []
+    notes: list[str] = [f.message() for f in infeasible]
     if cap.cc_slo < 1:
         notes.append(f"TPOT SLO {slo.tpot_ms} ms is below the profiled single-request step at TP={cap.tp}")
     u = ultra_short_threshold(profile, tp_p, cap.tp, cap.step_s, tpot_slo, settings)
@@ -311,7 +332,7 @@ def plan_disaggregated(
     wq_q = wait_quantile(lam_p, es, ca2, cs2, n_p, q) if n_p > 0 else (math.inf if lam_p > 0 else 0.0)
     wq_mean = mean_wait(lam_p, es, ca2, cs2, n_p) if n_p > 0 else (math.inf if lam_p > 0 else 0.0)
     expected_ttft = wq_q + s_q + transfer_q
-    feasible = not budget_notes and expected_ttft <= ttft_slo and cap.cc_slo >= 1
+    feasible = not budget_notes and expected_ttft <= ttft_slo and cap.cc_slo >= 1 and not infeasible
     if expected_ttft > ttft_slo:
         notes.append(f"expected P{slo.percentile:g} TTFT {expected_ttft:.3f}s exceeds the {ttft_slo:.3f}s SLO")
     balanced = cap.cc * es / (cap.step_s * mean_osl) if es > 0 else math.nan
@@ -332,6 +353,7 @@ def plan_disaggregated(
         "prefill_need": n_p_need, "decode_need": n_d_need, "wait_q_s": wq_q, "wait_mean_s": wq_mean,
         "prefill_utilisation": lam_p * es / n_p if n_p else 0.0,
         "decode_utilisation": lam * mean_osl * t_d / (n_d * cap.cc) if n_d else 0.0,
+        "slo_infeasible": infeasible,
     }
     return Plan(
         mode=Mode.DISAGGREGATED.value,
@@ -349,6 +371,7 @@ def plan_disaggregated(
         feasible=feasible,
         notes=tuple(notes),
         inputs=inputs,
+        slo_infeasible=infeasible,
     )
 
 
@@ -425,6 +448,12 @@ def plan_unified(
             f"profile {profile.name!r} has no TP measured for both prefill {profile.prefill_tps} and decode "
             f"{profile.decode_tps}{f' equal to {tp_unified}' if tp_unified else ''}: Unified mode needs one"
         )
+    infeasible = slo_feasibility(
+        profile, slo, workload.isl, workload.osl, prefill_tps=common, decode_tps=common,
+        max_tp=max(common), slack=settings.infeasible_slo_slack,
+    )
+    slo = relaxed_slo(slo, infeasible)
+    tpot_slo = slo.tpot_ms / 1e3
     lam = max(float(workload.rate_rps), 0.0) if math.isfinite(workload.rate_rps) else 0.0
     best: tuple[float, int, DecodeCapacity, float, float] | None = None
     for tp in common:
@@ -441,7 +470,7 @@ def plan_unified(
     if best is None:
         raise PlanningError(f"profile {profile.name!r}: no unified TP holds the model weights")
     _, tp, cap, mu, step = best
-    notes: list[str] = []
+    notes: list[str] = [f.message() for f in infeasible]
     if mu <= 0:
         notes.append("no arrival rate meets both SLOs on one unified instance")
         need = lam * 1e3
@@ -459,7 +488,7 @@ def plan_unified(
     inputs: dict[str, Any] = {
         "rate_rps": lam, "mean_isl": workload.isl.mean(), "mean_osl": workload.osl.mean(), "tp_unified": tp,
         "rate_per_instance": mu, "cc": cap.cc, "step_s": step, "unified_need": need, "ultra_short_tokens": u,
-        "prefill_share": share,
+        "prefill_share": share, "slo_infeasible": infeasible,
     }
     return Plan(
         mode=Mode.UNIFIED.value,
@@ -484,6 +513,7 @@ def plan_unified(
         feasible=not notes,
         notes=tuple(notes),
         inputs=inputs,
+        slo_infeasible=infeasible,
     )
 
 

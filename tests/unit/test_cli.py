@@ -114,6 +114,20 @@ def test_plan_for_a_request_rate_is_feasible_and_grows_with_the_rate(capsys: pyt
     assert high["prefill_replicas"] >= 40 * high["t_p_s"]
 
 
+def test_plan_says_when_a_tpot_target_cannot_be_met_at_these_lengths(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--profile", "dopd-llama70b-fp8-h100", "--isl", "12000", "--osl", "1000", "--rate", "0.5"]
+    data = run_json(capsys, [*argv, "--json"])
+    assert data["feasible"] is False
+    [f] = data["slo_infeasible"]
+    assert f["metric"] == "tpot" and f["target_s"] == pytest.approx(0.08) and f["best_s"] > 0.08
+    assert (f["at_isl"], f["at_osl"], f["tp"]) == (12000, 1000, 2) and f["planned_for_s"] > f["best_s"]
+    assert data["decode_concurrency"] > 1 and data["gpus"] < 20
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "warning: SLO infeasible: TPOT target 80 ms cannot be met: best 80.2 ms at batch 1" in out
+    assert run_json(capsys, [*DOPD_PLAN, "--rate", "5", "--json"])["slo_infeasible"] == []
+
+
 # ---------------------------------------------------------------------------------------------- forecast
 def test_forecast_json_scores_every_forecaster_on_every_series_of_a_request_trace(
     capsys: pytest.CaptureFixture[str],

@@ -409,6 +409,37 @@ async def test_a_kopf_operator_run_reconciles_and_runs_an_interval_against_the_f
     assert "lastObservation" in st and st["pools"]["prefill"]["desired"] > 1
 
 
+async def test_an_unreachable_tpot_target_is_reported_once_and_the_plan_stays_under_the_gpu_cap(
+        api: FakeKubeApi, kube: KubeClient) -> None:
+    body = llmserve(slo={"ttftMs": 5000, "tpotMs": 80})
+    body["spec"]["scaling"].update(maxGPUs=32)
+    seed(api, body)
+    # 12,000-token prompts, 1,000 output tokens: one request's decode step on Table I's TP=2 is ~80.2 ms
+    prom = FakePrometheus(rate=0.5, isl=12000.0, osl=1000.0)
+    clock = Clock()
+    c = make_controller(kube, prom, clock=clock)
+    await c.reconcile(live(api))
+    for _ in range(2):
+        clock.t += 10
+        await c.interval(live(api))
+    st = live(api)["status"]
+    feasible = cond(live(api), "SLOFeasible")
+    assert feasible["status"] == "False" and feasible["reason"] == "TPOTInfeasible"
+    assert "TPOT target 80 ms cannot be met" in feasible["message"]
+    assert st["plan"]["sloInfeasible"][0]["metric"] == "tpot" and st["plan"]["sloInfeasible"][0]["bestSeconds"] > 0.08
+    assert st["plan"]["gpus"] < 32
+    warnings = events(api, "SLOInfeasible")
+    assert len(warnings) == 1 and warnings[0]["type"] == "Warning" and "maxGPUs=32" in warnings[0]["message"]
+    prom.isl, prom.osl = 1000.0, 150.0  # the long prompts are gone: in reach again, once the forecast follows
+    for _ in range(30):
+        clock.t += 10
+        await c.interval(live(api))
+        if cond(live(api), "SLOFeasible")["status"] == "True":
+            break
+    assert cond(live(api), "SLOFeasible")["reason"] == "Feasible"
+    assert len(events(api, "SLOFeasible")) == 1 and len(events(api, "SLOInfeasible")) == 1
+
+
 async def test_an_external_replica_owner_gets_its_total_split_by_the_planned_ratio(
         api: FakeKubeApi, kube: KubeClient) -> None:
     body = llmserve()

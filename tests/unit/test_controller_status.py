@@ -105,3 +105,31 @@ def test_nan_numbers_are_left_out_of_status() -> None:
     st = build_status(previous=None, generation=1, target=TARGET, ready=ReadyCounts(4, 2, 0), selector="s", now=T0,
                       outcome=o)
     assert "sloAttainment" not in st
+
+
+def test_an_unreachable_slo_target_sets_slo_feasible_false_with_the_numbers() -> None:
+    from dataclasses import replace
+
+    from fulcrum.ratio.feasibility import SLOInfeasible
+
+    tpot = SLOInfeasible("tpot", target_s=0.08, best_s=0.0902, at_isl=14000, at_osl=2000, tp=2, planned_for_s=0.0992)
+    bad = replace(outcome(), inputs={**outcome().inputs, "feasible": False, "slo_infeasible": (tpot,)})
+    st = build_status(previous=None, generation=1, target=TARGET, ready=ReadyCounts(4, 2, 0), selector="s", now=T0,
+                      outcome=bad)
+    c = get_condition(st["conditions"], "SLOFeasible")
+    assert c is not None and c["status"] == "False" and c["reason"] == "TPOTInfeasible"
+    assert "TPOT target 80 ms" in c["message"] and "90.2 ms" in c["message"] and "ISL 14000" in c["message"]
+    assert st["plan"]["sloInfeasible"] == [{"metric": "tpot", "targetSeconds": 0.08, "bestSeconds": 0.0902,
+                                            "atIsl": 14000, "atOsl": 2000, "tp": 2, "plannedForSeconds": 0.0992}]
+    ok = replace(outcome(), inputs={**outcome().inputs, "slo_infeasible": ()})
+    st2 = build_status(previous=st, generation=1, target=TARGET, ready=ReadyCounts(4, 2, 0), selector="s",
+                       now=T0 + timedelta(minutes=1), outcome=ok)
+    c2 = get_condition(st2["conditions"], "SLOFeasible")
+    assert c2 is not None and (c2["status"], c2["reason"]) == ("True", "Feasible")
+    assert c2["lastTransitionTime"] == "2026-05-01T12:01:00Z" and "sloInfeasible" not in st2["plan"]
+
+
+def test_a_planner_that_does_not_judge_feasibility_leaves_no_slo_feasible_condition() -> None:
+    st = build_status(previous=None, generation=1, target=TARGET, ready=ReadyCounts(4, 2, 0), selector="s", now=T0,
+                      outcome=outcome())
+    assert get_condition(st["conditions"], "SLOFeasible") is None

@@ -16,13 +16,14 @@ from fulcrum.replay.report import (
     FORECAST_PNG,
     GPUS_PNG,
     LATENCY_CDF_PNG,
+    METRIC_PNGS,
     POOLS_PNG,
     SUMMARY_JSON,
     empirical_cdf,
     write_report,
 )
 from fulcrum.replay.result import ForecastPoint, PolicyRun, PolicySummary, RequestRecord, TimelinePoint
-from fulcrum.replay.table import comparison_table, summary_json
+from fulcrum.replay.table import comparison_table, percentiles_table, summary_json
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SLO = SLOSpec(ttft_ms=2000.0, tpot_ms=80.0, percentile=90.0)
@@ -38,6 +39,8 @@ POLICY_KEYS = {
     "requests",
     "scale_events",
     "wall_s",
+    "latency",
+    "slo_infeasible",
 }
 
 
@@ -207,7 +210,7 @@ def test_write_report_writes_every_file_and_each_png_is_readable(tmp_path: Path)
     paths = write_report(runs, out_dir, trace_name="burstgpt", slo=SLO)
 
     names = [path.name for path in paths]
-    assert names == [GPUS_PNG, FORECAST_PNG, LATENCY_CDF_PNG, POOLS_PNG, SUMMARY_JSON, COMPARISON_TXT]
+    assert names == [GPUS_PNG, FORECAST_PNG, LATENCY_CDF_PNG, POOLS_PNG, *METRIC_PNGS.values(), SUMMARY_JSON, COMPARISON_TXT]
     assert all(path.parent == out_dir and path.is_file() for path in paths)
     for path in paths:
         if path.suffix == ".png":
@@ -217,14 +220,15 @@ def test_write_report_writes_every_file_and_each_png_is_readable(tmp_path: Path)
 
     summary = json.loads((out_dir / SUMMARY_JSON).read_text(encoding="utf-8"))
     assert summary == summary_json(runs, trace_name="burstgpt", slo=SLO)
-    assert (out_dir / COMPARISON_TXT).read_text(encoding="utf-8") == comparison_table(runs, SLO, trace_name="burstgpt")
+    assert (out_dir / COMPARISON_TXT).read_text(encoding="utf-8") == \
+        comparison_table(runs, SLO, trace_name="burstgpt") + "\n" + percentiles_table(runs, trace_name="burstgpt")
 
 
 def test_runs_without_forecasts_skip_the_forecast_figure(tmp_path: Path) -> None:
     runs = [_run("static", forecasts=False), _run("unified", forecasts=False, ttft_p_s=math.inf)]
     paths = write_report(runs, tmp_path, trace_name="t", slo=SLO)
 
-    assert [path.name for path in paths] == [GPUS_PNG, LATENCY_CDF_PNG, POOLS_PNG, SUMMARY_JSON, COMPARISON_TXT]
+    assert [path.name for path in paths] == [GPUS_PNG, LATENCY_CDF_PNG, POOLS_PNG, *METRIC_PNGS.values(), SUMMARY_JSON, COMPARISON_TXT]
     assert not (tmp_path / FORECAST_PNG).exists()
     summary = json.loads((tmp_path / SUMMARY_JSON).read_text(encoding="utf-8"))
     assert summary["policies"]["unified"]["ttft_p_s"] is None
@@ -244,7 +248,7 @@ def test_a_run_with_no_records_timeline_or_finite_values_still_gets_a_report(tmp
     )
     paths = write_report([bare, unserved], tmp_path, trace_name="t", slo=SLO)
 
-    assert [path.name for path in paths] == [GPUS_PNG, FORECAST_PNG, LATENCY_CDF_PNG, POOLS_PNG, SUMMARY_JSON, COMPARISON_TXT]
+    assert [path.name for path in paths] == [GPUS_PNG, FORECAST_PNG, LATENCY_CDF_PNG, POOLS_PNG, *METRIC_PNGS.values(), SUMMARY_JSON, COMPARISON_TXT]
     for path in paths:
         if path.suffix == ".png":
             _assert_valid_png(path)

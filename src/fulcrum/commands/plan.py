@@ -2,7 +2,10 @@
 
 - ``--decode-concurrency C``: one D-instance of capacity C; prints the eq. (15) ratio (DOPD §VI-A3's check).
 - ``--concurrency C``: C concurrent requests in decode; n_d = ⌈C/cc_d⌉ (cc_d by eqs. 11–14), n_p = ⌈ratio·n_d⌉.
-- ``--rate R``: the full planner for R requests/s (TP choice, Kingman headroom, ultra-short threshold).
+- ``--rate R``: the full planner for R requests/s (TP choice, Kingman headroom, ultra-short threshold). A TTFT or
+  TPOT target the profile cannot meet at these lengths whatever the count is printed as a warning (and listed
+  under ``slo_infeasible`` with ``--json``: metric, target_s, best_s, at_isl, at_osl, tp, planned_for_s); the plan
+  is sized for the best achievable value instead.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
             "expected_ttft_s": p.expected_ttft_s, "t_p_s": p.t_p_s, "t_d_s": p.t_d_s,
             "ultra_short_tokens": p.routing.ultra_short_tokens, "long_request_tokens": p.routing.long_request_tokens,
             "batch_timeout_s": p.routing.batch_timeout_s, "notes": list(p.notes),
-            "inputs": _clean({**p.inputs, "profile": profile.name}),
+            "slo_infeasible": [_clean(f.as_dict()) for f in p.slo_infeasible],
+            "inputs": _clean({**{k: v for k, v in p.inputs.items() if k != "slo_infeasible"}, "profile": profile.name}),
         }
     else:
         r = plan_ratio(profile, args.isl, args.osl, tp_prefill=args.tp_prefill, tp_decode=args.tp_decode,
@@ -89,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, allow_nan=False))
         return 0
     print(f"profile {profile.name}: ISL {args.isl:g} / OSL {args.osl:g} tokens")
+    infeasible_lines = [f.message() for f in p.slo_infeasible] if args.rate is not None else []
+    for line in infeasible_lines:
+        print(f"warning: SLO infeasible: {line}")
     ratio = out["ratio"]
     print(f"  P/D ratio          {ratio:.3f}" if ratio is not None else "  P/D ratio          n/a")
     print(f"  prefill instances  {out['prefill_replicas']} × TP{out['tp_prefill']}")
@@ -98,5 +105,6 @@ def run(args: argparse.Namespace) -> int:
     for k, v in out["inputs"].items():
         print(f"    {k:<24} {v:.4g}" if isinstance(v, float) else f"    {k:<24} {v}")
     for note in out.get("notes", []):
-        print(f"  note: {note}")
+        if note not in infeasible_lines:
+            print(f"  note: {note}")
     return 0

@@ -4,6 +4,11 @@ The trace is a file (Azure CSV or Mooncake JSONL, gzip accepted, format detected
 trace bundled with Fulcrum (``azure-conv-2023``, ``azure-code-2023``, ``mooncake-conv``). The ``LLMServe``
 file gives the SLOs, limits, interval, start-up time and profile; without one, a default spec serving a
 70B model on H100 with DOPD's Table I profile is used.
+
+Output: one line per policy, then the comparison table (the spec's percentile); ``--percentiles`` adds a second
+table with p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time per policy; ``--records FILE`` writes
+every request (CSV, or Parquet for a ``.parquet`` name). A warning line is printed for every SLO target a policy's
+plans found out of the profile's reach at the forecast lengths (also under ``slo_infeasible`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from fulcrum.api.llmserve import LLMServe, LLMServeSpec, ModelSpec, load_llmserv
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, builtin_profile, resolve_profile
+from fulcrum.replay.distribution import check_records_path, write_records
 from fulcrum.replay.driver import POLICIES, ReplayOptions, run_policy, scale_arrivals, warmup_seconds
-from fulcrum.replay.table import comparison_table, summary_json
+from fulcrum.replay.table import comparison_table, infeasible_lines, percentiles_table, summary_json
 from fulcrum.traces import TRACE_FORMATS, load_trace
 
 __all__ = ["add_parser", "run", "resolve_spec_profile"]
@@ -40,6 +46,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=float, help="seconds at the start left out of scoring (default: pod start-up + 2 intervals; 0 = score all)")
     p.add_argument("--report", type=Path, help="write PNG plots, summary.json and comparison.txt into this folder")
     p.add_argument("--json", action="store_true", help='print {"policies": {NAME: {...}}} as JSON')
+    p.add_argument("--percentiles", action="store_true",
+                   help="also print p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time per policy")
+    p.add_argument("--records", type=Path, metavar="FILE",
+                   help="write every request of every policy to FILE: CSV, or Parquet when it ends in .parquet")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -73,6 +83,8 @@ def resolve_spec_profile(spec: LLMServeSpec, spec_path: Path | None, override: s
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.records is not None:
+        check_records_path(args.records)  # a bad name or a missing pyarrow fails before a long replay
     spec_path = Path(args.llmserve) if args.llmserve else None
     spec = load_llmserve(spec_path).spec if spec_path else _default_spec()
     profile = resolve_spec_profile(spec, spec_path, args.profile)
@@ -95,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             s = runs[-1].summary
             print(f"  {name:<12} SLO attainment {s.slo_attainment:6.1%}  GPU-hours {s.gpu_hours:7.2f}  "
                   f"({runs[-1].wall_s:.1f} s)", flush=True)
+            for line in infeasible_lines(runs[-1:]):
+                print(f"  {line}", flush=True)
     extra = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale, "warmup_s": warmup}
     if args.report:
         from fulcrum.replay.report import write_report
@@ -102,9 +116,15 @@ def run(args: argparse.Namespace) -> int:
         paths = write_report(runs, args.report, trace_name=trace.name, slo=spec.slo)
         if not args.json:
             print(f"report: {len(paths)} files in {args.report}")
+    if args.records is not None:
+        write_records(runs, args.records, spec.slo)
+        if not args.json:
+            print(f"records: {sum(len(r.records) for r in runs)} requests in {args.records}")
     if args.json:
         print(json.dumps(summary_json(runs, trace_name=trace.name, slo=spec.slo, extra=extra), indent=2, allow_nan=False))
     else:
         print()
         print(comparison_table(runs, spec.slo, trace_name=trace.name))
+        if args.percentiles:
+            print(percentiles_table(runs, trace_name=trace.name))
     return 0

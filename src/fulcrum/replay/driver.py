@@ -3,7 +3,9 @@
 The loop is the operator's, with the simulator as the cluster: every ``planner.tick_s`` seconds of simulated
 time, ``observe`` (the simulator's measurements over the last tick) → ``planner.step`` (forecast, plan) →
 ``apply`` (the simulator resizes its pools, with start-up delay and drain). After the last arrival the cluster
-drains and the run is scored per request (TTFT, TPOT) and overall (SLO attainment, goodput, GPU-hours).
+drains and the run is scored per request (TTFT, TPOT) and overall (SLO attainment, goodput, GPU-hours), with
+p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time (:mod:`fulcrum.replay.distribution`). SLO targets
+the planner's plans found out of the profile's reach are tallied per metric (``PolicyRun.slo_infeasible``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from dataclasses import dataclass, replace
 
 from fulcrum.api.llmserve import LLMServeSpec
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.replay.result import ForecastPoint, PolicyRun, PolicySummary, TimelinePoint
+from fulcrum.ratio.feasibility import SLOInfeasible
+from fulcrum.replay.distribution import LatencyDistribution
+from fulcrum.replay.result import ForecastPoint, InfeasibleSLO, PolicyRun, PolicySummary, TimelinePoint
 from fulcrum.scaling.dopd import DopdPlanner
 from fulcrum.scaling.dynamo_load import DynamoLoadPlanner
 from fulcrum.scaling.dynamo_sla import DynamoSlaPlanner, DynamoSlaSettings
@@ -89,6 +93,31 @@ def warmup_seconds(spec: LLMServeSpec, options: ReplayOptions) -> float:
     return spec.scaling.pod_startup_seconds + 2 * spec.scaling.interval_seconds
 
 
+class _InfeasibleTally:
+    """Counts, per metric, the intervals whose plan found an SLO target out of reach, and keeps the worst."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[SLOInfeasible, int, float]] = {}
+        self.intervals = 0
+
+    def add(self, t: float, inputs: dict[str, object]) -> None:
+        self.intervals += 1
+        found = inputs.get("slo_infeasible")
+        for f in found if isinstance(found, (tuple, list)) else ():
+            if not isinstance(f, SLOInfeasible):
+                continue
+            worst, n, first = self._seen.get(f.metric, (f, 0, t))
+            self._seen[f.metric] = (f if f.best_s > worst.best_s else worst, n + 1, first)
+
+    def result(self) -> tuple[InfeasibleSLO, ...]:
+        out = []
+        for metric in ("ttft", "tpot"):
+            if metric in self._seen:
+                worst, n, first = self._seen[metric]
+                out.append(InfeasibleSLO(worst, n, self.intervals, first))
+        return tuple(out)
+
+
 def _changed(a: ClusterTarget, b: ClusterTarget) -> bool:
     return (a.prefill, a.decode, a.unified) != (b.prefill, b.decode, b.unified)
 
@@ -128,6 +157,7 @@ def run_policy(
     pending: dict[int, list[tuple[float, str, dict[str, float]]]] = {}
     decisions = []
     scale_events = 0
+    infeasible = _InfeasibleTally()
     bar = None
     if options.progress:
         from tqdm import tqdm
@@ -142,6 +172,7 @@ def run_policy(
             if obs.arrivals > 0 or series == "rate":
                 forecasts.append(ForecastPoint(t, made_at, series, fc["mean"], fc["lower"], fc["upper"], actual[series]))
         decision = planner.step(obs, current)
+        infeasible.add(t, decision.inputs)
         for series in ("rate", "isl", "osl"):
             if series in decision.forecast:
                 pending.setdefault(k + horizon, []).append((t, series, decision.forecast[series]))
@@ -163,7 +194,8 @@ def run_policy(
     if bar is not None:
         bar.close()
     result = sim.finish()
-    s = result.summary(spec.slo, since_s=warmup_seconds(spec, options))
+    warmup = warmup_seconds(spec, options)
+    s = result.summary(spec.slo, since_s=warmup)
     summary = PolicySummary(
         slo_attainment=s["slo_attainment"],
         goodput_tokens_per_s=s["goodput_tokens_per_s"],
@@ -175,6 +207,7 @@ def run_policy(
         tpot_attainment=s["tpot_attainment"],
         requests=int(s["requests"]),
         scale_events=scale_events,
+        latency=LatencyDistribution.of(result.records, since_s=warmup),
     )
     return PolicyRun(
         policy=name,
@@ -184,4 +217,6 @@ def run_policy(
         forecasts=forecasts,
         decisions=decisions,
         wall_s=time.perf_counter() - wall0,
+        warmup_s=warmup,
+        slo_infeasible=infeasible.result(),
     )

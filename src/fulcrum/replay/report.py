@@ -11,7 +11,11 @@ Figures (one colour per policy, the same in every figure):
 - ``forecast_vs_actual.png`` — rate, ISL and OSL per interval: actual, forecast mean and prediction band
   (DOPD §II-A / Alg. 2 l.5–9); written only when some policy produced forecasts;
 - ``latency_cdf.png`` — TTFT and TPOT CDFs with the SLO targets;
-- ``pools_over_time.png`` — prefill / decode / unified instances per policy.
+- ``pools_over_time.png`` — prefill / decode / unified instances per policy;
+- ``latency_ttft.png``, ``latency_tpot.png``, ``latency_e2e.png``, ``latency_queue.png`` — one per latency
+  (:mod:`fulcrum.replay.distribution`): the CDF of every policy over the scored requests (arrivals after the
+  warm-up) on a log axis, dotted lines at the 0.5/0.9/0.99 quantiles and the policy's p50/p90/p99 marked on its
+  curve, so the percentiles of the ``--percentiles`` table can be read off the figure.
 """
 
 from __future__ import annotations
@@ -30,8 +34,17 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from fulcrum.api import SLOSpec
+from fulcrum.replay.distribution import (
+    METRIC_NAMES,
+    METRIC_UNITS,
+    METRICS,
+    PERCENTILES,
+    LatencyMetric,
+    metric_values,
+    scored_records,
+)
 from fulcrum.replay.result import ForecastPoint, PolicyRun
-from fulcrum.replay.table import check_runs, comparison_table, percentile_label, summary_json
+from fulcrum.replay.table import check_runs, comparison_table, percentile_label, percentiles_table, summary_json
 
 __all__ = [
     "write_report",
@@ -42,6 +55,7 @@ __all__ = [
     "POOLS_PNG",
     "SUMMARY_JSON",
     "COMPARISON_TXT",
+    "METRIC_PNGS",
 ]
 
 GPUS_PNG = "gpus_over_time.png"
@@ -50,6 +64,8 @@ LATENCY_CDF_PNG = "latency_cdf.png"
 POOLS_PNG = "pools_over_time.png"
 SUMMARY_JSON = "summary.json"
 COMPARISON_TXT = "comparison.txt"
+#: One distribution plot per latency metric.
+METRIC_PNGS: dict[LatencyMetric, str] = {m: f"latency_{m}.png" for m in METRICS}
 
 _DPI = 110
 # (ForecastPoint.series, panel name, y label)
@@ -311,6 +327,60 @@ def _plot_cdfs(
     return _save(figure, path)
 
 
+def _plot_metric(runs: Sequence[PolicyRun], colours: dict[str, str], trace_name: str, slo: SLOSpec,
+                 metric: LatencyMetric, path: Path) -> Path:
+    """The CDF of ``metric`` for every policy over its scored requests, p50/p90/p99 marked (module doc)."""
+    label, unit, factor = METRIC_UNITS[metric]
+    figure = _new_figure(9.0, 5.5)
+    ax = figure.add_subplot()
+    drawn = False
+    for run in runs:
+        values = metric_values(scored_records(run.records, run.warmup_s), metric)
+        x, y, n_beyond, n = empirical_cdf(list(values), factor)
+        if n == 0:
+            continue
+        p = run.summary.latency.metric(metric)
+        marks = [(q / 100.0, v * factor) for q, v in zip(PERCENTILES, (p.p50_s, p.p90_s, p.p99_s))
+                 if math.isfinite(v) and v > 0]
+        name = f"{run.policy} (p50/p90/p99 " + "/".join(
+            _num(v, factor) for v in (p.p50_s, p.p90_s, p.p99_s)) + f" {unit}"
+        name += f"; {n_beyond}/{n} beyond axis)" if n_beyond else ")"
+        if x.size:
+            xs = np.concatenate([x[:1], x])
+            ys = np.concatenate([y[:1] - 1.0 / n, y])
+            ax.step(xs, ys, where="post", color=colours[run.policy], linewidth=1.6, label=name)
+            if marks:
+                ax.plot([m[1] for m in marks], [m[0] for m in marks], linestyle="none", marker="o", markersize=5,
+                        color=colours[run.policy])
+            drawn = True
+        else:
+            ax.plot([], [], color=colours[run.policy], label=name)
+    for q in PERCENTILES:
+        ax.axhline(q / 100.0, color="0.5", linestyle=":", linewidth=1.0)
+    target = {"ttft": slo.ttft_ms / 1000.0, "tpot": slo.tpot_ms}.get(metric)
+    if target is not None:
+        ax.axvline(target, color="red", linestyle=":", linewidth=1.5, label=f"SLO {target:g} {unit}")
+    if drawn:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
+        ax.xaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
+    else:
+        _note(ax, "no finite positive values")
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xlabel(f"{label} ({unit}{', log scale' if drawn else ''})")
+    ax.set_ylabel("fraction of scored requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small", framealpha=0.85)
+    ax.set_title(f"{label}: {METRIC_NAMES[metric]}, per policy — trace {trace_name}\n"
+                 "dots: p50 / p90 / p99; requests never served lie beyond the axis", fontsize="medium")
+    return _save(figure, path)
+
+
+def _num(value_s: float, factor: float) -> str:
+    v = float(value_s) * factor
+    return f"{v:.3g}" if math.isfinite(v) else ("inf" if v > 0 else "nan")
+
+
 def _plot_pools(runs: Sequence[PolicyRun], trace_name: str, path: Path) -> Path:
     """One panel per policy: prefill, decode and unified instances (provisioned) over time, as steps."""
     divisor, unit = _time_unit(runs)
@@ -348,8 +418,10 @@ def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, trace_name: str, s
 
     Files, in this order: ``gpus_over_time.png``, ``forecast_vs_actual.png`` (only when at least one run
     has forecasts; runs without forecasts are left out of it), ``latency_cdf.png``,
-    ``pools_over_time.png``, ``summary.json`` (:func:`fulcrum.replay.table.summary_json`, non-finite
-    numbers as ``null``) and ``comparison.txt`` (:func:`fulcrum.replay.table.comparison_table`).
+    ``pools_over_time.png``, ``latency_ttft.png``, ``latency_tpot.png``, ``latency_e2e.png``,
+    ``latency_queue.png`` (:data:`METRIC_PNGS`), ``summary.json`` (:func:`fulcrum.replay.table.summary_json`,
+    non-finite numbers as ``null``) and ``comparison.txt`` (:func:`fulcrum.replay.table.comparison_table`, a
+    blank line, then :func:`fulcrum.replay.table.percentiles_table`).
     Existing files of those names are overwritten; nothing else in ``out_dir`` is touched.
 
     Conventions: times on the x axes in s, min or h by the trace span; the request rate drawn on the GPU
@@ -372,11 +444,14 @@ def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, trace_name: str, s
         written.append(forecast)
     written.append(_plot_cdfs(runs, colours, trace_name, slo, out_dir / LATENCY_CDF_PNG))
     written.append(_plot_pools(runs, trace_name, out_dir / POOLS_PNG))
+    for metric, name in METRIC_PNGS.items():
+        written.append(_plot_metric(runs, colours, trace_name, slo, metric, out_dir / name))
     summary_path = out_dir / SUMMARY_JSON
     summary = summary_json(runs, trace_name=trace_name, slo=slo)
     summary_path.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     written.append(summary_path)
     table_path = out_dir / COMPARISON_TXT
-    table_path.write_text(comparison_table(runs, slo, trace_name=trace_name), encoding="utf-8")
+    table_path.write_text(comparison_table(runs, slo, trace_name=trace_name) + "\n"
+                          + percentiles_table(runs, trace_name=trace_name), encoding="utf-8")
     written.append(table_path)
     return written

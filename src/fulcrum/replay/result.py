@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fulcrum.ratio.feasibility import SLOInfeasible
+from fulcrum.replay.distribution import LatencyDistribution
 from fulcrum.simulator.records import RequestRecord
 
-__all__ = ["RequestRecord", "TimelinePoint", "ForecastPoint", "PolicySummary", "PolicyRun"]
+__all__ = ["RequestRecord", "TimelinePoint", "ForecastPoint", "PolicySummary", "PolicyRun", "InfeasibleSLO"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class PolicySummary:
         ttft_p_s / tpot_p_s: TTFT / TPOT at the SLO percentile, seconds.
         requests: requests in the trace.
         scale_events: changes of target.
+        latency: p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time over the scored requests
+            (arrivals after the warm-up), seconds (:mod:`fulcrum.replay.distribution`).
     """
 
     slo_attainment: float
@@ -60,11 +64,47 @@ class PolicySummary:
     tpot_attainment: float
     requests: int
     scale_events: int
+    latency: LatencyDistribution = field(default_factory=LatencyDistribution.empty)
+
+
+@dataclass(frozen=True)
+class InfeasibleSLO:
+    """An SLO target a policy's plans found out of the profile's reach at the forecast lengths in some intervals
+    (:mod:`fulcrum.ratio.feasibility`; only planners that judge feasibility report it: ``fulcrum``).
+
+    Attributes:
+        worst: the report of the interval with the largest best achievable value (target, best, lengths, TP,
+            the value planned for instead), seconds and tokens.
+        intervals: planner intervals that found this target out of reach.
+        total_intervals: planner intervals in the run.
+        first_time_s: end of the first such interval, seconds since the start of the trace.
+    """
+
+    worst: SLOInfeasible
+    intervals: int
+    total_intervals: int
+    first_time_s: float
+
+    def message(self) -> str:
+        """One line: the worst interval's numbers and how often, e.g. ``TPOT target 80 ms cannot be met: best
+        94.2 ms at batch 1 (TP2, ISL 14000, OSL 2000 tokens); planning for 103.6 ms — in 12 of 60 intervals,
+        first at t = 420 s``."""
+        return (f"{self.worst.message()} — in {self.intervals} of {self.total_intervals} intervals, "
+                f"first at t = {self.first_time_s:g} s")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The worst report's fields plus ``intervals``, ``total_intervals`` and ``first_time_s``."""
+        return {**self.worst.as_dict(), "intervals": self.intervals, "total_intervals": self.total_intervals,
+                "first_time_s": self.first_time_s}
 
 
 @dataclass
 class PolicyRun:
-    """Everything one policy produced on one trace."""
+    """Everything one policy produced on one trace.
+
+    Attributes (beyond the obvious): ``warmup_s`` — requests arriving before it are not scored (seconds);
+    ``slo_infeasible`` — SLO targets its plans found out of reach, TTFT first.
+    """
 
     policy: str
     summary: PolicySummary
@@ -73,3 +113,5 @@ class PolicyRun:
     forecasts: list[ForecastPoint] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
+    warmup_s: float = 0.0
+    slo_infeasible: tuple[InfeasibleSLO, ...] = ()

@@ -1,7 +1,10 @@
 """The comparison table and the JSON summary of a replay: one row / one entry per policy.
 
-Both read only :class:`fulcrum.replay.result.PolicyRun` (its ``summary`` and ``wall_s``) and the SLO the
-run was judged against; neither touches the records, so they are cheap for any trace length.
+Both read only :class:`fulcrum.replay.result.PolicyRun` (its ``summary``, ``wall_s``, ``warmup_s`` and
+``slo_infeasible``) and the SLO the run was judged against; neither touches the records, so they are cheap for any
+trace length. :func:`percentiles_table` is the second, optional table (``fulcrum replay --percentiles``, and
+``comparison.txt``): p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time, one row per policy and
+metric, so that the default table stays one line per policy.
 
 The columns follow the metrics of DOPD §VI (SLO attainment, goodput, GPUs provisioned, TTFT and TPOT at
 the SLO percentile; TTFT < 2 s and TPOT < 80 ms at P90 there).
@@ -16,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from fulcrum.api import SLOSpec
+from fulcrum.replay.distribution import METRIC_UNITS, METRICS, PERCENTILES
 from fulcrum.replay.result import PolicyRun
 
-__all__ = ["comparison_table", "summary_json", "percentile_label", "slo_description", "check_runs"]
+__all__ = ["comparison_table", "percentiles_table", "infeasible_lines", "summary_json", "percentile_label",
+           "slo_description", "check_runs"]
 
 _RESERVED_KEYS = frozenset({"trace", "slo", "policies"})
 
@@ -88,8 +93,12 @@ def summary_json(
         keys of ``extra``. Each policy entry holds exactly ``slo_attainment``, ``ttft_attainment`` and
         ``tpot_attainment`` (fractions 0..1), ``goodput_tokens_per_s`` and ``throughput_tokens_per_s``
         (output tokens/s), ``gpu_hours``, ``ttft_p_s`` and ``tpot_p_s`` (seconds, at the SLO percentile),
-        ``requests`` and ``scale_events`` (ints) and ``wall_s`` (seconds the replay of that policy took).
-        Policies keep the order of ``runs``.
+        ``requests`` and ``scale_events`` (ints), ``wall_s`` (seconds the replay of that policy took),
+        ``latency`` — ``{"ttft_s"|"tpot_s"|"e2e_s"|"queue_s": {"p50", "p90", "p99"}, "requests": n}``, seconds,
+        over the ``n`` scored requests (arrivals after the warm-up) — and ``slo_infeasible``, a list (empty when
+        the plans found both targets in reach, and for planners that do not judge it) of ``{"metric", "target_s",
+        "best_s", "at_isl", "at_osl", "tp", "planned_for_s", "intervals", "total_intervals", "first_time_s"}``
+        (:class:`fulcrum.replay.result.InfeasibleSLO`). Policies keep the order of ``runs``.
 
         **Every non-finite float (inf, NaN) is replaced by ``None``** — e.g. ``ttft_p_s`` is ``inf`` when
         more than (100 − percentile) % of the requests were never served — here and inside ``extra``,
@@ -115,6 +124,8 @@ def summary_json(
             "requests": int(s.requests),
             "scale_events": int(s.scale_events),
             "wall_s": _finite_or_none(run.wall_s),
+            "latency": _json_safe(s.latency.as_dict()),
+            "slo_infeasible": [_json_safe(f.as_dict()) for f in run.slo_infeasible],
         }
     result: dict[str, Any] = {
         "trace": trace_name,
@@ -201,3 +212,48 @@ def comparison_table(runs: Sequence[PolicyRun], slo: SLOSpec, *, trace_name: str
     lines = [title, line(headers), "  ".join("-" * width for width in widths)]
     lines.extend(line(row) for row in rows)
     return "\n".join(lines) + "\n"
+
+
+def percentiles_table(runs: Sequence[PolicyRun], *, trace_name: str) -> str:
+    """A plain-text table of p50/p90/p99 per policy and latency, as ``fulcrum replay --percentiles`` prints it.
+
+    One row per policy and metric — TTFT (s), TPOT (ms), E2E (s), queue (s) — over the scored requests (arrivals
+    after each run's ``warmup_s``); the policy name is written on its first row only. Numbers are right-aligned with
+    three significant decimals (``.3f`` for seconds, ``.1f`` for ms); a percentile that falls on never-served
+    requests reads ``inf``, one with no requests ``nan``. The text ends with a newline.
+
+    Raises:
+        ValueError: ``runs`` is empty or two runs share a policy name.
+    """
+    check_runs(runs)
+    headers = ["policy", "metric", "unit", *(f"p{q:g}" for q in PERCENTILES), "requests"]
+    rows: list[list[str]] = []
+    for run in runs:
+        dist = run.summary.latency
+        for i, metric in enumerate(METRICS):
+            label, unit, factor = METRIC_UNITS[metric]
+            p = dist.metric(metric)
+            spec = ".1f" if unit == "ms" else ".3f"
+            rows.append([run.policy if i == 0 else "", label, unit,
+                         *(_fmt(v, spec, factor) for v in (p.p50_s, p.p90_s, p.p99_s)),
+                         str(dist.requests) if i == 0 else ""])
+    widths = [max(len(headers[i]), *(len(row[i]) for row in rows)) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        left = [cell.ljust(width) for cell, width in zip(cells[:3], widths[:3])]
+        rest = [cell.rjust(width) for cell, width in zip(cells[3:], widths[3:])]
+        return "  ".join([*left, *rest]).rstrip()
+
+    warmups = sorted({run.warmup_s for run in runs})
+    since = f"arrivals from t = {warmups[0]:g} s" if len(warmups) == 1 else "arrivals after each run's warm-up"
+    lines = [f"Latency percentiles of trace {trace_name!r} over the scored requests ({since})", line(headers),
+             "  ".join("-" * width for width in widths)]
+    lines.extend(line(row) for row in rows)
+    return "\n".join(lines) + "\n"
+
+
+def infeasible_lines(runs: Sequence[PolicyRun]) -> list[str]:
+    """One warning line per policy and SLO target its plans found out of the profile's reach, e.g.
+    ``warning: fulcrum: TPOT target 80 ms cannot be met: best 94.2 ms at batch 1 (…) — in 12 of 60 intervals, first
+    at t = 420 s``; empty when none did."""
+    return [f"warning: {run.policy}: {f.message()}" for run in runs for f in run.slo_infeasible]
