@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import socket
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -576,7 +577,12 @@ async def _drain_in_flight(api: FakeKubeApi, kube: KubeClient) -> tuple[Controll
         if "prefill" in rt.drains:
             break
     assert "prefill" in rt.drains, "expected a prefill drain"
-    for _ in range(20):  # let it mark its pods
+    # let it mark its pods: until the router's config lists them (the API writes run in threads; on a busy machine
+    # a fixed 40 ms was sometimes too short)
+    deadline = time.monotonic() + 30
+    while not ((marked := [p for p in rt.draining if p.startswith("llama-prefill-")])
+               and all(f"- {p}" in _router_yaml(api) for p in marked)):
+        assert time.monotonic() < deadline, "the drain never marked its pods"
         await asyncio.sleep(0.002)
     return c, prom, clock, n
 
