@@ -16,8 +16,11 @@ Here:
   ``refit_error``, or as a safety net after as many cheap updates as the model was fitted on points (so at 8, 16,
   32, 64 points while the window fills — estimates from few points are revisited once as many new ones came —
   then every ``window`` updates).
-- **Cheap update** otherwise: ``results.extend([value])`` runs the Kalman filter one step from the current
-  state with the parameters kept (O((p+q)²) per point, no re-estimation).
+- **Cheap update** otherwise: :class:`ArmaRecursion` runs the ARMA difference equation one step with the parameters
+  kept (O(p+q) per point, as DOPD §V-D states; the steady state of the Kalman filter), or, with
+  ``fast_update=False``, statsmodels' ``results.extend([value])`` runs the filter itself (O((p+q)²), milliseconds).
+- **Deferred refits**: ``observe(value, allow_refit=False)`` postpones a due refit (cheap update meanwhile) until an
+  ``observe`` that allows it; the selecting forecaster uses it to stagger refits across series.
 - **Correction factor** c (DOPD §II-A, §V-D: "comparing the most recent forecast with observed measurements
   and adjusting future forecasts accordingly ... attenuates systematic bias"): b = exponentially weighted mean
   (weight ``correction_alpha``) of log(actual / model forecast), each ratio clipped to ``correction_clip``;
@@ -59,8 +62,9 @@ from statsmodels.tsa.arima.model import ARIMA
 
 from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forecast, z_value
 from fulcrum.forecast.baselines import LastValue
+from fulcrum.forecast.correction import CorrectionFactor
 
-__all__ = ["ArimaForecaster"]
+__all__ = ["ArimaForecaster", "ArmaRecursion"]
 
 #: Errors a statsmodels fit, filter step or forecast may raise on degenerate data; all mean "fall back".
 _MODEL_ERRORS: tuple[type[BaseException], ...] = (
@@ -81,6 +85,95 @@ _APE_CAP = 10.0
 _PLAUSIBLE_MULTIPLE = 10.0
 
 
+class ArmaRecursion:
+    """The O(p+q) cheap update of a fitted ARIMA(p, d, q): the ARMA difference equation with parameters kept.
+
+    Box & Jenkins (1990), §5.1–5.2 (the paper DOPD cites as [33]): with w_t = Δ^d x_t,
+
+        ŵ_{t+1} = μ + Σ_{j=1..p} φ_j (w_{t+1−j} − μ) + Σ_{k=1..q} θ_k ε_{t+1−k},    ε_t = x_t − x̂_{t|t−1}
+
+    (DOPD Alg. 2 line 8), x̂_{t+1} = ŵ_{t+1} + the d-fold sum of the last levels; h steps ahead the future ε are 0,
+    and the forecast variance is σ²·Σ_{j<h} ψ_j² with ψ the weights of θ(B) / (φ(B)(1 − B)^d). This is the steady
+    state of the Kalman filter statsmodels runs in ``results.extend``, which it matches once the filter has
+    converged (it has, after a fit on ``window`` points with an invertible MA part), at microseconds per step
+    instead of milliseconds: DOPD §V-D's "If no refit is needed, the prediction cost is only O(p+q)".
+
+    Everything is in the model's space (log values, or values over the scale). Statsmodels' sign convention:
+    (1 − Σφ_j B^j)(w_t − μ) = (1 + Σθ_k B^k) ε_t.
+    """
+
+    def __init__(
+        self, ar: np.ndarray, ma: np.ndarray, mean: float, sigma2: float, d: int, endog: np.ndarray, resid: np.ndarray
+    ) -> None:
+        self.ar = np.asarray(ar, dtype=float)
+        self.ma = np.asarray(ma, dtype=float)
+        self.mean = float(mean)
+        self.sigma2 = max(float(sigma2), 0.0)
+        self.d = int(d)
+        x = np.asarray(endog, dtype=float)
+        w = np.diff(x, n=self.d) if self.d else x
+        p, q = self.ar.size, self.ma.size
+        # Most recent first: w_t, w_{t−1}, …; ε_t, ε_{t−1}, …; x_t, x_{t−1}, … (d of them).
+        self._w = [float(v) for v in w[::-1][:p]] + [self.mean] * max(0, p - w.size)
+        r = np.asarray(resid, dtype=float)
+        self._eps = [float(v) for v in r[::-1][:q]] + [0.0] * max(0, q - r.size)
+        self._x = [float(v) for v in x[::-1][: self.d]]
+        self._coef = [(-1.0) ** (i + 1) * math.comb(self.d, i) for i in range(1, self.d + 1)]  # x_{t+1−i} weights
+        self._psi2: list[float] = []  # cumulative Σψ_j² for j < h, by h − 1
+
+    @classmethod
+    def from_results(cls, results: Any, endog: np.ndarray, d: int) -> ArmaRecursion:
+        """The recursion continuing a statsmodels ``ARIMAResults`` fitted on ``endog`` (model space)."""
+        names = list(results.model.param_names)
+        params = np.asarray(results.params, dtype=float)
+        mean = float(params[names.index("const")]) if "const" in names else 0.0
+        sigma2 = float(params[names.index("sigma2")]) if "sigma2" in names else float(np.var(results.resid))
+        return cls(results.arparams, results.maparams, mean, sigma2, d, endog, np.asarray(results.resid))
+
+    def _integrate(self, w: float, levels: list[float]) -> float:
+        return w + sum(c * x for c, x in zip(self._coef, levels))
+
+    def forecast(self, steps: int) -> tuple[float, float]:
+        """(mean, standard error) of x̂_{t+steps}, model space."""
+        w, eps, x = list(self._w), list(self._eps), list(self._x)
+        m = math.nan
+        for _ in range(steps):
+            wh = self.mean + sum(a * (v - self.mean) for a, v in zip(self.ar, w))
+            wh += sum(b * e for b, e in zip(self.ma, eps))
+            m = self._integrate(wh, x)
+            if self.ar.size:
+                w = [wh, *w[:-1]]
+            if self.ma.size:
+                eps = [0.0, *eps[:-1]]
+            if self.d:
+                x = [m, *x[:-1]]
+        return m, math.sqrt(self.sigma2 * self._cumulative_psi2(steps))
+
+    def update(self, value: float) -> None:
+        """Absorb the new value (model space): its innovation ε = value − x̂_{t+1|t}, then shift the state."""
+        m, _ = self.forecast(1)
+        w = value - sum(c * x for c, x in zip(self._coef, self._x))
+        if self.ar.size:
+            self._w = [w, *self._w[:-1]]
+        if self.ma.size:
+            self._eps = [value - m, *self._eps[:-1]]
+        if self.d:
+            self._x = [value, *self._x[:-1]]
+
+    def _cumulative_psi2(self, steps: int) -> float:
+        if len(self._psi2) < steps:
+            # ψ of θ(B)/φ*(B), φ*(B) = φ(B)(1 − B)^d, as a polynomial 1 − Σ a_i B^i.
+            phi_star = np.polymul(np.r_[1.0, -self.ar][::-1], np.poly1d([-1.0, 1.0]) ** self.d if self.d else [1.0])
+            a = -np.asarray(phi_star, dtype=float)[::-1][1:]  # a_1 … a_{p+d}
+            psi = [1.0]
+            for j in range(1, steps):
+                v = float(self.ma[j - 1]) if j <= self.ma.size else 0.0
+                v += sum(float(a[i - 1]) * psi[j - i] for i in range(1, min(j, a.size) + 1))
+                psi.append(v)
+            self._psi2 = list(np.cumsum(np.square(psi)))
+        return float(self._psi2[steps - 1])
+
+
 class ArimaForecaster:
     """ARIMA(p, d, q) one-step/h-step forecaster with refit-on-error and a correction factor (DOPD Alg. 2).
 
@@ -97,6 +190,9 @@ class ArimaForecaster:
         correction_alpha: weight of the newest log(actual/forecast) in the correction factor's EWMA, (0, 1].
         correction_clip: (low, high) bounds of each ratio and of the factor.
         log_transform: fit on log values when the whole window is positive (see module doc).
+        fast_update: run the cheap update and the forecasts with :class:`ArmaRecursion` (O(p+q) per step,
+            microseconds) instead of statsmodels' ``results.extend``/``get_forecast`` (milliseconds; the same numbers
+            once the Kalman filter has converged, to ~1e-9 in the development runs).
 
     Attributes (counters, for tests and benchmarks):
         refits: successful parameter estimations.
@@ -120,6 +216,7 @@ class ArimaForecaster:
         correction_alpha: float = 0.3,
         correction_clip: tuple[float, float] = (0.5, 2.0),
         log_transform: bool = True,
+        fast_update: bool = True,
     ) -> None:
         p, d, q = (int(x) for x in order)
         if min(p, d, q) < 0 or (p, d, q) != tuple(order):
@@ -135,6 +232,7 @@ class ArimaForecaster:
         lo, hi = correction_clip
         if not 0 < lo <= 1 <= hi:
             raise ValueError(f"correction_clip must satisfy 0 < low <= 1 <= high, got {correction_clip!r}")
+        self._correction = CorrectionFactor(correction_alpha, (lo, hi))
         self.order = (p, d, q)
         self.window = int(window)
         self.refit_error = float(refit_error)
@@ -144,6 +242,7 @@ class ArimaForecaster:
         self.correction_alpha = float(correction_alpha)
         self.correction_clip = (float(lo), float(hi))
         self.log_transform = bool(log_transform)
+        self.fast_update = bool(fast_update)
 
         self.refits = 0
         self.cheap_updates = 0
@@ -152,14 +251,13 @@ class ArimaForecaster:
         self._history: deque[float] = deque(maxlen=self.window)  # non-gap values, original units
         self._fallback = LastValue()
         self._results: Any = None  # statsmodels ARIMAResults, or None when no usable model
+        self._recursion: ArmaRecursion | None = None  # the cheap update of ``_results`` when ``fast_update``
         self._scale = 1.0  # the fitted window's mean |value|; the linear model sees values / scale
         self._logged = False  # whether the current model sees log values
         self._since_refit = 0
         self._fitted_on = self.window  # points the current model was fitted on
         self._errors: deque[float] = deque(maxlen=self.error_points)
-        self._factor = 1.0
-        self._bias = 0.0
-        self._bias_var = 0.0
+        self._refit_deferred = False  # a refit was due but the caller did not allow it (see ``observe``)
         self._cache: dict[int, tuple[float, float] | None] = {}  # steps -> (m, se) in the model's space
 
     # ----------------------------------------------------------------------------------------- properties
@@ -177,16 +275,30 @@ class ArimaForecaster:
     @property
     def correction_factor(self) -> float:
         """Current multiplicative correction factor c (1.0 when ``correction`` is off)."""
-        return self._factor if self.correction else 1.0
+        return self._correction.factor if self.correction else 1.0
 
     @property
     def has_model(self) -> bool:
         """Whether a fitted ARIMA model currently produces the forecasts (False: last-value fallback)."""
         return self._results is not None
 
+    @property
+    def refit_due(self) -> bool:
+        """Whether the next ``observe`` would refit if allowed (a refit was deferred, or the error test or the
+        safety net already asks for one)."""
+        return self._refit_deferred or self._needs_refit()
+
     # ----------------------------------------------------------------------------------------------- API
-    def observe(self, value: float) -> None:
-        """Add the value of the latest interval (NaN/±inf = gap, skipped); refit or cheap-update. Never raises."""
+    def observe(self, value: float, allow_refit: bool = True) -> None:
+        """Add the value of the latest interval (NaN/±inf = gap, skipped); refit or cheap-update. Never raises.
+
+        Args:
+            value: the interval's value, in the series' unit.
+            allow_refit: when False, a refit that is due is deferred (a cheap update runs instead, or, when no
+                usable model exists or the value cannot enter it, the forecaster answers like last value) and
+                :attr:`refit_due` stays True until an ``observe`` with ``allow_refit=True``. The selecting
+                forecaster uses it to stagger the refits of different series (:mod:`~fulcrum.forecast.selector`).
+        """
         v = float(value)
         if not math.isfinite(v):
             self._fallback.observe(math.nan)
@@ -196,10 +308,12 @@ class ArimaForecaster:
         self._fallback.observe(v)
         self._history.append(v)
         self._cache.clear()
-        if self._needs_refit():
-            self._refit()
-        else:
-            self._cheap_update(v)
+        if self._needs_refit() or self._refit_deferred:
+            if allow_refit:
+                self._refit()
+                return
+            self._refit_deferred = True
+        self._cheap_update(v, allow_refit)
 
     def forecast(self, steps: int = 1, level: float = 0.9) -> Forecast:
         """Forecast of the interval ``steps`` ahead: c·(mean, lower, upper) from the model, clipped at 0.
@@ -239,15 +353,7 @@ class ArimaForecaster:
         denom = max(abs(actual), _APE_FLOOR * self._scale, 1e-12)
         self._errors.append(min(abs(actual - issued) / denom, _APE_CAP))
         if self.correction and mean > _APE_FLOOR * self._scale and actual > 0:
-            lo, hi = self.correction_clip
-            r = math.log(min(max(actual / mean, lo), hi))
-            a = self.correction_alpha
-            self._bias = (1 - a) * self._bias + a * r
-            self._bias_var = (1 - a) * self._bias_var + a * (r - self._bias) ** 2
-            n_eff = (2 - a) / a
-            se2 = self._bias_var / n_eff
-            k = max(0.0, 1.0 - se2 / self._bias**2) if self._bias != 0 else 0.0
-            self._factor = min(max(math.exp(k * self._bias), lo), hi)
+            self._correction.update(actual, mean)
 
     def _needs_refit(self) -> bool:
         if len(self._history) < self.min_points:
@@ -266,12 +372,12 @@ class ArimaForecaster:
         y = np.fromiter(self._history, dtype=float)
         level = float(np.mean(np.abs(y)))
         self._results = None
+        self._recursion = None
         self._cache.clear()
         self._since_refit = 0
         self._errors.clear()
-        self._factor = 1.0
-        self._bias = 0.0
-        self._bias_var = 0.0
+        self._refit_deferred = False
+        self._correction.reset()
         if float(np.ptp(y)) <= 1e-12 * max(level, 1.0):
             return  # constant window: last value is exact; ARIMA's likelihood is degenerate
         self._scale = level if level > 0 else 1.0
@@ -287,27 +393,41 @@ class ArimaForecaster:
         if not np.all(np.isfinite(np.asarray(results.params, dtype=float))):
             self.fit_failures += 1
             return
+        self._recursion = ArmaRecursion.from_results(results, endog, self.order[1]) if self.fast_update else None
         self._results = results
         self._fitted_on = len(y)
         self.refits += 1
 
-    def _cheap_update(self, value: float) -> None:
-        """Filter one step with the parameters kept; refit instead if the value or the update does not fit."""
+    def _cheap_update(self, value: float, allow_refit: bool = True) -> None:
+        """Filter one step with the parameters kept; refit instead (or, not allowed, drop the model and defer the
+        refit) if the value or the update does not fit."""
         if self._results is None:
             return
         if self._logged and value <= 0:
-            self._refit()  # a zero cannot enter a log model: refit, on raw values
+            self._refit_or_defer(allow_refit)  # a zero cannot enter a log model: refit, on raw values
             return
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             try:
-                self._results = self._results.extend(np.array([self._to_model(value)]))
+                if self._recursion is not None:
+                    self._recursion.update(self._to_model(value))
+                else:
+                    self._results = self._results.extend(np.array([self._to_model(value)]))
             except _MODEL_ERRORS:
                 self.fit_failures += 1
-                self._refit()
+                self._refit_or_defer(allow_refit)
                 return
         self.cheap_updates += 1
         self._since_refit += 1
+
+    def _refit_or_defer(self, allow_refit: bool) -> None:
+        """Refit now, or drop the model (last value answers) and mark the refit as due."""
+        if allow_refit:
+            self._refit()
+            return
+        self._results = None
+        self._cache.clear()
+        self._refit_deferred = True
 
     def _raw(self, steps: int) -> tuple[float, float] | None:
         """Model forecast (m, se) ``steps`` ahead in the model's space, cached until the next value.
@@ -322,9 +442,12 @@ class ArimaForecaster:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             try:
-                pred = self._results.get_forecast(steps)
-                m = float(np.asarray(pred.predicted_mean)[-1])
-                se = float(np.asarray(pred.se_mean)[-1])
+                if self._recursion is not None:
+                    m, se = self._recursion.forecast(steps)
+                else:
+                    pred = self._results.get_forecast(steps)
+                    m = float(np.asarray(pred.predicted_mean)[-1])
+                    se = float(np.asarray(pred.se_mean)[-1])
             except _MODEL_ERRORS:
                 self.fit_failures += 1
                 m, se = math.nan, math.nan
