@@ -16,8 +16,8 @@ Here:
   ``refit_error``, or as a safety net after as many cheap updates as the model was fitted on points (so at 8, 16,
   32, 64 points while the window fills — estimates from few points are revisited once as many new ones came —
   then every ``window`` updates).
-- **Cheap update** otherwise: :class:`ArmaRecursion` runs the ARMA difference equation one step with the parameters
-  kept (O(p+q) per point, as DOPD §V-D states; the steady state of the Kalman filter), or, with
+- **Cheap update** otherwise: :class:`ArimaFilter` runs the model's Kalman filter one step with the parameters
+  kept (tens of microseconds, the same numbers as statsmodels), or, with
   ``fast_update=False``, statsmodels' ``results.extend([value])`` runs the filter itself (O((p+q)²), milliseconds).
 - **Deferred refits**: ``observe(value, allow_refit=False)`` postpones a due refit (cheap update meanwhile) until an
   ``observe`` that allows it; the selecting forecaster uses it to stagger refits across series.
@@ -64,7 +64,7 @@ from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forec
 from fulcrum.forecast.baselines import LastValue
 from fulcrum.forecast.correction import CorrectionFactor
 
-__all__ = ["ArimaForecaster", "ArmaRecursion"]
+__all__ = ["ArimaForecaster", "ArimaFilter"]
 
 #: Errors a statsmodels fit, filter step or forecast may raise on degenerate data; all mean "fall back".
 _MODEL_ERRORS: tuple[type[BaseException], ...] = (
@@ -85,93 +85,74 @@ _APE_CAP = 10.0
 _PLAUSIBLE_MULTIPLE = 10.0
 
 
-class ArmaRecursion:
-    """The O(p+q) cheap update of a fitted ARIMA(p, d, q): the ARMA difference equation with parameters kept.
+class ArimaFilter:
+    """The cheap update of a fitted ARIMA(p, d, q): its Kalman filter continued with the parameters kept.
 
-    Box & Jenkins (1990), §5.1–5.2 (the paper DOPD cites as [33]): with w_t = Δ^d x_t,
+    Box & Jenkins (1990) §5 (DOPD's reference [33]) and DOPD Alg. 2 line 8: with the parameters fixed, the one-step
+    forecast is the ARMA difference equation on w_t = Δ^d x_t,
 
-        ŵ_{t+1} = μ + Σ_{j=1..p} φ_j (w_{t+1−j} − μ) + Σ_{k=1..q} θ_k ε_{t+1−k},    ε_t = x_t − x̂_{t|t−1}
+        ŵ_{t+1} = μ + Σ_{j=1..p} φ_j (w_{t+1−j} − μ) + Σ_{k=1..q} θ_k ε_{t+1−k},
 
-    (DOPD Alg. 2 line 8), x̂_{t+1} = ŵ_{t+1} + the d-fold sum of the last levels; h steps ahead the future ε are 0,
-    and the forecast variance is σ²·Σ_{j<h} ψ_j² with ψ the weights of θ(B) / (φ(B)(1 − B)^d). This is the steady
-    state of the Kalman filter statsmodels runs in ``results.extend``, which it matches once the filter has
-    converged (it has, after a fit on ``window`` points with an invertible MA part), at microseconds per step
-    instead of milliseconds: DOPD §V-D's "If no refit is needed, the prediction cost is only O(p+q)".
+    which statsmodels evaluates as a Kalman filter over the model's state space (Durbin & Koopman 2012, §4.3):
 
-    Everything is in the model's space (log values, or values over the scale). Statsmodels' sign convention:
-    (1 − Σφ_j B^j)(w_t − μ) = (1 + Σθ_k B^k) ε_t.
+        v = x − Z a − d,  F = Z P Zᵀ + H,  K = T P Zᵀ / F,  a ← T a + c + K v,  P ← T P Tᵀ + R Q Rᵀ − K F Kᵀ
+
+    with the system matrices (Z, d, H, T, c, R, Q) of the fitted model and the filter's last predicted state (a, P).
+    An h-step forecast iterates a ← T a + c, P ← T P Tᵀ + R Q Rᵀ and reads mean Z a + d, variance Z P Zᵀ + H.
+    This is the very filter of ``results.extend``/``get_forecast`` (the same numbers, transient included), run on
+    matrices of side max(p, q + 1) + d in tens of microseconds instead of the milliseconds statsmodels spends
+    building a results object per value: DOPD §V-D's "If no refit is needed, the prediction cost is only O(p+q)"
+    (here O(m²) for the state dimension m, a handful).
+
+    Everything is in the model's space (log values, or values over the scale).
     """
 
-    def __init__(
-        self, ar: np.ndarray, ma: np.ndarray, mean: float, sigma2: float, d: int, endog: np.ndarray, resid: np.ndarray
-    ) -> None:
-        self.ar = np.asarray(ar, dtype=float)
-        self.ma = np.asarray(ma, dtype=float)
-        self.mean = float(mean)
-        self.sigma2 = max(float(sigma2), 0.0)
-        self.d = int(d)
-        x = np.asarray(endog, dtype=float)
-        w = np.diff(x, n=self.d) if self.d else x
-        p, q = self.ar.size, self.ma.size
-        # Most recent first: w_t, w_{t−1}, …; ε_t, ε_{t−1}, …; x_t, x_{t−1}, … (d of them).
-        self._w = [float(v) for v in w[::-1][:p]] + [self.mean] * max(0, p - w.size)
-        r = np.asarray(resid, dtype=float)
-        self._eps = [float(v) for v in r[::-1][:q]] + [0.0] * max(0, q - r.size)
-        self._x = [float(v) for v in x[::-1][: self.d]]
-        self._coef = [(-1.0) ** (i + 1) * math.comb(self.d, i) for i in range(1, self.d + 1)]  # x_{t+1−i} weights
-        self._psi2: list[float] = []  # cumulative Σψ_j² for j < h, by h − 1
+    def __init__(self, results: Any) -> None:
+        ssm = results.model.ssm
 
-    @classmethod
-    def from_results(cls, results: Any, endog: np.ndarray, d: int) -> ArmaRecursion:
-        """The recursion continuing a statsmodels ``ARIMAResults`` fitted on ``endog`` (model space)."""
-        names = list(results.model.param_names)
-        params = np.asarray(results.params, dtype=float)
-        mean = float(params[names.index("const")]) if "const" in names else 0.0
-        sigma2 = float(params[names.index("sigma2")]) if "sigma2" in names else float(np.var(results.resid))
-        return cls(results.arparams, results.maparams, mean, sigma2, d, endog, np.asarray(results.resid))
+        def matrix(name: str) -> np.ndarray:
+            return np.asarray(ssm[name], dtype=float)
 
-    def _integrate(self, w: float, levels: list[float]) -> float:
-        return w + sum(c * x for c, x in zip(self._coef, levels))
+        def last(v: np.ndarray) -> np.ndarray:  # a time-varying intercept (the ARIMA mean) is constant: take its last
+            return v[..., -1] if v.ndim == 2 else v
+
+        self._z = matrix("design")
+        if self._z.ndim == 3:
+            self._z = self._z[:, :, -1]
+        self._d = float(last(matrix("obs_intercept"))[0])
+        self._h = float(np.asarray(matrix("obs_cov")).reshape(-1)[-1])
+        self._t = matrix("transition")
+        self._t = self._t[:, :, -1] if self._t.ndim == 3 else self._t
+        self._c = last(matrix("state_intercept"))
+        r = matrix("selection")
+        r = r[:, :, -1] if r.ndim == 3 else r
+        q = matrix("state_cov")
+        q = q[:, :, -1] if q.ndim == 3 else q
+        self._rqr = r @ q @ r.T
+        fr = results.filter_results
+        self._a = np.array(fr.predicted_state[:, -1], dtype=float)
+        self._p = np.array(fr.predicted_state_cov[:, :, -1], dtype=float)
 
     def forecast(self, steps: int) -> tuple[float, float]:
         """(mean, standard error) of x̂_{t+steps}, model space."""
-        w, eps, x = list(self._w), list(self._eps), list(self._x)
-        m = math.nan
-        for _ in range(steps):
-            wh = self.mean + sum(a * (v - self.mean) for a, v in zip(self.ar, w))
-            wh += sum(b * e for b, e in zip(self.ma, eps))
-            m = self._integrate(wh, x)
-            if self.ar.size:
-                w = [wh, *w[:-1]]
-            if self.ma.size:
-                eps = [0.0, *eps[:-1]]
-            if self.d:
-                x = [m, *x[:-1]]
-        return m, math.sqrt(self.sigma2 * self._cumulative_psi2(steps))
+        a, p = self._a, self._p
+        for _ in range(steps - 1):
+            a = self._t @ a + self._c
+            p = self._t @ p @ self._t.T + self._rqr
+        mean = float((self._z @ a)[0]) + self._d
+        var = float((self._z @ p @ self._z.T)[0, 0]) + self._h
+        return mean, math.sqrt(max(var, 0.0))
 
     def update(self, value: float) -> None:
-        """Absorb the new value (model space): its innovation ε = value − x̂_{t+1|t}, then shift the state."""
-        m, _ = self.forecast(1)
-        w = value - sum(c * x for c, x in zip(self._coef, self._x))
-        if self.ar.size:
-            self._w = [w, *self._w[:-1]]
-        if self.ma.size:
-            self._eps = [value - m, *self._eps[:-1]]
-        if self.d:
-            self._x = [value, *self._x[:-1]]
-
-    def _cumulative_psi2(self, steps: int) -> float:
-        if len(self._psi2) < steps:
-            # ψ of θ(B)/φ*(B), φ*(B) = φ(B)(1 − B)^d, as a polynomial 1 − Σ a_i B^i.
-            phi_star = np.polymul(np.r_[1.0, -self.ar][::-1], np.poly1d([-1.0, 1.0]) ** self.d if self.d else [1.0])
-            a = -np.asarray(phi_star, dtype=float)[::-1][1:]  # a_1 … a_{p+d}
-            psi = [1.0]
-            for j in range(1, steps):
-                v = float(self.ma[j - 1]) if j <= self.ma.size else 0.0
-                v += sum(float(a[i - 1]) * psi[j - i] for i in range(1, min(j, a.size) + 1))
-                psi.append(v)
-            self._psi2 = list(np.cumsum(np.square(psi)))
-        return float(self._psi2[steps - 1])
+        """Absorb the new value (model space): one Kalman filter step with the parameters kept."""
+        zp = self._z @ self._p  # (1, m)
+        f = float((zp @ self._z.T)[0, 0]) + self._h
+        if not f > 0:
+            raise FloatingPointError("non-positive forecast variance")
+        v = value - float((self._z @ self._a)[0]) - self._d
+        k = (self._t @ zp.T) / f  # (m, 1)
+        self._a = self._t @ self._a + self._c + k[:, 0] * v
+        self._p = self._t @ self._p @ self._t.T + self._rqr - (k @ k.T) * f
 
 
 class ArimaForecaster:
@@ -190,9 +171,9 @@ class ArimaForecaster:
         correction_alpha: weight of the newest log(actual/forecast) in the correction factor's EWMA, (0, 1].
         correction_clip: (low, high) bounds of each ratio and of the factor.
         log_transform: fit on log values when the whole window is positive (see module doc).
-        fast_update: run the cheap update and the forecasts with :class:`ArmaRecursion` (O(p+q) per step,
-            microseconds) instead of statsmodels' ``results.extend``/``get_forecast`` (milliseconds; the same numbers
-            once the Kalman filter has converged, to ~1e-9 in the development runs).
+        fast_update: run the cheap update and the forecasts with :class:`ArimaFilter` (one Kalman step,
+            tens of microseconds) instead of statsmodels' ``results.extend``/``get_forecast`` (milliseconds; the same
+            filter, the same numbers to rounding).
 
     Attributes (counters, for tests and benchmarks):
         refits: successful parameter estimations.
@@ -251,7 +232,7 @@ class ArimaForecaster:
         self._history: deque[float] = deque(maxlen=self.window)  # non-gap values, original units
         self._fallback = LastValue()
         self._results: Any = None  # statsmodels ARIMAResults, or None when no usable model
-        self._recursion: ArmaRecursion | None = None  # the cheap update of ``_results`` when ``fast_update``
+        self._recursion: ArimaFilter | None = None  # the cheap update of ``_results`` when ``fast_update``
         self._scale = 1.0  # the fitted window's mean |value|; the linear model sees values / scale
         self._logged = False  # whether the current model sees log values
         self._since_refit = 0
@@ -393,7 +374,7 @@ class ArimaForecaster:
         if not np.all(np.isfinite(np.asarray(results.params, dtype=float))):
             self.fit_failures += 1
             return
-        self._recursion = ArmaRecursion.from_results(results, endog, self.order[1]) if self.fast_update else None
+        self._recursion = ArimaFilter(results) if self.fast_update else None
         self._results = results
         self._fitted_on = len(y)
         self.refits += 1

@@ -117,6 +117,7 @@ class ForecasterMethod(str, Enum):
     LAST_VALUE = "last_value"
     MOVING_AVERAGE = "moving_average"
     SEASONAL_NAIVE = "seasonal_naive"
+    SELECT = "select"
 
 
 class RouterPolicy(str, Enum):
