@@ -140,7 +140,8 @@ def test_the_four_series_of_a_workload_forecaster_never_refit_in_the_same_cycle(
     assert refitting_cycles >= 12  # every series fitted ARIMA and ETS, and refitted on schedule
 
 
-def test_select_is_a_forecaster_method_with_a_warm_up() -> None:
+def test_select_is_the_default_forecaster_method_with_a_warm_up() -> None:
+    assert ForecasterSpec().method is ForecasterMethod.SELECT
     spec = ForecasterSpec(method=ForecasterMethod.SELECT)
     assert isinstance(make_series_forecaster("select", spec), SelectingForecaster)
     assert required_history("select", spec) == 9
