@@ -11,10 +11,12 @@ import pytest
 
 from fulcrum.api import ForecasterMethod, ForecasterSpec
 from fulcrum.forecast import (
+    ArimaFilter,
     ArimaForecaster,
     EtsForecaster,
     SelectingForecaster,
     WorkloadForecaster,
+    backtest,
     default_candidates,
     make_series_forecaster,
     required_history,
@@ -82,12 +84,15 @@ def test_it_picks_the_seasonal_model_on_a_clearly_seasonal_series() -> None:
     assert chosen[-30:].count("seasonal_naive") >= 25
 
 
-def test_it_picks_a_trend_model_on_a_steady_ramp() -> None:
+def test_it_picks_a_trend_following_model_on_a_steady_ramp() -> None:
+    # On a ramp the last value lags by one step every interval; ETS's trend, and the baselines times DOPD's
+    # correction factor (which learns the steady ratio actual/forecast), do not.
     rng = np.random.default_rng(6)
     ramp = [100.0 + 5.0 * t + float(rng.normal(0.0, 1.0)) for t in range(80)]
-    chosen = run_checking_the_choice(ramp, selector())
-    assert chosen[-1] in {"ets", "drift", "arima", "ensemble"}
-    assert chosen[-1] != BASELINE
+    sel = selector()
+    chosen = run_checking_the_choice(ramp, sel)
+    assert all(c != BASELINE for c in chosen[20:])
+    assert sel.scores()[chosen[-1]] < 0.5 * sel.scores()[BASELINE]
 
 
 def test_bounds_are_ordered_and_widen_with_the_level_and_horizon() -> None:
@@ -147,17 +152,36 @@ def test_select_is_the_default_forecaster_method_with_a_warm_up() -> None:
     assert required_history("select", spec) == 9
 
 
-def test_the_arima_kalman_step_gives_statsmodels_numbers() -> None:
+def test_the_fast_arima_scores_like_the_statsmodels_path() -> None:
+    # The fast path concentrates σ² out of the fit (another optimiser path, parameters within ~1e-3 on these
+    # series) and runs the Kalman step itself: the forecasts differ slightly, the accuracy does not.
     values = random_walk(150, seed=10)
     for order in [(0, 1, 1), (2, 0, 1)]:
-        fast, slow = ArimaForecaster(order=order), ArimaForecaster(order=order, fast_update=False)
-        for v in values:
-            fast.observe(v)
-            slow.observe(v)
-            a, b = fast.forecast(3), slow.forecast(3)
-            assert a.mean == pytest.approx(b.mean, rel=1e-9)
-            assert a.upper == pytest.approx(b.upper, rel=1e-9)
-        assert fast.refits == slow.refits > 1
+        scores = backtest(
+            values,
+            {"fast": lambda: ArimaForecaster(order=order), "slow": lambda: ArimaForecaster(order=order, fast_update=False)},
+        )
+        assert scores["fast"].mape == pytest.approx(scores["slow"].mape, rel=0.05)
+
+
+def test_the_arima_kalman_step_continues_the_fitted_filter_exactly() -> None:
+    from statsmodels.tsa.arima.model import ARIMA
+
+    values = random_walk(60, seed=11)
+    for order in [(0, 1, 1), (2, 0, 1), (1, 1, 1)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = ARIMA(np.log(values[:40]), order=order, concentrate_scale=True).fit(cov_type="none")
+            step = ArimaFilter(results)
+            for v in values[40:]:
+                step.update(math.log(v))
+            extended = results.extend(np.log(values[40:]))
+        mean, se = step.forecast(3)
+        ref = extended.get_forecast(3)
+        assert mean == pytest.approx(float(np.asarray(ref.predicted_mean)[-1]), rel=1e-9)
+        # statsmodels re-estimates a concentrated σ² on the extension alone; the filter keeps the fitted one
+        ref_se = float(np.asarray(ref.se_mean)[-1]) * math.sqrt(results.scale / extended.scale)
+        assert se == pytest.approx(ref_se, rel=1e-9)
 
 
 def test_ets_recursion_continues_the_statsmodels_fit() -> None:
@@ -172,7 +196,9 @@ def test_ets_recursion_continues_the_statsmodels_fit() -> None:
     alpha, beta, phi = f.params
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fit = ExponentialSmoothing(np.log(values[:30]), trend="add", damped_trend=True, initialization_method="estimated").fit()
+        fit = ExponentialSmoothing(
+            np.log(values[:30]), trend="add", damped_trend=True, initialization_method="estimated"
+        ).fit(use_brute=False)
         ref = ExponentialSmoothing(
             np.log(values), trend="add", damped_trend=True, initialization_method="known",
             initial_level=fit.params["initial_level"], initial_trend=fit.params["initial_trend"],
