@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Forecast", "RefittingForecaster", "SeriesForecaster", "check_level", "check_steps", "finite_or", "make_forecast", "z_value"]
+__all__ = [
+    "Forecast",
+    "RefittingForecaster",
+    "SeriesForecaster",
+    "check_level",
+    "check_steps",
+    "finite_or",
+    "make_forecast",
+    "z_value",
+]
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,14 @@ from dataclasses import dataclass
 
 from fulcrum.api.llmserve import ForecasterSpec
 from fulcrum.forecast.arima import ArimaForecaster
-from fulcrum.forecast.base import Forecast, RefittingForecaster, SeriesForecaster, check_level, check_steps, make_forecast
+from fulcrum.forecast.base import (
+    Forecast,
+    RefittingForecaster,
+    SeriesForecaster,
+    check_level,
+    check_steps,
+    make_forecast,
+)
 from fulcrum.forecast.baselines import LastValue, MovingAverage, SeasonalNaive
 from fulcrum.forecast.correction import CorrectionFactor
 from fulcrum.forecast.ets import EtsForecaster
@@ -137,7 +144,10 @@ def default_candidates(spec: ForecasterSpec) -> list[Candidate]:
     refit = max(spec.refit_error, CANDIDATE_REFIT_ERROR)
     return [
         Candidate.of(BASELINE, LastValue()),
-        Candidate.of("arima", ArimaForecaster(order=spec.order, window=spec.window, refit_error=refit)),
+        Candidate.of(
+            "arima",
+            ArimaForecaster(order=spec.order, window=spec.window, refit_error=refit, concentrate_scale=True),
+        ),
         Candidate.of("ets", EtsForecaster(window=spec.window, refit_error=refit)),
         Candidate.of("seasonal_naive", Corrected(SeasonalNaive(spec.season_length))),
         Candidate.of("moving_average", Corrected(MovingAverage(spec.moving_average_window))),
