@@ -12,9 +12,11 @@ safety-net refits) fall inside the timed cycles, as they would in a cluster.
 
 Rows per LLMServe (the example specs with a built-in profile, unless ``--llmserve`` names others):
 
-- ``fulcrum / arima``: Fulcrum's planner as the spec configures it (``forecaster.method = arima``);
+- ``fulcrum / select``: Fulcrum's planner with ``forecaster.method = select`` (the per-series model selection of
+  ``fulcrum.forecast.selector``: ARIMA, ETS and baselines side by side, refits staggered across series);
+- ``fulcrum / arima``: the same planner with ``forecaster.method = arima``;
 - ``fulcrum / last_value``: the same planner with ``forecaster.method = last_value`` — the baseline, measured
-  in the same run: the ratio of the two shows what ARIMA costs;
+  in the same run: the ratios show what the model forecasters cost;
 - ``dopd / arima``: the DOPD Alg. 2 reference planner (always ARIMA, point forecast).
 
 Targets: DOPD says its planning step is "well under 1 s"; Fulcrum's aim is p99 ≤ 50 ms per cycle with the
@@ -64,7 +66,7 @@ class Timing:
     forecaster: str
     ms: list[float]
     refitted: list[bool]  # per cycle: whether at least one ARIMA series refitted in it
-    refits: int  # ARIMA refits over the timed cycles, all series
+    refits: int  # model refits (ARIMA, ETS) over the timed cycles, all series
 
     @property
     def refit_cycles(self) -> int:
@@ -116,7 +118,8 @@ def repeated(observations: Sequence[Observation], cycles: int) -> list[Observati
 
 
 def _arima_refits(planner: Any) -> int:
-    """Sum of the ``refits`` counters of the planner's ARIMA series forecasters (0 for other methods)."""
+    """Sum of the ``refits`` counters of the planner's series forecasters (ARIMA; select: its ARIMA and ETS
+    candidates; 0 for the baselines)."""
     fc = getattr(planner, "forecaster", None)
     if fc is None:
         return 0
@@ -160,13 +163,19 @@ def bench_spec(path: Path, trace: str, cycles: int) -> list[Timing]:
     else:
         raise SystemExit(f"{path}: the profile is a ConfigMap; name a spec with a built-in or file profile")
     sc = spec.scaling
-    last = spec.model_copy(update={"scaling": sc.model_copy(update={
-        "forecaster": sc.forecaster.model_copy(update={"method": ForecasterMethod.LAST_VALUE})})})
+
+    def with_method(method: ForecasterMethod) -> LLMServeSpec:
+        return spec.model_copy(update={"scaling": sc.model_copy(update={
+            "forecaster": sc.forecaster.model_copy(update={"method": method})})})
+
+    select, arima, last = (with_method(m) for m in (ForecasterMethod.SELECT, ForecasterMethod.ARIMA,
+                                                     ForecasterMethod.LAST_VALUE))
 
     observations = record_observations(spec, profile, trace)
     seq = repeated(observations, cycles)
     makers: list[tuple[str, str, Callable[[], Planner]]] = [
-        ("fulcrum", sc.forecaster.method.value, lambda: FulcrumPlanner(spec, profile)),
+        ("fulcrum", "select", lambda: FulcrumPlanner(select, profile)),
+        ("fulcrum", "arima", lambda: FulcrumPlanner(arima, profile)),
         ("fulcrum", "last_value", lambda: FulcrumPlanner(last, profile)),
         ("dopd", "arima", lambda: DopdPlanner(spec, profile)),
     ]
@@ -228,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         if r.refits:
             with_refit, plain = r.split()
-            print(f"{r.spec} {r.planner}/{r.forecaster}: {r.refits} ARIMA refits in {r.refit_cycles} cycles "
+            print(f"{r.spec} {r.planner}/{r.forecaster}: {r.refits} model refits in {r.refit_cycles} cycles "
                   f"(p50 {float(np.percentile(with_refit, 50)):.1f} ms, max {max(with_refit):.1f} ms); cycles without "
                   f"a refit p50 {float(np.percentile(plain, 50)):.1f} ms, p99 {float(np.percentile(plain, 99)):.1f} ms")
     for spec_name, p99 in verdicts:

@@ -14,18 +14,25 @@ Modules:
 
 - ``base``: :class:`Forecast` and the :class:`SeriesForecaster` protocol.
 - ``baselines``: :class:`LastValue`, :class:`MovingAverage`, :class:`SeasonalNaive`.
-- ``arima``: :class:`ArimaForecaster` (refit on error, cheap update otherwise, correction factor).
+- ``correction``: :class:`CorrectionFactor`, DOPD's multiplicative correction factor.
+- ``arima``: :class:`ArimaForecaster` (refit on error, O(p+q) cheap update otherwise, correction factor).
+- ``ets``: :class:`EtsForecaster`, exponential smoothing with a damped trend (same refit policy).
+- ``selector``: :class:`SelectingForecaster`, per-series choice among the above by trailing one-step MAPE, never
+  worse than last value on that window; refits staggered across series.
 - ``distribution``: :class:`QuantileForecaster` for length distributions.
 - ``workload``: :class:`WorkloadForecaster` over :class:`~fulcrum.observation.Observation`, and
   :func:`make_series_forecaster`.
 - ``backtest``: :func:`backtest`, :class:`BacktestScore`, :func:`default_factories`.
 """
 
-from fulcrum.forecast.arima import ArimaForecaster
+from fulcrum.forecast.arima import ArimaForecaster, ArimaFilter
 from fulcrum.forecast.backtest import BacktestScore, backtest, default_factories
-from fulcrum.forecast.base import Forecast, SeriesForecaster
+from fulcrum.forecast.base import Forecast, RefittingForecaster, SeriesForecaster
 from fulcrum.forecast.baselines import LastValue, MovingAverage, SeasonalNaive
+from fulcrum.forecast.correction import CorrectionFactor
 from fulcrum.forecast.distribution import QuantileForecaster
+from fulcrum.forecast.ets import EtsForecaster
+from fulcrum.forecast.selector import Candidate, Corrected, SelectingForecaster, default_candidates
 from fulcrum.forecast.workload import (
     WorkloadForecast,
     WorkloadForecaster,
@@ -35,16 +42,24 @@ from fulcrum.forecast.workload import (
 
 __all__ = [
     "ArimaForecaster",
+    "ArimaFilter",
     "BacktestScore",
+    "Candidate",
+    "Corrected",
+    "CorrectionFactor",
+    "EtsForecaster",
     "Forecast",
     "LastValue",
     "MovingAverage",
     "QuantileForecaster",
+    "RefittingForecaster",
     "SeasonalNaive",
+    "SelectingForecaster",
     "SeriesForecaster",
     "WorkloadForecast",
     "WorkloadForecaster",
     "backtest",
+    "default_candidates",
     "default_factories",
     "make_series_forecaster",
     "required_history",

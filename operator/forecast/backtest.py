@@ -96,8 +96,8 @@ def _score(values: list[float], forecaster: SeriesForecaster, warmup: int) -> Ba
 
 
 def default_factories(spec: ForecasterSpec | None = None) -> dict[str, Callable[[], SeriesForecaster]]:
-    """Factories of the four methods with ``spec``'s settings: ``arima``, ``last_value``, ``moving_average``,
-    ``seasonal_naive`` (see :func:`fulcrum.forecast.workload.make_series_forecaster`)."""
+    """Factories of every method with ``spec``'s settings: ``arima``, ``last_value``, ``moving_average``,
+    ``seasonal_naive``, ``select`` (see :func:`fulcrum.forecast.workload.make_series_forecaster`)."""
     s = spec if spec is not None else ForecasterSpec()
 
     def factory(method: ForecasterMethod) -> Callable[[], SeriesForecaster]:

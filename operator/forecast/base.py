@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Forecast", "SeriesForecaster", "check_level", "check_steps", "finite_or", "make_forecast", "z_value"]
+__all__ = [
+    "Forecast",
+    "RefittingForecaster",
+    "SeriesForecaster",
+    "check_level",
+    "check_steps",
+    "finite_or",
+    "make_forecast",
+    "z_value",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,31 @@ class SeriesForecaster(Protocol):
 
     def forecast(self, steps: int = 1, level: float = 0.9) -> Forecast:
         """Forecast of the interval ``steps`` ahead with one-sided bounds at ``level``."""
+        ...
+
+
+@runtime_checkable
+class RefittingForecaster(SeriesForecaster, Protocol):
+    """A series forecaster with estimated parameters whose refits the caller may defer (DOPD §V-D: refit when the
+    error grows, cheap update otherwise).
+
+    Contract, on top of :class:`SeriesForecaster`:
+        - ``observe(value, allow_refit=False)`` never refits: a refit that is due is postponed (the forecaster keeps
+          answering with its current parameters, or like last value when it has none) and ``refit_due`` stays True.
+          ``observe(value)`` behaves as ``allow_refit=True``.
+        - ``refit_due``: whether the next ``observe`` would refit if allowed. Side-effect free.
+        - ``refits``: parameter estimations so far (a counter, for schedulers, tests and benchmarks).
+    """
+
+    refits: int
+
+    @property
+    def refit_due(self) -> bool:
+        """Whether a refit is due (deferred or wanted by the error test or the schedule)."""
+        ...
+
+    def observe(self, value: float, allow_refit: bool = True) -> None:
+        """Add the value of the latest interval (NaN = gap); refit only if due and ``allow_refit``."""
         ...
 
 

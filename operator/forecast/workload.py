@@ -32,6 +32,7 @@ from fulcrum.forecast.arima import ArimaForecaster
 from fulcrum.forecast.base import Forecast, SeriesForecaster, check_level, check_steps
 from fulcrum.forecast.baselines import LastValue, MovingAverage, SeasonalNaive
 from fulcrum.forecast.distribution import QuantileForecaster
+from fulcrum.forecast.selector import SelectingForecaster
 from fulcrum.observation import QUANTILE_LEVELS, Observation
 
 __all__ = ["WorkloadForecast", "WorkloadForecaster", "make_series_forecaster", "required_history"]
@@ -70,12 +71,15 @@ class WorkloadForecast:
     ready: bool
 
 
-def make_series_forecaster(method: ForecasterMethod | str, spec: ForecasterSpec) -> SeriesForecaster:
+def make_series_forecaster(
+    method: ForecasterMethod | str, spec: ForecasterSpec, slot: int = 0, slots: int = 1
+) -> SeriesForecaster:
     """A fresh series forecaster for ``method`` with the settings of ``spec``.
 
     ``arima`` → ``ArimaForecaster(spec.order, spec.window, spec.refit_error)``; ``last_value`` → ``LastValue()``;
     ``moving_average`` → ``MovingAverage(spec.moving_average_window)``;
-    ``seasonal_naive`` → ``SeasonalNaive(spec.season_length)``.
+    ``seasonal_naive`` → ``SeasonalNaive(spec.season_length)``;
+    ``select`` → ``SelectingForecaster.from_spec(spec, slot, slots)`` (refits only on cycles ≡ ``slot`` mod ``slots``).
 
     Raises:
         SpecError: for an unknown method name.
@@ -91,6 +95,8 @@ def make_series_forecaster(method: ForecasterMethod | str, spec: ForecasterSpec)
         return LastValue()
     if m is ForecasterMethod.MOVING_AVERAGE:
         return MovingAverage(spec.moving_average_window)
+    if m is ForecasterMethod.SELECT:
+        return SelectingForecaster.from_spec(spec, slot, slots)
     return SeasonalNaive(spec.season_length)
 
 
@@ -98,7 +104,8 @@ def required_history(method: ForecasterMethod | str, spec: ForecasterSpec) -> in
     """Non-gap intervals a method needs before its forecasts are its own (not a fallback).
 
     ARIMA: its ``min_points`` (8, raised to p + d + q + 2, capped at ``spec.window``); last value and moving
-    average: 1; seasonal naive: ``spec.season_length``.
+    average: 1; seasonal naive: ``spec.season_length``; select: the scored intervals before it may leave last value
+    (9).
 
     Raises:
         SpecError: for an unknown method name.
@@ -108,6 +115,8 @@ def required_history(method: ForecasterMethod | str, spec: ForecasterSpec) -> in
         return series.min_points
     if isinstance(series, SeasonalNaive):
         return series.season
+    if isinstance(series, SelectingForecaster):
+        return series.required_points
     return 1
 
 
@@ -124,10 +133,11 @@ class WorkloadForecaster:
 
     def __init__(self, spec: ForecasterSpec | None = None) -> None:
         self.spec = spec if spec is not None else ForecasterSpec()
-        self.rate = make_series_forecaster(self.spec.method, self.spec)
-        self.isl = make_series_forecaster(self.spec.method, self.spec)
-        self.osl = make_series_forecaster(self.spec.method, self.spec)
-        self.concurrency = make_series_forecaster(self.spec.method, self.spec)
+        # Four series, slots 0–3 of 4: a method that staggers its refits (select) never refits two in one cycle.
+        self.rate = make_series_forecaster(self.spec.method, self.spec, 0, 4)
+        self.isl = make_series_forecaster(self.spec.method, self.spec, 1, 4)
+        self.osl = make_series_forecaster(self.spec.method, self.spec, 2, 4)
+        self.concurrency = make_series_forecaster(self.spec.method, self.spec, 3, 4)
         self.isl_distribution = QuantileForecaster(QUANTILE_LEVELS)
         self.osl_distribution = QuantileForecaster(QUANTILE_LEVELS)
         self._required = required_history(self.spec.method, self.spec)

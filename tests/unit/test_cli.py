@@ -36,7 +36,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DOPD_RATIO, DOPD_TOLERANCE = 4.58, 0.05
 DOPD_PLAN = ["plan", "--profile", "dopd-llama70b-fp8-h100", "--isl", "1000", "--osl", "150",
              "--tp-prefill", "1", "--tp-decode", "2"]
-FORECASTERS = {"arima", "last_value", "moving_average", "seasonal_naive"}
+FORECASTERS = {"arima", "last_value", "moving_average", "seasonal_naive", "select"}
 POLICY_NUMBERS = ("slo_attainment", "goodput_tokens_per_s", "gpu_hours")
 
 

@@ -38,7 +38,7 @@ def test_backtest_with_nothing_to_score_reports_nan_mape_and_zero_points() -> No
 
 def test_default_factories_build_a_fresh_forecaster_of_each_method() -> None:
     factories = default_factories(ForecasterSpec(window=16, moving_average_window=4, season_length=24))
-    assert list(factories) == ["arima", "last_value", "moving_average", "seasonal_naive"]
+    assert list(factories) == ["arima", "last_value", "moving_average", "seasonal_naive", "select"]
     for name, factory in factories.items():
         a, b = factory(), factory()
         assert a is not b

@@ -64,11 +64,11 @@ def test_a_forecaster_that_saw_only_empty_intervals_returns_zeros_and_defaults()
     assert fc.isl_quantiles == () and fc.osl_quantiles == ()
     assert fc.isl_sq_mean == 0.0
     assert fc.arrival_cv2 == 1.0
-    assert fc.ready  # 12 rate points ≥ ARIMA's 8
+    assert fc.ready  # 12 rate points ≥ the default selector's 9
 
 
 def test_arima_workload_forecast_tracks_a_steady_load_and_is_ready_after_min_points() -> None:
-    f = WorkloadForecaster(ForecasterSpec())
+    f = WorkloadForecaster(ForecasterSpec(method=ForecasterMethod.ARIMA))
     for t in range(30):
         obs = busy(t, arrivals=600 + (t % 3) * 30, isl=1000.0 + (t % 2) * 100.0)
         f.observe(obs)

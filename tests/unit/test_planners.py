@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fulcrum.api import parse_llmserve
+from fulcrum.api import ForecasterMethod, parse_llmserve
 from fulcrum.observation import QUANTILE_LEVELS, Observation, ReadyCounts
 from fulcrum.scaling.dopd import DopdPlanner
 from fulcrum.scaling.fulcrum import FulcrumPlanner
@@ -67,13 +67,22 @@ def test_a_steady_load_settles_and_never_oscillates(table_i):
     assert len(set(settled)) == 1, settled
 
 
-def test_fulcrum_scales_out_ahead_when_the_rate_quadruples_and_back_in_slowly(table_i):
+@pytest.mark.parametrize("method", ["arima", "select"])
+def test_fulcrum_scales_out_ahead_when_the_rate_quadruples_and_back_in_slowly(table_i, method):
     stream = [obs(60 * (i + 1), 2.0) for i in range(20)] + [obs(60 * (i + 21), 8.0) for i in range(20)]
     stream += [obs(60 * (i + 41), 2.0) for i in range(30)]
-    decisions = drive(FulcrumPlanner(SPEC, table_i), stream)
+    sc = SPEC.scaling
+    spec = SPEC.model_copy(update={"scaling": sc.model_copy(update={
+        "forecaster": sc.forecaster.model_copy(update={"method": ForecasterMethod(method)})})})
+    decisions = drive(FulcrumPlanner(spec, table_i), stream)
     p = [d.target.prefill.replicas for d in decisions]
     low, high = p[19], p[39]
-    assert high >= 3 * low
+    if method == "arima":
+        # ARIMA's model bound after the step (σ fitted across it) gives ~2x headroom over the new level. The
+        # selector keeps last value on this noiseless series, whose bound from its residuals (all zero but the
+        # step) is the level itself: it plans 8 req/s, not 16 (2 instances here, not 3).
+        assert high >= 3 * low
+    assert high > low
     assert p[21] > low  # within two intervals of the jump
     # scale-in waits for the stabilisation window (cooldown 300 s = 5 intervals) after the drop
     assert p[41] == high and p[-1] < high

@@ -1,8 +1,10 @@
 """``fulcrum forecast``: backtest every forecaster on a trace (DOPD §V-D: ARIMA against simple baselines).
 
 Walk-forward one-step forecasts of the per-interval series — ``rate`` (requests/s, counted at arrival),
-``isl`` and ``osl`` (mean tokens of the interval's arrivals) — by ARIMA and the baselines (last value, moving
-average, seasonal naive). Prints the one-step MAPE per series and forecaster, and fit/forecast times.
+``isl`` and ``osl`` (mean tokens of the interval's arrivals) — by ARIMA, the baselines (last value, moving
+average, seasonal naive) and the selector (``select``: per series, the candidate whose trailing one-step errors beat
+the last value's; ``fulcrum.forecast.selector``). Prints the one-step MAPE per series and forecaster, and
+fit/forecast times.
 
 Accepts request traces (Azure CSV, Mooncake JSONL, bundled names) and ServeGen's aggregate rate series
 (``window_start_s,total_rate_rps,...`` at 10-minute resolution; only ``rate`` exists there, and ``--interval``
