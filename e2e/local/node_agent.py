@@ -373,8 +373,9 @@ class PodRunner:
         out.append((self.dir / "hosts", "/etc/hosts"))
         return out
 
-    def _wrapper(self, c: Container) -> list[str]:
-        """``unshare --mount`` + a shell that bind-mounts the volumes, then execs the container's argv."""
+    def _wrapper(self, c: Container, argv: list[str] | None = None) -> list[str]:
+        """``unshare --mount`` + a shell that bind-mounts the volumes, then execs ``argv`` (default: the
+        container's own; exec probes and hooks run in a namespace like the container's)."""
         lines = ["set -e"]
         for src, dest in self._mounts(c):
             q, d = shlex.quote(str(src)), shlex.quote(dest)
@@ -386,7 +387,7 @@ class PodRunner:
         lines.append('exec "$@"')
         script = self.dir / f"{c.name}.mounts.sh"
         script.write_text("\n".join(lines) + "\n")
-        return ["unshare", "--mount", "--propagation", "private", "/bin/sh", str(script), *c.argv]
+        return ["unshare", "--mount", "--propagation", "private", "/bin/sh", str(script), *(argv or c.argv)]
 
     # --- volumes ---------------------------------------------------------------------------------------
 
@@ -562,8 +563,8 @@ class PodRunner:
                 with socket.create_connection((t.get("host") or self.ip, self._port(c, t["port"])), timeout=timeout):
                     return True, "tcp ok"
             if "exec" in spec:
-                proc = subprocess.run(spec["exec"]["command"], env=c.env, capture_output=True, timeout=timeout,
-                                      cwd=str(self.dir))
+                proc = subprocess.run(self._wrapper(c, list(spec["exec"]["command"])), env=c.env,
+                                      capture_output=True, timeout=timeout, cwd=str(self.dir))
                 return proc.returncode == 0, f"exec rc {proc.returncode}: {proc.stdout[-200:]!r}"
             return False, f"probe kind {sorted(spec)} is not supported by the process node agent"
         except (OSError, ValueError, subprocess.TimeoutExpired) as err:
