@@ -291,8 +291,9 @@ def test_the_operator_runs_the_sim_llmserve_and_the_router_serves_a_completion(
               .get("readyReplicas"), timeout_s=240, every_s=1.0)
         assert operator.alive(), "the operator exited"
     pods = _get(local_cluster, "pods", ns)["items"]
-    assert {p["metadata"]["labels"].get("fulcrum.dev/pool") or p["metadata"]["labels"].get("fulcrum.dev/component")
-            for p in pods} >= {"prefill", "decode", "router"}
+    roles = {p["metadata"]["labels"].get("fulcrum.dev/pool") or p["metadata"]["labels"].get("app.kubernetes.io/component")
+             for p in pods}
+    assert roles >= {"prefill", "decode", "router"}
     assert all(p["status"]["phase"] == "Running" for p in pods)
     router_ip = local_cluster.proxies.address(ns, f"{name}-router", timeout_s=10)
     model = doc["spec"]["model"]["servedName"]
