@@ -224,11 +224,12 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _make_pki(pki: Path, clients: dict[str, tuple[str, str]]) -> None:
-    """CA, API serving cert (SANs 127.0.0.1, localhost, kubernetes.default…), client certs, SA key pair."""
+    """CA, API serving cert (SANs 127.0.0.1, localhost, kubernetes.default…), client certs, SA key pair; all
+    ECDSA P-256 (RSA key generation took seconds on a busy 2-core machine)."""
     if shutil.which("openssl") is None:
         raise ClusterError("openssl is not installed: the harness makes the cluster's certificates with it")
     pki.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "30",
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "30",
              "-subj", "/CN=fulcrum-local-ca", "-addext", "basicConstraints=critical,CA:TRUE",
              "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=pki)
     sans = ("IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,"
@@ -237,15 +238,15 @@ def _make_pki(pki: Path, clients: dict[str, tuple[str, str]]) -> None:
     certs.update({name: (cn, org, "clientAuth") for name, (cn, org) in clients.items()})
     for name, (cn, org, usage) in certs.items():
         subj = f"/CN={cn}" + (f"/O={org}" if org else "")
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", subj, cwd=pki)
         ext = pki / f"{name}.ext"
         ext.write_text(f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
                        f"extendedKeyUsage={usage}\n" + (f"subjectAltName={sans}\n" if usage == "serverAuth" else ""))
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", f"{name}.crt", "-days", "30", "-extfile", ext.name, cwd=pki)
-    _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
-    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=pki)
+    _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
 
 def _kubeconfig(path: Path, server: str, pki: Path, user: str) -> None:
@@ -277,6 +278,8 @@ class ControlPlane:
     api_port: int = 0
     processes: list[ManagedProcess] = field(default_factory=list)
     startup_s: float = 0.0
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Seconds since ``start()`` began at which each phase ended (pki, etcd, kube-apiserver, …)."""
 
     @property
     def api_url(self) -> str:
@@ -305,6 +308,7 @@ class ControlPlane:
         """
         t0 = time.monotonic()
         bins = ensure_binaries()
+        self.phases_s["binaries"] = time.monotonic() - t0
         etcd = etcd_binary()
         if etcd is None:
             raise ClusterError("etcd is not installed (Debian etcd-server: scripts/install-servers.sh)")
@@ -313,6 +317,7 @@ class ControlPlane:
                    "controller-manager": ("system:kube-controller-manager", ""),
                    "scheduler": ("system:kube-scheduler", "")}
         _make_pki(self.pki, clients)
+        self.phases_s["pki"] = time.monotonic() - t0
         self.api_port = self.api_port or free_port()
         etcd_port, peer_port = free_port(), free_port()
         for user in clients:
@@ -371,9 +376,11 @@ class ControlPlane:
         try:
             self.processes[0].start()
             self._wait_http("etcd", f"http://127.0.0.1:{etcd_port}/health", t0 + timeout_s, self.processes[0])
+            self.phases_s["etcd"] = time.monotonic() - t0
             self.processes[1].start()
             self._wait_https("kube-apiserver", f"{self.api_url}/readyz", t0 + timeout_s, self.processes[1],
                              client=True)
+            self.phases_s["kube-apiserver"] = time.monotonic() - t0
             self.processes += controllers
             for p in controllers:
                 p.start()
@@ -381,6 +388,7 @@ class ControlPlane:
                              controllers[0], client=False)
             self._wait_https("kube-scheduler", f"https://127.0.0.1:{sched_port}/healthz", t0 + timeout_s,
                              controllers[1], client=False)
+            self.phases_s["controllers"] = time.monotonic() - t0
         except BaseException:
             self.stop()
             raise

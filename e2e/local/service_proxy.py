@@ -92,6 +92,7 @@ def informer(name: str, list_fn: Callable[..., Any], on_sync: Callable[[list[dic
                 rv = doc["metadata"]["resourceVersion"]
                 while not stop.is_set():
                     w = watch.Watch()
+                    w.get_return_type = lambda func: None  # type: ignore[method-assign]  # raw dicts: no models
                     for ev in w.stream(list_fn, resource_version=rv, timeout_seconds=30, allow_watch_bookmarks=True,
                                        **kwargs):
                         if stop.is_set():
