@@ -9,6 +9,7 @@ when the Kubernetes binaries or etcd are absent. See docs/e2e.md.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -209,7 +210,8 @@ try:
     code, msg = 200, ""
 except urllib.error.HTTPError as err:
     code, msg = err.code, json.loads(err.read())["message"]
-print(json.dumps({"namespace": ns, "code": code, "message": msg,
+version = json.load(urllib.request.urlopen("https://kubernetes.default.svc/version", context=ctx))["gitVersion"]
+print(json.dumps({"namespace": ns, "code": code, "message": msg, "version": version,
                   "svc": socket.gethostbyname(f"named.{ns}.svc.cluster.local"),
                   "short": socket.gethostbyname("named")}))
 """
@@ -235,6 +237,7 @@ def test_a_pod_reaches_the_api_as_its_service_account_and_services_by_name(
     assert seen["namespace"] == ns
     assert seen["code"] == 403 and f"system:serviceaccount:{ns}:default" in seen["message"]
     assert seen["svc"] == seen["short"] == svc_ip
+    assert seen["version"] == "v1.28.0"  # kubernetes.default.svc:443, the API server through its Service proxy
 
 
 # --- Fulcrum on the local cluster ------------------------------------------------------------------------
@@ -280,7 +283,12 @@ def operator(local_cluster: Any, local_namespace: str, app_etcd: str, tmp_path: 
 def test_the_operator_runs_the_sim_llmserve_and_the_router_serves_a_completion(
         local_cluster: Any, local_namespace: str, operator: ManagedProcess) -> None:
     _need_agent(local_cluster)
-    ns = local_namespace
+    _serve_the_sim_example(local_cluster, local_namespace, operator.alive)
+
+
+def _serve_the_sim_example(local_cluster: Any, ns: str, operator_alive: Callable[[], bool]) -> None:
+    """Apply examples/llmserve-sim.yaml in ``ns``; its three Deployments get Ready, the router's Service proxy
+    answers a completion with 200, the LLMServe turns Ready."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["namespace"] = ns
     name = doc["metadata"]["name"]
@@ -289,7 +297,7 @@ def test_the_operator_runs_the_sim_llmserve_and_the_router_serves_a_completion(
         _wait(f"Deployment {name}-{pool} ready",
               lambda pool=pool: (_get(local_cluster, "deployment", ns, f"{name}-{pool}").get("status") or {})
               .get("readyReplicas"), timeout_s=240, every_s=1.0)
-        assert operator.alive(), "the operator exited"
+        assert operator_alive(), "the operator exited"
     pods = _get(local_cluster, "pods", ns)["items"]
     roles = {p["metadata"]["labels"].get("fulcrum.dev/pool") or p["metadata"]["labels"].get("app.kubernetes.io/component")
              for p in pods}
@@ -312,3 +320,55 @@ def test_the_operator_runs_the_sim_llmserve_and_the_router_serves_a_completion(
     _wait("LLMServe Ready", lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in
                                         (_get(local_cluster, "llmserve", ns, name).get("status") or {})
                                         .get("conditions") or []), timeout_s=120, every_s=2.0)
+
+
+def _helm_render() -> Any:
+    spec = importlib.util.spec_from_file_location("fulcrum_tests_helm_render", REPO / "tests" / "helm_render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MONITORING_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+"""Prometheus Operator objects the chart may render; their CRDs are not installed here."""
+
+
+def test_the_chart_runs_the_operator_as_a_pod_under_its_service_account(
+        local_cluster: Any, local_namespace: str, app_etcd: str) -> None:
+    """The Helm chart (rendered by Helm's engine, tests/helm_render.py) installs the operator as a pod: it logs in
+    with its projected service-account token, its startup and liveness probes pass on its pod IP, and it serves
+    the sim example end to end."""
+    _need_agent(local_cluster)
+    helm = _helm_render()
+    missing = helm.helm_missing()
+    if missing:
+        pytest.skip(missing)
+    ns = local_namespace
+    local_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    local_cluster.kubectl("wait", "--for=condition=Established", "crd/llmserves.fulcrum.dev", "--timeout=60s")
+    values = {"operator": {"namespaces": [ns], "prometheusUrl": "", "logFormat": "text"},
+              "etcd": {"endpoint": app_etcd}, "image": {"tag": "local"}}
+    docs = helm.objects(helm.render(values, namespace=ns))
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]  # kopf's peering resources
+    objects = [d for d in docs if d["kind"] not in MONITORING_KINDS and d not in crds]
+    assert any(d["kind"] == "Deployment" for d in objects), sorted({d["kind"] for d in docs})
+    if crds:
+        local_cluster.kubectl("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(crds))
+        for crd in crds:
+            local_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}",
+                                  "--timeout=60s")
+    local_cluster.kubectl("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(objects))
+    _wait("the operator Deployment ready", lambda: (_get(local_cluster, "deployment", ns, "fulcrum-operator")
+                                                   .get("status") or {}).get("readyReplicas"), timeout_s=180,
+          every_s=1.0)
+    pod = next(p for p in _get(local_cluster, "pods", ns)["items"]
+               if p["metadata"]["labels"].get("app.kubernetes.io/component") == "operator")
+    assert pod["spec"]["serviceAccountName"] == "fulcrum"
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+
+    def operator_alive() -> bool:
+        p = _get(local_cluster, "pod", ns, pod["metadata"]["name"])
+        return bool(p) and p["status"]["phase"] == "Running"
+
+    _serve_the_sim_example(local_cluster, ns, operator_alive)

@@ -62,7 +62,8 @@ log = logging.getLogger("fulcrum.e2e.node_agent")
 
 CANNOT_RUN = "ProcessAgentCannotRun"
 """Waiting reason of a container the agent cannot run as a host process."""
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+STAGING = "/run/fulcrum-process-node-staging"
+"""Where a container's mount namespace stages its volume sources (a tmpfs of its own, never seen outside)."""
 _BACKOFF_MAX_S = 30.0
 _VAR = re.compile(r"\$(\$|\(([A-Za-z_][A-Za-z0-9_.-]*)\))")
 
@@ -375,15 +376,25 @@ class PodRunner:
 
     def _wrapper(self, c: Container, argv: list[str] | None = None) -> list[str]:
         """``unshare --mount`` + a shell that bind-mounts the volumes, then execs ``argv`` (default: the
-        container's own; exec probes and hooks run in a namespace like the container's)."""
-        lines = ["set -e"]
-        for src, dest in self._mounts(c):
-            q, d = shlex.quote(str(src)), shlex.quote(dest)
+        container's own; exec probes and hooks run in a namespace like the container's).
+
+        Every source is first bind-mounted onto a private tmpfs at ``STAGING`` and only then onto its mountPath
+        (parents before children): a mountPath that covers a source's folder (an emptyDir at ``/tmp`` while the
+        pod folders live under ``/tmp``) would otherwise hide the sources mounted after it.
+        """
+        mounts = sorted(self._mounts(c), key=lambda m: len(Path(m[1]).parts))
+        lines = ["set -e", f"mkdir -p {STAGING}", f"mount -t tmpfs -o size=1m fulcrum-staging {STAGING}"]
+        for i, (src, _) in enumerate(mounts):
+            stage = f"{STAGING}/{i}"
+            lines.append(f"mkdir {stage}" if src.is_dir() else f"touch {stage}")
+            lines.append(f"mount --bind {shlex.quote(str(src))} {stage}")
+        for i, (src, dest) in enumerate(mounts):
+            d = shlex.quote(dest)
             if src.is_dir():
                 lines.append(f"mkdir -p {d}")
             else:
                 lines.append(f"mkdir -p {shlex.quote(str(Path(dest).parent))}; [ -e {d} ] || touch {d}")
-            lines.append(f"mount --bind {q} {d}")
+            lines.append(f"mount --bind {STAGING}/{i} {d}")
         lines.append('exec "$@"')
         script = self.dir / f"{c.name}.mounts.sh"
         script.write_text("\n".join(lines) + "\n")
@@ -901,10 +912,9 @@ class NodeAgent:
         if path is None or runner is None:
             return
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-                 f"{runner.ip}\t{runner.pod['metadata']['name']}",
-                 "127.0.0.1\tkubernetes kubernetes.default kubernetes.default.svc kubernetes.default.svc.cluster.local"]
-        if self.proxies is not None:
-            lines += [ln for ln in self.proxies.hosts_lines() if "\tkubernetes " not in ln]
+                 f"{runner.ip}\t{runner.pod['metadata']['name']}"]
+        if self.proxies is not None:  # kubernetes.default.svc:443 included (its proxy forwards to the API server)
+            lines += self.proxies.hosts_lines()
         text = "\n".join(lines) + "\n"
         with open(path, "a+") as f:  # noqa: PTH123 (in place: truncate + write, never a rename)
             f.seek(0)
