@@ -197,6 +197,28 @@ def test_a_pod_whose_image_cannot_run_as_a_process_stays_waiting_with_the_reason
     assert st["containerStatuses"][0]["ready"] is False
 
 
+def test_a_crashing_container_is_restarted_and_a_failing_liveness_probe_restarts_its_container(
+        local_cluster: Any, local_namespace: str) -> None:
+    _need_agent(local_cluster)
+    ns = local_namespace
+    local_cluster.kubectl("apply", "-n", ns, "-f", "-", input_text=_pod("crasher", "import sys; sys.exit(3)"))
+    live = yaml.safe_load(_pod("unhealthy", "import time\nwhile True: time.sleep(1)"))
+    live["spec"]["containers"][0]["livenessProbe"] = {"exec": {"command": ["false"]}, "periodSeconds": 1,
+                                                      "failureThreshold": 2}
+    live["spec"]["terminationGracePeriodSeconds"] = 2
+    local_cluster.kubectl("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump(live))
+
+    def restarted(name: str) -> dict[str, Any] | None:
+        cs = ((_get(local_cluster, "pod", ns, name).get("status") or {}).get("containerStatuses") or [{}])[0]
+        return cs if cs.get("restartCount", 0) >= 1 and cs.get("lastState") else None
+
+    crashed = _wait("the crashing container restarted", lambda: restarted("crasher"), timeout_s=60)
+    assert crashed["lastState"]["terminated"]["exitCode"] == 3
+    assert crashed["lastState"]["terminated"]["reason"] == "Error"
+    killed = _wait("the unhealthy container restarted", lambda: restarted("unhealthy"), timeout_s=60)
+    assert killed["lastState"]["terminated"]["reason"] == "LivenessProbeFailed"
+
+
 IDENTITY_SCRIPT = """
 import json, os, socket, ssl, urllib.error, urllib.request
 sa = "/var/run/secrets/kubernetes.io/serviceaccount"

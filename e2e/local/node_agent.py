@@ -457,13 +457,13 @@ class PodRunner:
         data = self.agent.read_data(kind, ns, name, optional=optional, binary=True)
         if items:
             return {i["path"]: data[i["key"]] for i in items if i["key"] in data}
-        return data  # type: ignore[return-value]
+        return {k: bytes(v) for k, v in data.items()}
 
     def _token(self, volume: str, src: dict[str, Any]) -> bytes:
         key = f"{volume}/{src['path']}"
         path = self.dir / "volumes" / volume / src["path"]
         if path.is_file() and time.time() < self._token_expiry.get(key, 0):
-            return path.read_bytes()
+            return bytes(path.read_bytes())
         seconds = int(src.get("expirationSeconds") or 3600)
         token = self.agent.request_token(self.pod, src.get("audience"), seconds)
         self._token_expiry[key] = time.time() + 0.8 * seconds  # the kubelet refreshes at 80 % of the lifetime
@@ -711,8 +711,8 @@ class NodeAgent:
         self.api_port = api_port
         self.workdir = workdir
         self.api = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
-        self.core = client.CoreV1Api(self.api)
-        self.coord = client.CoordinationV1Api(self.api)
+        self.core: Any = client.CoreV1Api(self.api)  # called with plain dicts (the API JSON)
+        self.coord: Any = client.CoordinationV1Api(self.api)
         self.proxies = proxies
         self.pod_ips = pod_ips or LoopbackAllocator("127.0")
         self.capacity = {"cpu": cpu, "memory": memory, "pods": str(max_pods), "nvidia.com/gpu": str(gpus),

@@ -91,8 +91,8 @@ def informer(name: str, list_fn: Callable[..., Any], on_sync: Callable[[list[dic
                 on_sync(doc.get("items") or [])
                 rv = doc["metadata"]["resourceVersion"]
                 while not stop.is_set():
-                    w = watch.Watch()
-                    w.get_return_type = lambda func: None  # type: ignore[method-assign]  # raw dicts: no models
+                    w: Any = watch.Watch()  # type: ignore[no-untyped-call]
+                    w.get_return_type = lambda func: None  # raw dicts: no model deserialisation
                     for ev in w.stream(list_fn, resource_version=rv, timeout_seconds=30, allow_watch_bookmarks=True,
                                        **kwargs):
                         if stop.is_set():
