@@ -266,8 +266,9 @@ def test_a_pod_reaches_the_api_as_its_service_account_and_services_by_name(
 
 
 @pytest.fixture
-def app_etcd(tmp_path: Path) -> Iterator[str]:
+def app_etcd(local_cluster: Any, tmp_path: Path) -> Iterator[str]:
     """An etcd for Fulcrum's instance registry (the router's ``registry: etcd``), apart from the cluster's."""
+    _need_agent(local_cluster)
     etcd = etcd_binary()
     assert etcd is not None
     port, peer = free_port(), free_port()
@@ -287,6 +288,7 @@ def app_etcd(tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def operator(local_cluster: Any, local_namespace: str, app_etcd: str, tmp_path: Path) -> Iterator[ManagedProcess]:
     """``fulcrum operator`` as a local process watching the test's namespace with the admin's credentials."""
+    _need_agent(local_cluster)
     local_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     local_cluster.kubectl("wait", "--for=condition=Established", "crd/llmserves.fulcrum.dev", "--timeout=60s")
     proc = ManagedProcess("operator", [
