@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 from local.cluster import ManagedProcess, etcd_binary, free_port
-from local.node_agent import CANNOT_RUN
+from local.node_agent import CANNOT_RUN, CONFIG_ERROR
 
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(900)]
 
@@ -195,6 +195,25 @@ def test_a_pod_whose_image_cannot_run_as_a_process_stays_waiting_with_the_reason
     message = st["containerStatuses"][0]["state"]["waiting"]["message"]
     assert "'vllm'" in message and "vllm/vllm-openai:v0.6.3" in message
     assert st["containerStatuses"][0]["ready"] is False
+
+
+def test_a_pod_waits_for_a_missing_configmap_and_starts_once_it_exists(local_cluster: Any, local_namespace: str) -> None:
+    _need_agent(local_cluster)
+    ns = local_namespace
+    doc = yaml.safe_load(_pod("patient", "import os, time\nprint(os.environ['GREETING'], flush=True)\ntime.sleep(3600)"))
+    doc["spec"]["containers"][0]["env"] = [
+        {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "later", "key": "greeting"}}}]
+    local_cluster.kubectl("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump(doc))
+
+    def reason() -> str:
+        cs = ((_get(local_cluster, "pod", ns, "patient").get("status") or {}).get("containerStatuses") or [{}])[0]
+        return str(((cs.get("state") or {}).get("waiting") or {}).get("reason") or "")
+
+    _wait("CreateContainerConfigError", lambda: reason() == CONFIG_ERROR, timeout_s=60)
+    local_cluster.kubectl("create", "configmap", "later", "-n", ns, "--from-literal=greeting=hello-later")
+    _wait("Running", lambda: _get(local_cluster, "pod", ns, "patient")["status"]["phase"] == "Running", timeout_s=60)
+    log = local_cluster.agent.runner(ns, "patient").log_path("main")
+    _wait("the greeting in the container's log", lambda: "hello-later" in log.read_text(), timeout_s=30)
 
 
 def test_a_crashing_container_is_restarted_and_a_failing_liveness_probe_restarts_its_container(

@@ -56,12 +56,14 @@ from typing import Any
 
 from .service_proxy import LoopbackAllocator, ServiceProxies, informer
 
-__all__ = ["CANNOT_RUN", "CannotRun", "NodeAgent", "PodRunner", "expand"]
+__all__ = ["CANNOT_RUN", "CONFIG_ERROR", "CannotRun", "NodeAgent", "PodRunner", "expand"]
 
 log = logging.getLogger("fulcrum.e2e.node_agent")
 
 CANNOT_RUN = "ProcessAgentCannotRun"
 """Waiting reason of a container the agent cannot run as a host process."""
+CONFIG_ERROR = "CreateContainerConfigError"
+"""Waiting reason while a ConfigMap, Secret or key a container needs is missing (the kubelet's)."""
 STAGING = "/run/fulcrum-process-node-staging"
 """Where a container's mount namespace stages its volume sources (a tmpfs of its own, never seen outside)."""
 _BACKOFF_MAX_S = 30.0
@@ -69,7 +71,21 @@ _VAR = re.compile(r"\$(\$|\(([A-Za-z_][A-Za-z0-9_.-]*)\))")
 
 
 class CannotRun(Exception):
-    """This container cannot run as a host process here (the message says why)."""
+    """This container cannot run as a host process here (the message says why).
+
+    ``reason``: ``ProcessAgentCannotRun`` (never will: an image, a program, a feature the agent lacks) or
+    ``CreateContainerConfigError`` (a ConfigMap, Secret or key that is missing now: retried every 5 s, as the
+    kubelet does).
+    """
+
+    def __init__(self, message: str, reason: str = CANNOT_RUN) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    @property
+    def retry(self) -> bool:
+        """Whether a later attempt may succeed."""
+        return self.reason == CONFIG_ERROR
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -182,6 +198,7 @@ class PodRunner:
         self.key = f"{meta['namespace']}/{meta['name']}"
         self.dir = agent.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
         self.ip = ""
+        self._own_ip = False
         self.init_containers = [Container(c, init=True) for c in pod["spec"].get("initContainers") or []]
         self.containers = [Container(c) for c in pod["spec"]["containers"]]
         self.deleting = threading.Event()
@@ -191,6 +208,7 @@ class PodRunner:
         self._phase = "Pending"
         self._init_done = not self.init_containers
         self._cannot_run = ""
+        self._retry_at = float("inf")
         self._volumes_refreshed = 0.0
         self._token_expiry: dict[str, float] = {}
         self.thread = threading.Thread(target=self._run, name=f"pod-{self.key}", daemon=True)
@@ -224,7 +242,7 @@ class PodRunner:
             self.deleting.wait()
         finally:
             self._terminate()
-            if self.ip:
+            if self._own_ip:
                 self.agent.pod_ips.release(self.ip)
                 self.agent.hosts_files.pop(self.key, None)
             if not self.vanished.is_set():
@@ -234,24 +252,41 @@ class PodRunner:
     def _prepare(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         ports = [int(p["containerPort"]) for c in self.containers for p in c.spec.get("ports") or []]
-        self.ip = self.agent.pod_ips.allocate(ports)
+        if self.pod["spec"].get("hostNetwork"):
+            self.ip = "127.0.0.1"  # the node's address; its ports are shared with everything on the host
+        else:
+            self.ip = self.agent.pod_ips.allocate(ports)
+            self._own_ip = True
         self.agent.hosts_files[self.key] = self.dir / "hosts"
         self.agent.write_hosts(self.key)
         self._publish(force=True)
+        self._configure()
+
+    def _configure(self) -> None:
+        """Volumes, env and argv of every container; on CannotRun the containers wait with its reason."""
         try:
             self._refresh_volumes(first=True)
             for c in [*self.init_containers, *self.containers]:
                 self._resolve(c)
         except CannotRun as err:
             self._cannot_run = str(err)
+            self._retry_at = time.monotonic() + 5.0 if err.retry else float("inf")
             for c in [*self.init_containers, *self.containers]:
-                c.state = {"waiting": {"reason": CANNOT_RUN, "message": str(err)}}
-            log.info("pod %s: cannot run: %s", self.key, err)
+                c.state = {"waiting": {"reason": err.reason, "message": str(err)}}
+            log.info("pod %s: cannot run (%s): %s", self.key, err.reason, err)
+        else:
+            if self._cannot_run:
+                for c in [*self.init_containers, *self.containers]:
+                    c.state = {"waiting": {"reason": "ContainerCreating"}}
+            self._cannot_run = ""
 
     def _tick(self) -> None:
-        if self._cannot_run:
-            return
         now = time.monotonic()
+        if self._cannot_run:
+            if now >= self._retry_at:
+                self._configure()
+            if self._cannot_run:
+                return
         if now - self._volumes_refreshed > 5:
             self._refresh_volumes()
         if not self._init_done:
@@ -324,7 +359,8 @@ class PodRunner:
                 ref = vf[f"{kind}KeyRef"]
                 data = agent.read_data(kind, ns, ref["name"], optional=bool(ref.get("optional")))
                 if ref["key"] not in data and not ref.get("optional"):
-                    raise CannotRun(f"env {e['name']}: key {ref['key']!r} not in {kind} {ns}/{ref['name']}")
+                    raise CannotRun(f"env {e['name']}: key {ref['key']!r} not in {kind} {ns}/{ref['name']}",
+                                    CONFIG_ERROR)
                 if ref["key"] in data:
                     env[e["name"]] = data[ref["key"]]
             elif "resourceFieldRef" in vf:
@@ -881,7 +917,7 @@ class NodeAgent:
             if err.status == 404 and optional:
                 return {}
             if err.status == 404:
-                raise CannotRun(f"{kind} {namespace}/{name} not found") from err
+                raise CannotRun(f"{kind} {namespace}/{name} not found", CONFIG_ERROR) from err
             raise
         out: dict[str, Any] = {}
         if kind == "configMap":
