@@ -460,6 +460,10 @@ class PodRunner:
                 tmp = path.with_name(f".{path.name}.tmp")
                 tmp.write_bytes(data)
                 tmp.replace(path)
+            if any(k in v for k in ("configMap", "secret", "projected", "downwardAPI")):
+                for old in [p for p in root.rglob("*") if p.is_file()]:
+                    if str(old.relative_to(root)) not in files:
+                        old.unlink()  # a key removed from its ConfigMap or Secret
 
     def _volume_files(self, v: dict[str, Any], ns: str) -> dict[str, bytes]:
         if "emptyDir" in v or "hostPath" in v:
