@@ -35,6 +35,7 @@ __all__ = [
     "ControlPlane",
     "ManagedProcess",
     "binaries_available",
+    "die_with_parent",
     "ensure_binaries",
     "etcd_binary",
     "free_port",
@@ -162,6 +163,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 # --- processes -------------------------------------------------------------------------------------------
 
 
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` under ``setpriv --pdeathsig KILL`` (util-linux) when available: the process is killed when the
+    *thread* that started it ends, so a test runner killed hard (SIGKILL, a cancelled CI job) leaves no etcd,
+    API server or pod process behind. Start long-lived processes from a thread that outlives them."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else argv
+
+
+
 @dataclass
 class ManagedProcess:
     """A child in a process group of its own (``start_new_session``), its output in ``log``."""
@@ -176,7 +186,7 @@ class ManagedProcess:
         """Start it (stdout and stderr appended to ``log``)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(die_with_parent(self.argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env=self.env)
 
     def alive(self) -> bool:

@@ -54,6 +54,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .cluster import die_with_parent
 from .service_proxy import LoopbackAllocator, ServiceProxies, informer
 
 __all__ = ["CANNOT_RUN", "CONFIG_ERROR", "CannotRun", "NodeAgent", "PodRunner", "expand"]
@@ -516,7 +517,7 @@ class PodRunner:
         out.write(f"----- {_now()} start {shlex.join(c.argv)}\n".encode())
         out.flush()
         try:
-            c.proc = subprocess.Popen(self._wrapper(c), stdout=out, stderr=subprocess.STDOUT,
+            c.proc = subprocess.Popen(die_with_parent(self._wrapper(c)), stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=c.env, start_new_session=True,
                                       cwd=c.spec.get("workingDir") or str(self.dir))
         finally:
