@@ -212,7 +212,7 @@ def test_a_pod_waits_for_a_missing_configmap_and_starts_once_it_exists(local_clu
     _wait("CreateContainerConfigError", lambda: reason() == CONFIG_ERROR, timeout_s=60)
     local_cluster.kubectl("create", "configmap", "later", "-n", ns, "--from-literal=greeting=hello-later")
     _wait("Running", lambda: _get(local_cluster, "pod", ns, "patient")["status"]["phase"] == "Running", timeout_s=60)
-    log = local_cluster.agent.runner(ns, "patient").log_path("main")
+    log = local_cluster.runner(ns, "patient").log_path("main")
     _wait("the greeting in the container's log", lambda: "hello-later" in log.read_text(), timeout_s=30)
 
 
@@ -236,6 +236,39 @@ def test_a_crashing_container_is_restarted_and_a_failing_liveness_probe_restarts
     assert crashed["lastState"]["terminated"]["reason"] == "Error"
     killed = _wait("the unhealthy container restarted", lambda: restarted("unhealthy"), timeout_s=60)
     assert killed["lastState"]["terminated"]["reason"] == "LivenessProbeFailed"
+
+
+def test_the_scheduler_uses_both_process_nodes_and_their_gpu_capacity(local_cluster: Any, local_namespace: str) -> None:
+    _need_agent(local_cluster)
+    ns = local_namespace
+    nodes = {n["metadata"]["name"]: n for n in json.loads(local_cluster.kubectl("get", "nodes", "-o", "json"))["items"]}
+    assert len(nodes) >= 2, "the session cluster has two process nodes"
+    gpus = {int(n["status"]["allocatable"]["nvidia.com/gpu"]) for n in nodes.values()}
+    assert len(gpus) == 1
+    per_node = gpus.pop()
+    fits, too_big = (yaml.safe_load(_pod(name, "import time\ntime.sleep(3600)")) for name in ("fits", "too-big"))
+    fits["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": str(per_node)}}
+    too_big["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": str(per_node + 1)}}
+    local_cluster.kubectl("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all([fits, too_big]))
+    spread = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "spread"}, "spec": {
+        "replicas": 2, "selector": {"matchLabels": {"app": "spread"}}, "template": {
+            "metadata": {"labels": {"app": "spread"}}, "spec": {
+                "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                               "whenUnsatisfiable": "DoNotSchedule",
+                                               "labelSelector": {"matchLabels": {"app": "spread"}}}],
+                "containers": [{"name": "main", "image": "python:3.11-slim",
+                                "command": ["python", "-c", "import time; time.sleep(3600)"]}]}}}}
+    local_cluster.kubectl("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump(spread))
+    local_cluster.kubectl("rollout", "status", "deployment/spread", "-n", ns, "--timeout=60s", timeout=70)
+    pods = [p for p in _get(local_cluster, "pods", ns)["items"] if p["metadata"]["name"].startswith("spread-")]
+    assert len({p["spec"]["nodeName"] for p in pods}) == 2
+    _wait("the fitting GPU pod Running", lambda: _get(local_cluster, "pod", ns, "fits")["status"]["phase"] == "Running")
+
+    def unschedulable() -> bool:
+        conds = (_get(local_cluster, "pod", ns, "too-big").get("status") or {}).get("conditions") or []
+        return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conds)
+
+    _wait("the oversized GPU pod Unschedulable", unschedulable, timeout_s=30)
 
 
 IDENTITY_SCRIPT = """
@@ -272,7 +305,7 @@ def test_a_pod_reaches_the_api_as_its_service_account_and_services_by_name(
     _wait("Succeeded", lambda: (_get(local_cluster, "pod", ns, "whoami").get("status") or {}).get("phase")
           in ("Succeeded", "Failed"), timeout_s=60)
     assert _get(local_cluster, "pod", ns, "whoami")["status"]["phase"] == "Succeeded"
-    runner = local_cluster.agent.runner(ns, "whoami")
+    runner = local_cluster.runner(ns, "whoami")
     lines = [ln for ln in runner.log_path("main").read_text().splitlines() if ln.startswith("{")]
     seen = json.loads(lines[-1])
     assert seen["namespace"] == ns

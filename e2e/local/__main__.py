@@ -1,6 +1,6 @@
 """``python -m e2e.local up|down|env`` (from the repository root): a local cluster for a shell.
 
-- ``up [--dir DIR]``: start it (control plane, Service proxies, process node agent) and stay in the foreground
+- ``up [--dir DIR] [--nodes N] [--gpus G]``: start it (control plane, Service proxies, process node agent) and stay in the foreground
   until interrupted (Ctrl-C or ``down``); prints ``export KUBECONFIG=…`` and writes it to ``DIR/env.sh``.
 - ``down [--dir DIR]``: stop the ``up`` running on DIR (SIGTERM to its pid), which stops every process it started.
 - ``env [--dir DIR]``: print ``DIR/env.sh`` (``eval "$(python -m e2e.local env)"``).
@@ -29,7 +29,7 @@ def _default_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fulcrum-k8s" / "cluster"
 
 
-def _up(d: Path) -> int:
+def _up(d: Path, nodes: int, gpus: int) -> int:
     pid_file = d / "up.pid"
     if pid_file.is_file():
         try:
@@ -41,7 +41,7 @@ def _up(d: Path) -> int:
             pass
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    cluster = LocalCluster(d)
+    cluster = LocalCluster(d, nodes=nodes, gpus=gpus)
     try:
         cluster.start()
     except ClusterError as err:
@@ -96,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["up", "down", "env"])
     p.add_argument("--dir", type=Path, default=None, help="cluster folder (default: see above)")
+    p.add_argument("--nodes", type=int, default=1, help="process nodes (up; default 1)")
+    p.add_argument("--gpus", type=int, default=16, help="emulated nvidia.com/gpu per node (up; default 16)")
     args = p.parse_args(argv)
     d = (args.dir or _default_dir()).resolve()
     if args.action == "up":
-        return _up(d)
+        if args.nodes < 1 or args.gpus < 0:
+            p.error("--nodes must be >= 1 and --gpus >= 0")
+        return _up(d, args.nodes, args.gpus)
     if args.action == "down":
         return _down(d)
     env_file = d / "env.sh"

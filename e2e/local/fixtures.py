@@ -1,7 +1,7 @@
 """pytest fixtures of the local cluster (imported by e2e/conftest.py).
 
-``local_cluster`` (session): a ``LocalCluster`` started under pytest's temporary folder, stopped after the
-session. With ``FULCRUM_E2E_USE_KUBECONFIG=1`` and ``KUBECONFIG`` set, the cluster KUBECONFIG names is used
+``local_cluster`` (session): a ``LocalCluster`` (two process nodes with 8 emulated GPUs each) started under
+pytest's temporary folder, stopped after the session. With ``FULCRUM_E2E_USE_KUBECONFIG=1`` and ``KUBECONFIG`` set, the cluster KUBECONFIG names is used
 instead (an ``ExternalCluster``: no process node agent and no loopback Service proxies; tests that need them
 skip). Skips, with the reason, only when neither the binaries (and etcd) nor such a cluster exist.
 ``local_namespace``: a fresh namespace, deleted afterwards.
@@ -48,6 +48,10 @@ class ExternalCluster:
         """Nothing to add: the cluster's logs are its own."""
         return ""
 
+    def runner(self, namespace: str, name: str) -> None:
+        """No process node agent here."""
+        return None
+
 
 @pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster | ExternalCluster]:
@@ -66,7 +70,7 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
         missing = "kubectl is not installed"
     if missing is not None:
         pytest.skip(f"no local Kubernetes cluster: {missing}; and no FULCRUM_E2E_USE_KUBECONFIG=1 with KUBECONFIG")
-    cluster = LocalCluster(tmp_path_factory.mktemp("local-cluster"))
+    cluster = LocalCluster(tmp_path_factory.mktemp("local-cluster"), nodes=2, gpus=8)
     cluster.start()
     print(f"local cluster up in {cluster.startup_s['total']:.1f} s "
           f"(control plane {cluster.startup_s['control_plane']:.1f} s): {cluster.api_url}")

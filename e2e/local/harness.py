@@ -14,29 +14,46 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import ClusterError, ControlPlane
-from .node_agent import NodeAgent
-from .service_proxy import ServiceProxies
+from .node_agent import NodeAgent, PodRunner
+from .service_proxy import LoopbackAllocator, ServiceProxies
 
 __all__ = ["LocalCluster"]
 
 
 @dataclass
 class LocalCluster:
-    """A whole local cluster under ``workdir``: ``start()`` → API ready, RBAC bootstrapped, Node Ready.
+    """A whole local cluster under ``workdir``: ``start()`` → API ready, RBAC bootstrapped, Nodes Ready.
 
-    ``kubeconfig``/``api_url`` name it; ``proxies.address(ns, svc)`` is a Service's loopback address;
-    ``agent.runner(ns, pod)`` a pod's runner (its log files); ``diagnostics()`` the tails of every log.
+    ``nodes`` process nodes (``process-node-1`` …), each with ``gpus`` emulated ``nvidia.com/gpu``; they share
+    one pod-address allocator and the Service proxies. ``kubeconfig``/``api_url`` name the cluster;
+    ``proxies.address(ns, svc)`` is a Service's loopback address; ``runner(ns, pod)`` a pod's runner (its log
+    files) on whichever node; ``diagnostics()`` the tails of every log. Call ``start()`` from a thread that
+    outlives the cluster (its processes die with that thread: cluster.die_with_parent).
     """
 
     workdir: Path
-    node_name: str = "process-node-1"
+    nodes: int = 1
+    gpus: int = 16
     control_plane: ControlPlane = field(init=False)
     proxies: ServiceProxies | None = None
-    agent: NodeAgent | None = None
+    agents: list[NodeAgent] = field(default_factory=list)
     startup_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.control_plane = ControlPlane(self.workdir)
+
+    @property
+    def agent(self) -> NodeAgent | None:
+        """The first node's agent (None before ``start()``)."""
+        return self.agents[0] if self.agents else None
+
+    def node_names(self) -> list[str]:
+        """``process-node-1`` … ``process-node-<nodes>``."""
+        return [f"process-node-{i + 1}" for i in range(self.nodes)]
+
+    def runner(self, namespace: str, name: str) -> PodRunner | None:
+        """The runner of pod ``namespace/name`` on any node, if one runs it."""
+        return next((r for a in self.agents if (r := a.runner(namespace, name)) is not None), None)
 
     @property
     def kubeconfig(self) -> Path:
@@ -66,10 +83,15 @@ class LocalCluster:
             self.proxies = ServiceProxies(api, self.control_plane.api_port)
             self.proxies.start()
             self.startup_s["proxies"] = time.monotonic() - t0
-            self.agent = NodeAgent(self.node_name, self.kubeconfig, self.control_plane.api_port,
-                                   self.workdir / "node", proxies=self.proxies)
-            self.agent.start()
-            self._wait_node_ready(t0 + 60)
+            pod_ips = LoopbackAllocator("127.0")
+            for i, name in enumerate(self.node_names()):
+                agent = NodeAgent(name, self.kubeconfig, self.control_plane.api_port,
+                                  self.workdir / ("node" if i == 0 else f"node-{i + 1}"), proxies=self.proxies,
+                                  pod_ips=pod_ips, gpus=self.gpus)
+                self.agents.append(agent)
+                agent.start()
+            for name in self.node_names():
+                self._wait_node_ready(name, t0 + 60)
             self.startup_s["node_ready"] = time.monotonic() - t0
             # the service-account controller's "default" ServiceAccount: pods need it to be admitted
             self._wait_default_service_account(t0 + 60)
@@ -107,14 +129,14 @@ class LocalCluster:
         raise ClusterError("the service-account controller made no default ServiceAccount in 60 s\n"
                            + self.control_plane.log_tails())
 
-    def _wait_node_ready(self, deadline: float) -> None:
+    def _wait_node_ready(self, name: str, deadline: float) -> None:
         while time.monotonic() < deadline:
-            out = self.kubectl("get", "node", self.node_name, "-o",
+            out = self.kubectl("get", "node", name, "-o",
                                "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False)
             if out.strip() == "True":
                 return
             time.sleep(0.3)
-        raise ClusterError(f"node {self.node_name} not Ready in time\n" + self.diagnostics())
+        raise ClusterError(f"node {name} not Ready in time\n" + self.diagnostics())
 
     def diagnostics(self, n_chars: int = 2000) -> str:
         """Tails of the components' logs, the agent's log and every pod's container logs."""
@@ -123,15 +145,15 @@ class LocalCluster:
         if agent_log.is_file():
             parts.append(f"----- process node agent ({agent_log}) -----\n"
                          + agent_log.read_text(errors="replace")[-n_chars:])
-        for path in sorted((self.workdir / "node" / "pods").glob("*/logs/*.log")):
+        for path in sorted(self.workdir.glob("node*/pods/*/logs/*.log")):
             parts.append(f"----- {path.parent.parent.name}/{path.stem} ({path}) -----\n"
                          + path.read_text(errors="replace")[-n_chars:])
         return "\n".join(parts)
 
     def stop(self) -> None:
         """Stop the pods' processes, the proxies and the control plane (every process group it started)."""
-        if self.agent is not None:
-            self.agent.stop()
+        for agent in self.agents:
+            agent.stop()
         if self.proxies is not None:
             self.proxies.stop()
         self.control_plane.stop()
