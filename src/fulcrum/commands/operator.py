@@ -18,6 +18,8 @@ import logging
 import os
 from typing import Any
 
+from fulcrum.commands import bind_host
+
 __all__ = ["add_parser", "run"]
 
 
@@ -96,9 +98,10 @@ def run(args: argparse.Namespace) -> int:
         api_client = _api_client(args.kubeconfig)
     except Exception as err:  # kubernetes.config.ConfigException, a missing or malformed file
         raise ValueError(f"no Kubernetes credentials: {err}") from err
+    host = bind_host("0.0.0.0")  # metrics and liveness: every address, or $FULCRUM_BIND_HOST
     metrics = OperatorMetrics()
     if args.metrics_port:
-        start_http_server(args.metrics_port, registry=metrics.registry)
+        start_http_server(args.metrics_port, addr=host, registry=metrics.registry)
     controller = Controller(KubeClient(api_client),
                             ControllerSettings(image=args.image, prometheus_url=url or None,
                                                drain_poll_s=args.drain_poll_seconds,
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             namespaces=namespaces,
             standalone=not args.peering,
             peering_name=args.peering or None,
-            liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
+            liveness_endpoint=f"http://{host}:{args.liveness_port}/healthz" if args.liveness_port else None,
         ))
     except KeyboardInterrupt:
         return 0

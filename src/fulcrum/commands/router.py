@@ -14,6 +14,8 @@ import gc
 import logging
 from typing import Any
 
+from fulcrum.commands import bind_host
+
 __all__ = ["add_parser", "run"]
 
 
@@ -21,7 +23,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("router", help="run the OpenAI-compatible router", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="router config YAML (reloaded when it changes)")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address to listen on (default 0.0.0.0; a wildcard means $FULCRUM_BIND_HOST when set)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
@@ -77,6 +80,6 @@ def run(args: argparse.Namespace) -> int:
         app.on_cleanup.append(close_registry)
     # handler_cancellation: a client that goes away cancels its handler, which closes the upstream connections
     # and so aborts the engines' work (aiohttp >= 3.9 leaves it off by default)
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+    web.run_app(app, host=bind_host(args.host), port=args.port, handler_cancellation=True, access_log=None,
                 print=lambda msg: logging.getLogger("fulcrum.router").info("%s", msg))
     return 0

@@ -20,6 +20,8 @@ import os
 import socket
 from typing import Any
 
+from fulcrum.commands import bind_host
+
 __all__ = ["add_parser", "run"]
 
 
@@ -53,7 +55,8 @@ def add_parser(sub: Any) -> None:
                    help="tensor-parallel size whose tables time the engine (default: the profile's smallest decode "
                         "TP; an unmeasured TP uses the nearest measured one)")
     p.add_argument("--model", default=None, help="served model name (default: the profile's model)")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address to listen on (default 0.0.0.0; a wildcard means $FULCRUM_BIND_HOST when set)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
                    help="role published in the registry (the router assigns work by it; default both)")
@@ -145,14 +148,17 @@ def run(args: argparse.Namespace) -> int:
         if args.prefill_concurrency < 1:
             raise ValueError("--prefill-concurrency must be >= 1")
 
+    host = bind_host(args.host)
+    local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # where this process reaches its own server
+
     async def main() -> int:
         worker = SimWorker(profile, engine_config, settings)
         reg: Any = registration
         if pull:
-            puller = PrefillPuller(nats_url, f"http://127.0.0.1:{args.port}", namespace=namespace, llmserve=llmserve,
+            puller = PrefillPuller(nats_url, f"http://{local}:{args.port}", namespace=namespace, llmserve=llmserve,
                                    worker_id=instance_id, concurrency=args.prefill_concurrency)
             log.info("pulling prefill jobs from %s (%s)", nats_url, puller.key)
             reg = puller if registration is None else Registrations([registration, puller])
-        return await serve(worker, args.host, args.port, registration=reg, drain_timeout_s=args.drain_timeout_s)
+        return await serve(worker, host, args.port, registration=reg, drain_timeout_s=args.drain_timeout_s)
 
     return asyncio.run(main())

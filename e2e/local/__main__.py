@@ -1,0 +1,118 @@
+"""``python -m e2e.local up|down|env`` (from the repository root): a local cluster for a shell.
+
+- ``up [--dir DIR] [--nodes N] [--gpus G]``: start it (control plane, Service proxies, process node agent) and stay in the foreground
+  until interrupted (Ctrl-C or ``down``); prints ``export KUBECONFIG=…`` and writes it to ``DIR/env.sh``.
+- ``down [--dir DIR]``: stop the ``up`` running on DIR (SIGTERM to its pid), which stops every process it started.
+- ``env [--dir DIR]``: print ``DIR/env.sh`` (``eval "$(python -m e2e.local env)"``).
+
+DIR defaults to ``$FULCRUM_E2E_CLUSTER_DIR``, else ``~/.cache/fulcrum-k8s/cluster``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .cluster import ClusterError
+from .harness import LocalCluster
+
+
+def _default_dir() -> Path:
+    env = os.environ.get("FULCRUM_E2E_CLUSTER_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "fulcrum-k8s" / "cluster"
+
+
+def _up(d: Path, nodes: int, gpus: int) -> int:
+    pid_file = d / "up.pid"
+    if pid_file.is_file():
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            print(f"a local cluster already runs on {d} (pid {pid_file.read_text().strip()}); "
+                  f"`python -m e2e.local down` first", file=sys.stderr)
+            return 1
+        except (ProcessLookupError, ValueError):
+            pass
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    cluster = LocalCluster(d, nodes=nodes, gpus=gpus)
+    try:
+        cluster.start()
+    except ClusterError as err:
+        print(f"local cluster failed to start: {err}", file=sys.stderr)
+        return 1
+    env = cluster.env()
+    text = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items() if k != "pid")
+    (d / "env.sh").write_text(text)
+    pid_file.write_text(str(os.getpid()))
+    print(text, end="")
+    print(f"# up in {cluster.startup_s['total']:.1f} s (control plane {cluster.startup_s['control_plane']:.1f} s); "
+          f"logs in {d}/logs, {d}/agent.log, {d}/node/pods/*/logs; Ctrl-C or `python -m e2e.local down` stops it",
+          flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        dead = [n for n, alive in cluster.control_plane.alive().items() if not alive]
+        if dead:
+            print(f"{', '.join(dead)} exited; stopping (see {d}/logs)", file=sys.stderr)
+            break
+    cluster.stop()
+    pid_file.unlink(missing_ok=True)
+    return 0
+
+
+def _down(d: Path) -> int:
+    pid_file = d / "up.pid"
+    if not pid_file.is_file():
+        print(f"no local cluster runs on {d}", file=sys.stderr)
+        return 1
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pid_file.unlink(missing_ok=True)
+        return 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 0
+        time.sleep(0.2)
+    print(f"pid {pid} still runs after 60 s", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; returns its exit code."""
+    p = argparse.ArgumentParser(prog="python -m e2e.local", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["up", "down", "env"])
+    p.add_argument("--dir", type=Path, default=None, help="cluster folder (default: see above)")
+    p.add_argument("--nodes", type=int, default=1, help="process nodes (up; default 1)")
+    p.add_argument("--gpus", type=int, default=16, help="emulated nvidia.com/gpu per node (up; default 16)")
+    args = p.parse_args(argv)
+    d = (args.dir or _default_dir()).resolve()
+    if args.action == "up":
+        if args.nodes < 1 or args.gpus < 0:
+            p.error("--nodes must be >= 1 and --gpus >= 0")
+        return _up(d, args.nodes, args.gpus)
+    if args.action == "down":
+        return _down(d)
+    env_file = d / "env.sh"
+    if not env_file.is_file():
+        print(f"no local cluster on {d} (`python -m e2e.local up`)", file=sys.stderr)
+        return 1
+    print(env_file.read_text(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
