@@ -133,25 +133,23 @@ class Candidate:
     refitting: RefittingForecaster | None = None
 
     @classmethod
-    def of(cls, name: str, model: SeriesForecaster) -> Candidate:
-        """A candidate; ``refitting`` set when ``model`` is a :class:`RefittingForecaster`."""
-        return cls(name, model, model if isinstance(model, RefittingForecaster) else None)
+    def refitted(cls, name: str, model: RefittingForecaster) -> Candidate:
+        """A candidate whose refits the selector schedules (``refitting`` is ``model``)."""
+        return cls(name, model, model)
 
 
 def default_candidates(spec: ForecasterSpec) -> list[Candidate]:
     """The candidates of the module doc with ``spec``'s settings (ARIMA order, window, season length, moving-average
     window); the model candidates refit at :data:`CANDIDATE_REFIT_ERROR` or ``spec.refit_error``, the larger."""
     refit = max(spec.refit_error, CANDIDATE_REFIT_ERROR)
+    arima = ArimaForecaster(order=spec.order, window=spec.window, refit_error=refit, concentrate_scale=True)
     return [
-        Candidate.of(BASELINE, LastValue()),
-        Candidate.of(
-            "arima",
-            ArimaForecaster(order=spec.order, window=spec.window, refit_error=refit, concentrate_scale=True),
-        ),
-        Candidate.of("ets", EtsForecaster(window=spec.window, refit_error=refit)),
-        Candidate.of("seasonal_naive", Corrected(SeasonalNaive(spec.season_length))),
-        Candidate.of("moving_average", Corrected(MovingAverage(spec.moving_average_window))),
-        Candidate.of("drift", Corrected(LastValue(), name="drift")),
+        Candidate(BASELINE, LastValue()),
+        Candidate.refitted("arima", arima),
+        Candidate.refitted("ets", EtsForecaster(window=spec.window, refit_error=refit)),
+        Candidate("seasonal_naive", Corrected(SeasonalNaive(spec.season_length))),
+        Candidate("moving_average", Corrected(MovingAverage(spec.moving_average_window))),
+        Candidate("drift", Corrected(LastValue(), name="drift")),
     ]
 
 
