@@ -70,7 +70,15 @@ from fulcrum.forecast.baselines import LastValue, MovingAverage, SeasonalNaive
 from fulcrum.forecast.correction import CorrectionFactor
 from fulcrum.forecast.ets import EtsForecaster
 
-__all__ = ["Candidate", "Corrected", "SelectingForecaster", "default_candidates"]
+__all__ = [
+    "BASELINE",
+    "CANDIDATE_REFIT_ERROR",
+    "ENSEMBLE",
+    "Candidate",
+    "Corrected",
+    "SelectingForecaster",
+    "default_candidates",
+]
 
 #: Denominator floor of a percentage error, as a share of the trailing mean level (as in ``arima``).
 _APE_FLOOR = 0.1
