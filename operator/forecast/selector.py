@@ -314,6 +314,8 @@ class SelectingForecaster:
             if k != BASELINE and self._beats_baseline(k) and (best == BASELINE or scores[k] < scores[best]):
                 best = k
         self._chosen = best
+        # The guarantee of the module doc: never a higher trailing-window error than the last value's.
+        assert best == BASELINE or scores[best] < scores[BASELINE]
 
     def _beats_baseline(self, name: str) -> bool:
         """Paired test on the trailing window: t = mean(d) / (sd(d)/√n) < −t_crit, d = e_name − e_last_value."""
