@@ -13,7 +13,10 @@ from fulcrum.api import ForecasterMethod, ForecasterSpec
 from fulcrum.forecast import (
     ArimaFilter,
     ArimaForecaster,
+    Corrected,
+    CorrectionFactor,
     EtsForecaster,
+    MovingAverage,
     SelectingForecaster,
     WorkloadForecaster,
     backtest,
@@ -206,3 +209,40 @@ def test_ets_recursion_continues_the_statsmodels_fit() -> None:
         ).fit(smoothing_level=alpha, smoothing_trend=beta, damping_trend=phi, optimized=False)
     assert f.refits == 1
     assert f.forecast(2).mean == pytest.approx(math.exp(float(ref.forecast(2)[-1])), rel=1e-9)
+
+
+def test_the_correction_factor_learns_a_persistent_bias_and_ignores_noise() -> None:
+    biased, noisy = CorrectionFactor(), CorrectionFactor()
+    rng = np.random.default_rng(12)
+    for _ in range(30):
+        biased.update(120.0, 100.0)  # the model is 20 % low, every time
+        noisy.update(100.0 * math.exp(float(rng.normal(0.0, 0.1))), 100.0)
+    assert biased.factor == pytest.approx(1.2, rel=0.02)
+    assert abs(noisy.factor - 1.0) < 0.05
+    biased.reset()
+    assert biased.factor == 1.0
+
+
+def test_a_corrected_baseline_scales_its_forecast_and_bounds_by_the_factor() -> None:
+    inner, wrapped = MovingAverage(3), Corrected(MovingAverage(3))
+    for t in range(40):
+        v = 100.0 * 1.05**t  # the moving average lags a 5 %-per-interval growth by a steady ratio
+        inner.observe(v)
+        wrapped.observe(v)
+    c = wrapped.correction.factor
+    assert c > 1.05
+    a, b = inner.forecast(1), wrapped.forecast(1)
+    assert b.mean == pytest.approx(c * a.mean) and b.upper == pytest.approx(c * a.upper)
+    assert abs(b.mean - 100.0 * 1.05**40) < abs(a.mean - 100.0 * 1.05**40)
+
+
+def test_invalid_selector_settings_raise() -> None:
+    cands = default_candidates(ForecasterSpec())
+    with pytest.raises(ValueError):
+        SelectingForecaster([c for c in cands if c.name != BASELINE])
+    with pytest.raises(ValueError):
+        SelectingForecaster(cands, slot=4, slots=4)
+    with pytest.raises(ValueError):
+        SelectingForecaster(cands, t_crit=-1.0)
+    with pytest.raises(ValueError):
+        SelectingForecaster(cands, window=8, min_scored=9)
