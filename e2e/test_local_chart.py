@@ -174,7 +174,7 @@ def chart(local_cluster: Any, namespaces: tuple[str, str], app_etcd_url: str,
 
 
 def _sim_llmserve(ns: str, name: str, **spec: Any) -> dict[str, Any]:
-    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"] = {"name": name, "namespace": ns}
     doc["spec"]["scaling"]["intervalSeconds"] = 10
     doc["spec"].update(spec)
@@ -355,7 +355,7 @@ def test_prometheus_scrapes_the_pods_and_the_operator_observes_through_it(
     assert jobs == {"sim-prefill", "sim-decode", "sim-router"}, jobs
 
     router_ip = local_cluster.proxies.address(ns, "sim-router", timeout_s=10)
-    stop, sent = threading.Event(), []
+    stop, sent = threading.Event(), list[int]()
     load = threading.Thread(target=_completions, args=(f"http://{router_ip}:8000/v1/completions",
                                                       sim_serve["spec"]["model"]["servedName"], stop, sent),
                             daemon=True)
@@ -379,7 +379,7 @@ def test_prometheus_scrapes_the_pods_and_the_operator_observes_through_it(
         stop.set()
         load.join(35)
     assert any(code == 200 for code in sent), sent
-    degraded = next((c for c in st.get("conditions") or [] if c["type"] == "Degraded"), {})
+    degraded: dict[str, Any] = next((c for c in st.get("conditions") or [] if c["type"] == "Degraded"), {})
     assert not (degraded.get("status") == "True" and "Prometheus" in degraded.get("message", "")), degraded
     print(f"targets up after {TIMINGS['targets_up_s']:.1f} s; observed after {TIMINGS['observed_s']:.1f} s: "
           f"lastObservation={st['lastObservation']}, forecast={st.get('forecast')}, "

@@ -91,7 +91,7 @@ class Installed:
     @property
     def operator_deployment(self) -> str:
         """The operator Deployment's name."""
-        return next(o["metadata"]["name"] for o in self.of_kind("Deployment")
+        return next(str(o["metadata"]["name"]) for o in self.of_kind("Deployment")
                     if o["metadata"]["name"].endswith("-operator"))
 
 
