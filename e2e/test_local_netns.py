@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from local.audit import calls_of, summarise
 from local.cluster import ManagedProcess, free_port
 
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(600)]
@@ -142,3 +143,10 @@ def test_the_router_finds_the_sim_workers_through_endpointslices(
     status, reply = _wait("a completion routed by EndpointSlices", complete, timeout_s=120, every_s=2.0)
     assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == 8
     print(f"router (registry: kubernetes) served a completion {time.monotonic() - t0:.1f} s after the apply")
+    # the router read the slices as the ServiceAccount the operator made for it, under the Role it made, never refused
+    user = f"system:serviceaccount:{ns}:sim-router"
+    calls = calls_of(local_cluster.control_plane.audit_log, user)
+    table = summarise(calls)
+    print(f"{user}: " + "; ".join(f"{k} {dict(v)}" for k, v in table.items()))
+    assert not [c for c in calls if c.code == 403], table
+    assert any(k.endswith("discovery.k8s.io/endpointslices") for k in table), table
