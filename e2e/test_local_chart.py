@@ -165,7 +165,7 @@ def chart(local_cluster: Any, namespaces: tuple[str, str], app_etcd_url: str,
     finally:
         pods = _get(local_cluster, "pods", release_ns).get("items") or []
         for p in pods:
-            runner = local_cluster.agent.runner(release_ns, p["metadata"]["name"])
+            runner = local_cluster.runner(release_ns, p["metadata"]["name"])
             if runner is not None:
                 print(f"----- {p['metadata']['name']} (operator log) -----\n"
                       + runner.log_path("operator").read_text(errors="replace")[-4000:])
@@ -211,7 +211,7 @@ def test_the_chart_installs_and_the_operator_runs_as_a_pod_under_its_service_acc
     assert {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"] == "True"
     args = pod["spec"]["containers"][0]["args"]
     assert f"--namespace={watched}" in args and f"--prometheus-url={prometheus.url}" in args
-    runner = local_cluster.agent.runner(release_ns, pod["metadata"]["name"])
+    runner = local_cluster.runner(release_ns, pod["metadata"]["name"])
     assert runner is not None and runner.containers[0].proc is not None
     assert runner.containers[0].proc.poll() is None, "the operator's process is not running"
     # logged in as its ServiceAccount: kopf keeps its liveness in the status of the chart's KopfPeering
@@ -404,7 +404,7 @@ def test_deleting_the_llmserve_garbage_collects_what_it_owned_and_stops_the_proc
     assert {"deployments.apps", "replicasets.apps", "pods", "services", "configmaps"} <= set(owned), owned
     pids: dict[str, list[int]] = {}
     for pod in owned["pods"]:
-        runner = local_cluster.agent.runner(ns, pod)
+        runner = local_cluster.runner(ns, pod)
         assert runner is not None, pod
         pids[pod] = [c.proc.pid for c in runner.containers if c.proc is not None]
         assert pids[pod], pod
@@ -433,7 +433,7 @@ def test_deleting_the_llmserve_garbage_collects_what_it_owned_and_stops_the_proc
         except OSError:
             return False
 
-    _wait("the pods' runners stopped", lambda: all(local_cluster.agent.runner(ns, p) is None for p in pids) or None,
+    _wait("the pods' runners stopped", lambda: all(local_cluster.runner(ns, p) is None for p in pids) or None,
           timeout_s=60)
     _wait("the pods' processes gone", lambda: not [p for ps in pids.values() for p in ps if alive(p)] or None,
           timeout_s=30)
