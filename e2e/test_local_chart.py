@@ -38,7 +38,7 @@ from local.prometheus import (PROMETHEUS_RBAC, LocalPrometheus, PodDiscovery, ku
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(600)]
 
 EXAMPLE = REPO / "examples" / "llmserve-sim.yaml"
-RELEASE = "fulcrum"
+RELEASE = "fulcrum-e2e"  # not "fulcrum": the chart test of test_local_cluster.py installs that one (cluster-scoped RBAC names)
 LABEL_LLMSERVE = "fulcrum.dev/llmserve"
 OWNED_KINDS = ("deployments.apps", "replicasets.apps", "pods", "services", "configmaps", "serviceaccounts",
                "roles.rbac.authorization.k8s.io", "rolebindings.rbac.authorization.k8s.io")
