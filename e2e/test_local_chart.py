@@ -32,7 +32,8 @@ import yaml
 from local.audit import calls_of, summarise
 from local.chart import REPO, Installed, install, local_values, uninstall
 from local.cluster import ManagedProcess, etcd_binary, free_port
-from local.prometheus import PROMETHEUS_RBAC, LocalPrometheus, prometheus_binary, prometheus_config
+from local.prometheus import (PROMETHEUS_RBAC, LocalPrometheus, PodDiscovery, kubernetes_sd_supported,
+                              prometheus_binary, prometheus_config)
 
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(600)]
 
@@ -126,8 +127,14 @@ def prometheus(local_cluster: Any, namespaces: tuple[str, str],
     token_file.chmod(0o600)
     selector = {"app.kubernetes.io/name": "fulcrum", "app.kubernetes.io/instance": RELEASE,
                 "app.kubernetes.io/component": "operator"}
-    cfg = prometheus_config(local_cluster.api_url, local_cluster.control_plane.pki / "ca.crt", token_file,
-                            scrape_interval_s=2, operator_selector=selector, namespaces=[release_ns, watched])
+    ca, watch = local_cluster.control_plane.pki / "ca.crt", [release_ns, watched]
+    discovery = None
+    if not kubernetes_sd_supported():  # Debian's build (module docstring of local.prometheus)
+        discovery = PodDiscovery(local_cluster.api_url, ca, token_file, watch)
+        discovery.start()
+        print(f"{prometheus_binary()} has no kubernetes_sd_configs: http_sd_configs from {discovery.url}")
+    cfg = prometheus_config(local_cluster.api_url, ca, token_file, scrape_interval_s=2, operator_selector=selector,
+                            namespaces=watch, http_sd_url=discovery.url if discovery else None)
     prom = LocalPrometheus(d, cfg)
     t0 = time.monotonic()
     prom.start()
@@ -136,6 +143,8 @@ def prometheus(local_cluster: Any, namespaces: tuple[str, str],
         yield prom
     finally:
         prom.stop()
+        if discovery is not None:
+            discovery.stop()
         local_cluster.kubectl("delete", "clusterrole,clusterrolebinding", f"{release_ns}-prometheus",
                               "--ignore-not-found", check=False)
         print(f"----- prometheus log ({prom.workdir / 'prometheus.log'}) -----\n{prom.tail(2000)}")
