@@ -377,17 +377,24 @@ class PodRunner:
         """``unshare --mount`` + a shell that bind-mounts the volumes, then execs ``argv`` (default: the
         container's own; exec probes and hooks run in a namespace like the container's)."""
         lines = ["set -e"]
-        for src, dest in self._mounts(c):
-            q, d = shlex.quote(str(src)), shlex.quote(dest)
+        mounts = self._mounts(c)
+        # every source is opened before the first mount and bound from /proc/self/fd/N: a mount over a folder
+        # that holds the pod's own volume folders (an emptyDir at /tmp while the agent's workdir is under /tmp)
+        # would otherwise hide the sources of the mounts after it
+        for i, (src, _) in enumerate(mounts):
+            lines.append(f"exec {10 + i}<{shlex.quote(str(src))}")
+        for i, (src, dest) in enumerate(mounts):
+            d = shlex.quote(dest)
             if src.is_dir():
                 lines.append(f"mkdir -p {d}")
             else:
                 lines.append(f"mkdir -p {shlex.quote(str(Path(dest).parent))}; [ -e {d} ] || touch {d}")
-            lines.append(f"mount --bind {q} {d}")
+            lines.append(f"mount --bind /proc/self/fd/{10 + i} {d}")
+        lines += [f"exec {10 + i}<&-" for i in range(len(mounts))]
         lines.append('exec "$@"')
         script = self.dir / f"{c.name}.mounts.sh"
         script.write_text("\n".join(lines) + "\n")
-        return ["unshare", "--mount", "--propagation", "private", "/bin/sh", str(script), *(argv or c.argv)]
+        return ["unshare", "--mount", "--propagation", "private", "/bin/bash", str(script), *(argv or c.argv)]
 
     # --- volumes ---------------------------------------------------------------------------------------
 
