@@ -214,6 +214,11 @@ def test_the_chart_installs_and_the_operator_runs_as_a_pod_under_its_service_acc
     runner = local_cluster.agent.runner(release_ns, pod["metadata"]["name"])
     assert runner is not None and runner.containers[0].proc is not None
     assert runner.containers[0].proc.poll() is None, "the operator's process is not running"
+    # logged in as its ServiceAccount: kopf keeps its liveness in the status of the chart's KopfPeering
+    _wait("the operator in the KopfPeering's status", lambda: (_get(local_cluster, "kopfpeering", watched, "fulcrum")
+                                                              .get("status") or {}), timeout_s=90)
+    pod = _get(local_cluster, "pod", release_ns, pod["metadata"]["name"])
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0, pod["status"]["containerStatuses"]
     # the ServiceMonitor's equivalent: Prometheus scrapes the operator's metrics port
     ip = pod["status"]["podIP"]
 
