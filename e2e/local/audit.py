@@ -15,7 +15,7 @@ __all__ = ["Call", "calls_of", "summarise"]
 
 @dataclass(frozen=True)
 class Call:
-    """One audited request (stage ResponseComplete or Panic)."""
+    """One audited request."""
 
     verb: str
     group: str
@@ -36,13 +36,14 @@ class Call:
 
 
 def calls_of(log: Path, username: str, since: float = 0.0) -> list[Call]:
-    """The requests ``username`` made (stage ResponseComplete/Panic), oldest first; ``since``: Unix seconds.
+    """The requests ``username`` made, oldest first; ``since``: Unix seconds.
 
-    Rotated files (``audit-*.log`` beside ``log``) are read too.
+    One Call per request (``auditID``), from its last stage: ResponseComplete (or Panic), else ResponseStarted
+    — a watch still open has only that one. Rotated files (``audit-*.log`` beside ``log``) are read too.
     """
     from datetime import datetime
 
-    out: list[Call] = []
+    by_id: dict[str, Call] = {}
     files = sorted(log.parent.glob(log.stem + "-*" + log.suffix)) + [log]
     for path in files:
         if not path.is_file():
@@ -55,7 +56,9 @@ def calls_of(log: Path, username: str, since: float = 0.0) -> list[Call]:
                     continue
                 if (ev.get("user") or {}).get("username") != username:
                     continue
-                if ev.get("stage") not in ("ResponseComplete", "Panic"):
+                if ev.get("stage") not in ("ResponseStarted", "ResponseComplete", "Panic"):
+                    continue
+                if ev.get("stage") == "ResponseStarted" and ev.get("auditID") in by_id:
                     continue
                 if since:
                     ts = ev.get("requestReceivedTimestamp", "")
@@ -65,12 +68,12 @@ def calls_of(log: Path, username: str, since: float = 0.0) -> list[Call]:
                     except ValueError:
                         pass
                 ref = ev.get("objectRef") or {}
-                out.append(Call(verb=str(ev.get("verb", "")), group=str(ref.get("apiGroup", "")),
-                                resource=str(ref.get("resource", "")), subresource=str(ref.get("subresource", "")),
-                                namespace=str(ref.get("namespace", "")), name=str(ref.get("name", "")),
-                                code=int((ev.get("responseStatus") or {}).get("code") or 0),
-                                uri=str(ev.get("requestURI", ""))))
-    return out
+                by_id[str(ev.get("auditID") or len(by_id))] = Call(
+                    verb=str(ev.get("verb", "")), group=str(ref.get("apiGroup", "")),
+                    resource=str(ref.get("resource", "")), subresource=str(ref.get("subresource", "")),
+                    namespace=str(ref.get("namespace", "")), name=str(ref.get("name", "")),
+                    code=int((ev.get("responseStatus") or {}).get("code") or 0), uri=str(ev.get("requestURI", "")))
+    return list(by_id.values())
 
 
 def summarise(calls: list[Call]) -> dict[str, Counter[int]]:
