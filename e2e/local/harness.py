@@ -15,7 +15,7 @@ from typing import Any
 
 from .cluster import ClusterError, ControlPlane
 from .node_agent import NodeAgent
-from .service_proxy import ServiceProxies
+from .service_proxy import LoopbackAllocator, ServiceProxies
 
 __all__ = ["LocalCluster"]
 
@@ -30,6 +30,8 @@ class LocalCluster:
 
     workdir: Path
     node_name: str = "process-node-1"
+    pod_prefix: str = "127.0"
+    """First two octets of the pod IPs; ``"10.244"`` only inside ``netns.enter_private_netns()``."""
     control_plane: ControlPlane = field(init=False)
     proxies: ServiceProxies | None = None
     agent: NodeAgent | None = None
@@ -67,7 +69,8 @@ class LocalCluster:
             self.proxies.start()
             self.startup_s["proxies"] = time.monotonic() - t0
             self.agent = NodeAgent(self.node_name, self.kubeconfig, self.control_plane.api_port,
-                                   self.workdir / "node", proxies=self.proxies)
+                                   self.workdir / "node", proxies=self.proxies,
+                                   pod_ips=LoopbackAllocator(self.pod_prefix))
             self.agent.start()
             self._wait_node_ready(t0 + 60)
             self.startup_s["node_ready"] = time.monotonic() - t0
