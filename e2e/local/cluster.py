@@ -311,6 +311,17 @@ class ControlPlane:
         """One log file per component."""
         return self.workdir / "logs"
 
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines, level Metadata; ``e2e/local/audit.py`` reads it)."""
+        return self.logs / "audit.log"
+
+    def _audit_policy(self) -> Path:
+        path = self.workdir / "audit-policy.yaml"
+        path.write_text('{"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"], '
+                        '"rules": [{"level": "Metadata"}]}\n')
+        return path
+
     def start(self, timeout_s: float = 90.0) -> None:
         """Make the certificates, start the four components, wait until they are ready.
 
@@ -361,6 +372,9 @@ class ControlPlane:
                 # validation rejects (loopback): pods reach the API through KUBERNETES_SERVICE_HOST instead
                 "--endpoint-reconciler-type", "none",
                 "--profiling=false", "--v", "1",
+                # audit log (level Metadata: who did which verb on which resource, and the answer's code)
+                "--audit-policy-file", str(self._audit_policy()), "--audit-log-path", str(self.audit_log),
+                "--audit-log-maxsize", "200", "--audit-log-maxbackup", "1",
             ], self.logs / "kube-apiserver.log"),
         ]
         common = ["--leader-elect=false", "--bind-address", "127.0.0.1", "--profiling=false", "--v", "1"]

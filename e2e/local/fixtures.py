@@ -70,7 +70,13 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
         missing = "kubectl is not installed"
     if missing is not None:
         pytest.skip(f"no local Kubernetes cluster: {missing}; and no FULCRUM_E2E_USE_KUBECONFIG=1 with KUBECONFIG")
-    cluster = LocalCluster(tmp_path_factory.mktemp("local-cluster"), nodes=2, gpus=8)
+    pod_prefix = "127.0"
+    if os.environ.get("FULCRUM_E2E_NETNS") == "1":  # pod IPs the API accepts in EndpointSlices (netns.py)
+        from .netns import POD_PREFIX, enter_private_netns
+
+        enter_private_netns()
+        pod_prefix = POD_PREFIX
+    cluster = LocalCluster(tmp_path_factory.mktemp("local-cluster"), nodes=2, gpus=8, pod_prefix=pod_prefix)
     cluster.start()
     print(f"local cluster up in {cluster.startup_s['total']:.1f} s "
           f"(control plane {cluster.startup_s['control_plane']:.1f} s): {cluster.api_url}")

@@ -34,6 +34,8 @@ class LocalCluster:
     workdir: Path
     nodes: int = 1
     gpus: int = 16
+    pod_prefix: str = "127.0"
+    """First two octets of the pod IPs; ``"10.244"`` only inside ``netns.enter_private_netns()``."""
     control_plane: ControlPlane = field(init=False)
     proxies: ServiceProxies | None = None
     agents: list[NodeAgent] = field(default_factory=list)
@@ -83,7 +85,7 @@ class LocalCluster:
             self.proxies = ServiceProxies(api, self.control_plane.api_port)
             self.proxies.start()
             self.startup_s["proxies"] = time.monotonic() - t0
-            pod_ips = LoopbackAllocator("127.0")
+            pod_ips = LoopbackAllocator(self.pod_prefix)
             for i, name in enumerate(self.node_names()):
                 agent = NodeAgent(name, self.kubeconfig, self.control_plane.api_port,
                                   self.workdir / ("node" if i == 0 else f"node-{i + 1}"), proxies=self.proxies,

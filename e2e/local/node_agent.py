@@ -435,7 +435,7 @@ class PodRunner:
         lines.append('exec "$@"')
         script = self.dir / f"{c.name}.mounts.sh"
         script.write_text("\n".join(lines) + "\n")
-        return ["unshare", "--mount", "--propagation", "private", "/bin/sh", str(script), *(argv or c.argv)]
+        return ["unshare", "--mount", "--propagation", "private", "/bin/bash", str(script), *(argv or c.argv)]
 
     # --- volumes ---------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -58,7 +59,8 @@ from fulcrum.controller.resources import (
 )
 from fulcrum.controller.status import build_status, target_from_status
 
-__all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "register", "fetch_text"]
+__all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "register", "fetch_text",
+           "in_cluster_server"]
 
 GROUP, VERSION, PLURAL = "fulcrum.dev", "v1alpha1", "llmserves"
 log = logging.getLogger("fulcrum.operator")
@@ -667,6 +669,22 @@ def _prometheus_connect(url: str) -> QueryClient:
     return client
 
 
+def in_cluster_server(info: Any, environ: Mapping[str, str] | None = None) -> Any:
+    """kopf's service-account login with the API server's address taken from ``KUBERNETES_SERVICE_HOST`` and
+    ``KUBERNETES_SERVICE_PORT`` (as client-go's and the kubernetes client's in-cluster config do, and as this
+    operator's own ``KubeClient`` does), instead of kopf's fixed ``https://kubernetes.default.svc`` (port 443),
+    which needs cluster DNS: a ``hostNetwork`` pod or a cluster without DNS for the ``kubernetes`` Service could
+    not log in, while the kubernetes client beside it could. ``info`` is kopf's ``ConnectionInfo`` (or None: not
+    in a pod); without the variables it is returned unchanged."""
+    env = os.environ if environ is None else environ
+    host, port = env.get("KUBERNETES_SERVICE_HOST", "").strip(), env.get("KUBERNETES_SERVICE_PORT", "").strip()
+    if info is None or not host or not port:
+        return info
+    if ":" in host and not host.startswith("["):  # an IPv6 address
+        host = f"[{host}]"
+    return replace(info, server=f"https://{host}:{port}")
+
+
 def register(registry: Any, controller: Controller) -> None:
     """Register the handlers on a ``kopf.OperatorRegistry`` (module doc)."""
     import kopf
@@ -676,7 +694,7 @@ def register(registry: Any, controller: Controller) -> None:
     def login(**kwargs: Any) -> Any:
         # a registry of our own has none of kopf's default login handlers: in a pod the service account,
         # elsewhere the kubeconfig ($KUBECONFIG or ~/.kube/config)
-        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        return in_cluster_server(kopf.login_with_service_account(**kwargs)) or kopf.login_with_kubeconfig(**kwargs)
 
     kopf.on.login(id="login", registry=registry)(login)
 
