@@ -191,3 +191,51 @@ def test_the_operator_killed_mid_scale_out_is_replaced_and_converges(
     assert operator.current.alive() and len(operator.procs) == 2
     assert "chose a draining instance" not in router_log(local_cluster, ns, NAME)
     _ = Path  # (typing only)
+
+
+def test_the_kube_apiserver_restarted_under_load_leaves_operator_and_router_running(
+        local_cluster: Any, local_namespace: str, operator: Operator, prometheus: LocalPrometheus) -> None:
+    """kube-apiserver stopped for ~15 s and started again (same flags, same etcd) while requests flow: no client
+    request fails (the router's registry is etcd, its data path needs no API), the operator process and the
+    router pod are not restarted, and the operator's control loop goes on (a new observation in status)."""
+    ns = local_namespace
+    if not hasattr(local_cluster, "control_plane"):
+        pytest.skip("needs the local cluster's own control plane")
+    doc, url = _setup(local_cluster, ns, prometheus)
+    model = doc["spec"]["model"]["servedName"]
+    apiserver = local_cluster.control_plane.processes[1]
+    assert apiserver.name == "kube-apiserver"
+    op_pid = operator.current.proc.pid
+    router_pod = kget(local_cluster, "pods", ns, selector=f"fulcrum.dev/llmserve={NAME},"
+                      "app.kubernetes.io/component=router")["items"][0]
+    outage: dict[str, float] = {}
+
+    def restart() -> None:
+        time.sleep(10)
+        outage["stop"] = time.time()
+        apiserver.stop(10)
+        time.sleep(15)
+        apiserver.start()
+        outage["start"] = time.time()
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    report = drive(url, model, window_requests(BURST))
+    t.join(60)
+    wait("the API server back", lambda: "ok" == local_cluster.kubectl("get", "--raw", "/readyz", check=False).strip(),
+         timeout_s=120, every_s=2)
+    outage["ready"] = time.time()
+    print(f"\nAPI server down {outage['start'] - outage['stop']:.0f} s, ready again after "
+          f"{outage['ready'] - outage['stop']:.0f} s; client: {len(report.failed)} failed of {len(report.results)}")
+    assert not report.failed, [(r.status, r.error) for r in report.failed[:5]]
+    st0 = (kget(local_cluster, "llmserve", ns, NAME).get("status") or {}).get("lastObservation", {}).get("time", "")
+    wait("a new observation in status after the restart", lambda: (
+        (kget(local_cluster, "llmserve", ns, NAME).get("status") or {}).get("lastObservation", {}).get("time", "")
+        > st0), timeout_s=90, every_s=3)
+    assert operator.current.alive() and operator.current.proc.pid == op_pid, "the operator process restarted"
+    pod = kget(local_cluster, "pod", ns, router_pod["metadata"]["name"])
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == router_pod["status"]["containerStatuses"][0][
+        "restartCount"], "the router restarted"
+    oplog = operator.current.tail(20000)
+    print("operator log lines about the outage:",
+          [ln[:160] for ln in oplog.splitlines() if re.search(r"error|retry|refused|reconnect", ln, re.I)][:8])
