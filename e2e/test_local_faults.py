@@ -148,24 +148,24 @@ def test_the_operator_killed_mid_scale_out_is_replaced_and_converges(
     watcher.start()
     before = total(wait("pools", watcher.pools))
     state: dict[str, Any] = {}
-
-    def killer() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            pools = watcher.pools()
-            if total(pools) > before and total(pools, "ready") < total(pools):  # scale-out applied, pods starting
-                os.killpg(operator.current.proc.pid, signal.SIGKILL)
-                state.update(killed_at=time.time(), pools=pools)
-                time.sleep(5)
-                operator.start()
-                state["restarted_at"] = time.time()
-                return
-            time.sleep(0.5)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    report = drive(url, model, window_requests(BURST))
-    t.join(130)
+    box: dict[str, Any] = {}
+    # the load in a thread: the replacement operator must be started from this (the main) thread, since
+    # ``setpriv --pdeathsig KILL`` kills a child when the *thread* that started it ends
+    load = threading.Thread(target=lambda: box.update(report=drive(url, model, window_requests(BURST))), daemon=True)
+    load.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and load.is_alive():
+        pools = watcher.pools()
+        if total(pools) > before and total(pools, "ready") < total(pools):  # scale-out applied, pods starting
+            os.killpg(operator.current.proc.pid, signal.SIGKILL)
+            state.update(killed_at=time.time(), pools=pools)
+            time.sleep(5)
+            operator.start()
+            state["restarted_at"] = time.time()
+            break
+        time.sleep(0.5)
+    load.join(300)
+    report = box["report"]
     assert state.get("killed_at"), "no scale-out to interrupt"
     print(f"\nkilled the operator at +{state['killed_at'] - report.started:.1f} s mid scale-out {state['pools']}")
     assert not report.failed, [(r.status, r.error) for r in report.failed[:5]]
@@ -209,19 +209,17 @@ def test_the_kube_apiserver_restarted_under_load_leaves_operator_and_router_runn
     router_pod = kget(local_cluster, "pods", ns, selector=f"fulcrum.dev/llmserve={NAME},"
                       "app.kubernetes.io/component=router")["items"][0]
     outage: dict[str, float] = {}
-
-    def restart() -> None:
-        time.sleep(10)
-        outage["stop"] = time.time()
-        apiserver.stop(10)
-        time.sleep(15)
-        apiserver.start()
-        outage["start"] = time.time()
-
-    t = threading.Thread(target=restart, daemon=True)
-    t.start()
-    report = drive(url, model, window_requests(BURST))
-    t.join(60)
+    box: dict[str, Any] = {}
+    load = threading.Thread(target=lambda: box.update(report=drive(url, model, window_requests(BURST))), daemon=True)
+    load.start()
+    time.sleep(10)  # the API server is restarted from the main thread (pdeathsig: see the operator test)
+    outage["stop"] = time.time()
+    apiserver.stop(10)
+    time.sleep(15)
+    apiserver.start()
+    outage["start"] = time.time()
+    load.join(300)
+    report = box["report"]
     wait("the API server back", lambda: "ok" == local_cluster.kubectl("get", "--raw", "/readyz", check=False).strip(),
          timeout_s=120, every_s=2)
     outage["ready"] = time.time()
