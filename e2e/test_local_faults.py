@@ -19,7 +19,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,7 +189,6 @@ def test_the_operator_killed_mid_scale_out_is_replaced_and_converges(
     assert ins, "the new operator never scaled in"
     assert operator.current.alive() and len(operator.procs) == 2
     assert "chose a draining instance" not in router_log(local_cluster, ns, NAME)
-    _ = Path  # (typing only)
 
 
 def test_the_kube_apiserver_restarted_under_load_leaves_operator_and_router_running(

@@ -15,7 +15,6 @@ Run: ``python -m pytest e2e/test_local_load.py -v -s`` (about 6 min on the loade
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -23,7 +22,6 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
