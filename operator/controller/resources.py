@@ -671,6 +671,10 @@ def _router_objects(
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 3},
+        # liveness starts once the process serves: a router that imports slowly (a busy node) is not killed
+        # every 30 s before it ever listens (up to 5 minutes, like the workers' start-up allowance)
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
+                         "failureThreshold": 150},
         "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
         "securityContext": {"allowPrivilegeEscalation": False},
     }

@@ -255,6 +255,14 @@ def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, 
         counts = new
     gpus = sum(counts[k] * tps[k] for k in counts)
     while gpus < min_gpus:
+        # a pool left empty first: minGPUs that cover one instance of each pool keep the deployment able to
+        # serve at zero load (1 prefill + 1 decode, not 3 prefill and no decode for minGPUs 3, TPs 1 and 2)
+        empty = [k for k in counts if counts[k] == 0]
+        if empty:
+            k = empty[0]
+            counts[k] += 1
+            gpus += tps[k]
+            continue
         k = max(counts, key=lambda k: (needs[k] / max(counts[k], 1e-9)) if needs[k] > 0 else -1.0)
         counts[k] += 1
         gpus += tps[k]

@@ -536,3 +536,13 @@ def test_vllm_workers_serve_the_scheduler_metrics_on_a_named_port_the_pod_monito
         assert c["args"][c["args"].index("--scheduler-metrics-port") + 1] == str(SCHEDULER_METRICS_PORT)
     sim = [o for o in _objects(_serve("llmserve-sim")) if o["kind"] == "Deployment"]
     assert all("--scheduler-metrics-port" not in o["spec"]["template"]["spec"]["containers"][0]["args"] for o in sim)
+
+
+def test_the_router_has_a_startup_probe_so_a_slow_start_is_not_killed_by_liveness() -> None:
+    """Found by the local-cluster load scenario (docs/e2e.md): on a busy node the router's Python start-up took
+    over 30 s and its liveness probe (10 s × 3) killed it before it ever listened, again and again."""
+    c = _by(_objects(_serve("llmserve-sim")), "Deployment", "sim-llama-70b-router")["spec"]["template"]["spec"][
+        "containers"][0]
+    probe = c["startupProbe"]
+    assert probe["httpGet"] == c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 300

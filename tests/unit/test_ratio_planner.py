@@ -200,3 +200,16 @@ def test_role_bounds_keep_one_instance_per_duty_and_follow_the_planned_share():
             assert 1 <= lo_p <= hi_p <= n - 1 and (lo_d, hi_d) == (n - hi_p, n - lo_p)
     with pytest.raises(ValueError):
         role_bounds(4, 1.5)
+
+
+def test_zero_load_with_min_gpus_keeps_one_instance_of_each_pool() -> None:
+    """Found by the local-cluster load scenario (docs/e2e.md): after a burst the plan for zero load with minGPUs 3
+    (prefill TP 1, decode TP 2) was 3 prefill + 0 decode, a disaggregated deployment that cannot serve."""
+    from fulcrum.ratio.planner import _fit_budget
+
+    counts, _ = _fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 0, "d": 0}, 3, 12)
+    assert counts == {"p": 1, "d": 1}
+    counts, _ = _fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 0, "d": 0}, 5, 12)
+    assert counts["p"] >= 1 and counts["d"] >= 1
+    counts, _ = _fit_budget({"p": 2.0, "d": 0.5}, {"p": 1, "d": 2}, {"p": 2, "d": 1}, 3, 12)
+    assert counts == {"p": 2, "d": 1}
