@@ -12,7 +12,8 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
   cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
   still leave the remaining N−1 instances under ``scale_in_utilisation`` (Dynamo's load planner uses the same
   check); the pool then steps down to the highest of those recent plans, by at most ``max_step``;
-- a TP change replaces the pool at once (new instances start, old ones drain);
+- a TP change replaces the pool at once (new instances start, old ones drain); a pool planned empty is a
+  scale-in whatever TP the plan writes for it (an empty pool's TP means nothing);
 - the GPU budget (maxGPUs) is never exceeded.
 
 A steady load therefore never oscillates: a pool only shrinks after a whole window of plans agree, and never
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from fulcrum.observation import Observation
 from fulcrum.target import ClusterTarget, PoolSize
 
-__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "POOLS"]
+__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "reactive_pools", "POOLS"]
 
 POOLS: tuple[str, ...] = ("prefill", "decode", "unified")
 
@@ -65,7 +66,10 @@ class ScalingState:
     last_scale_in_s: dict[str, float] = field(default_factory=dict)
 
 
-def _reactive_pools(obs: Observation, s: ScalingSettings) -> set[str]:
+def reactive_pools(obs: Observation, s: ScalingSettings) -> set[str]:
+    """Pools the reactive guard would grow after ``obs`` (see the module doc): TTFT missed with prompts queued,
+    or a prompt backlog larger than an interval's arrivals → prefill/unified; TPOT missed, or decode work queued
+    with the KV cache nearly full → decode/unified. Empty when the SLO holds."""
     pools: set[str] = set()
     enough = obs.completed >= s.reactive_min_samples
     ttft_bad = enough and math.isfinite(obs.ttft_attainment) and obs.ttft_attainment < s.slo_target
@@ -105,7 +109,7 @@ def apply_scaling_policy(
         (next target, next state, reasons — one line per pool that changed).
     """
     util = utilisation or {}
-    reactive = _reactive_pools(obs, settings)
+    reactive = reactive_pools(obs, settings)
     recent = dict(state.recent)
     last_in = dict(state.last_scale_in_s)
     pools: dict[str, PoolSize] = {}
@@ -119,10 +123,15 @@ def apply_scaling_policy(
         timed = tuple((t, c) for t, c in recent.get(name, ()) if t > now_s - window_s) + ((now_s, want.replicas),)
         recent[name] = timed
         hist = tuple(c for _, c in timed)
-        if want.tp != have.tp and (want.replicas > 0 or have.replicas > 0):
+        # An empty pool's TP is a placeholder (a plan of the other mode says PoolSize(0, 1)): only a change
+        # between two non-empty pools is a TP change. Taking the placeholder for one replaced a serving pool by
+        # an empty one at once, past the stabilisation window: the Auto-mode thrash of issue 13.
+        if want.tp != have.tp and want.replicas > 0 and have.replicas > 0:
             pools[name] = want
             reasons.append(f"{name}: TP {have.tp}→{want.tp}, {have.replicas}→{want.replicas} instances")
             continue
+        if have.replicas == 0 and want.replicas > 0:
+            have = PoolSize(0, want.tp)  # a pool started from nothing takes the plan's TP
         n = have.replicas
         # Capacity already asked for but still starting will absorb the miss: react again only once every
         # instance of the pool is ready, or the guard would add instances every tick of a pod start-up.
