@@ -9,10 +9,11 @@ Each tick (``spec.scaling.intervalSeconds``):
    (observed − forecast rate, requests/s) of this planner's own past forecasts at that horizon, over the last
    ``residual_window`` intervals; the larger of the next step's and the horizon's. A predictable load thus gets
    little headroom and an erratic one much (DOPD Alg. 2 plans for the point forecast alone). Until
-   ``min_residuals`` forecasts have been scored, the forecaster's upper prediction bound at
-   ``forecaster.predictionLevel`` stands in. Lengths are forecast distributions (quantiles rescaled to the
+   ``min_residuals`` forecasts of a horizon have been scored, the one-step residuals' quantile × √h stands in,
+   and before those the forecaster's upper prediction bound at ``forecaster.predictionLevel``. In cold start (too
+   little history for the model) the last observation is the forecast; it is scored like one (so residuals exist
+   when the model is ready) and planned for with its own residual quantile. Lengths are forecast distributions (quantiles rescaled to the
    forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate needed to drain it within one interval.
-   In cold start (too little history) the observation is used.
 3. **plan** with :func:`fulcrum.ratio.planner.plan` (eqs. 11–18, TP, Kingman headroom); in Auto mode both modes
    are planned and :func:`fulcrum.scaling.mode.decide_mode` decides whether to switch (cost-weighed, with dwell
    time, make-before-break).
@@ -113,7 +114,7 @@ class FulcrumPlanner:
         mode_switch: ModeSwitchSettings | None = None,
         max_headroom: float = 2.0,
         residual_window: int = 60,
-        min_residuals: int = 10,
+        min_residuals: int = 5,
     ) -> None:
         """
         Args:
@@ -128,7 +129,7 @@ class FulcrumPlanner:
             residual_window: forecast residuals kept per horizon, intervals (60: an hour at the shipped 60-s
                 interval; long enough for a P90 quantile, short enough to follow a change of regime).
             min_residuals: residuals needed before their quantile replaces the forecaster's prediction bound
-                (10: the P90 of fewer is the maximum).
+                (5: with fewer the quantile is the maximum of a handful; until then the bound over-provisions).
         """
         self.spec = spec
         self.profile = profile
@@ -140,6 +141,9 @@ class FulcrumPlanner:
             cooldown_s=sc.cooldown_seconds,
             slo_target=spec.slo.percentile / 100.0,
             max_gpus=sc.max_gpus,
+            # the plans' continuous needs are already divided by the planner's target utilisation (0.9): the
+            # N/(N−1) check asks that N−1 instances hold that need, not 80% of it on top
+            scale_in_utilisation=1.0,
         )
         self.mode_switch = mode_switch or ModeSwitchSettings(
             min_dwell_s=max(900.0, 5 * sc.pod_startup_seconds), horizon_s=max(900.0, 5 * sc.pod_startup_seconds)
@@ -187,10 +191,15 @@ class FulcrumPlanner:
         percentile (requests/s), or the forecaster's upper bound while too few residuals are known."""
         mean = _finite(fc.rate.mean, 0.0)
         self._due.setdefault(steps, deque()).append((self._tick + steps, mean))
+        q = self.spec.slo.percentile / 100.0
         res = self._residuals.get(steps, deque())
         if len(res) >= self.min_residuals:
-            q = self.spec.slo.percentile / 100.0
             return max(mean + residual_quantile(res, q), 0.0), f"residual P{q * 100:g}"
+        # Too few h-step residuals yet (they take h intervals to score): the one-step residuals, whose spread
+        # grows about as √h with the horizon for a random-walk-like series (ARIMA(0,1,1) without drift).
+        res1 = self._residuals.get(1, deque())
+        if len(res1) >= self.min_residuals:
+            return max(mean + residual_quantile(res1, q) * math.sqrt(steps), 0.0), f"1-step residual P{q * 100:g}·√{steps}"
         return _finite(fc.rate.upper, mean), f"P{self.spec.scaling.forecaster.prediction_level * 100:g} bound"
 
     def estimate(self, obs: Observation) -> tuple[WorkloadEstimate, dict[str, dict[str, float]], str]:
@@ -204,10 +213,19 @@ class FulcrumPlanner:
         fc_h = self.forecaster.forecast(self.horizon_steps, level)
         if not fc_h.ready:
             w = workload_from_observation(obs)
+            # The observation is the forecast in cold start (a naive forecast): score it like one, so residuals
+            # exist once the model is ready, and plan for its measured error so far (the largest one-step
+            # residual × √h: with a handful of residuals the quantile is their maximum); none → no headroom.
+            observed = _finite(obs.rate_rps, 0.0)
+            for steps in {1, self.horizon_steps}:
+                self._due.setdefault(steps, deque()).append((self._tick + steps, observed))
+            res1 = self._residuals.get(1, deque())
+            head = max(residual_quantile(res1, self.spec.slo.percentile / 100.0), 0.0) if res1 else 0.0
+            head *= math.sqrt(self.horizon_steps)
             return (
-                WorkloadEstimate(w.rate_rps + backlog_rate, w.isl, w.osl, w.arrival_cv2),
+                WorkloadEstimate(w.rate_rps + head + backlog_rate, w.isl, w.osl, w.arrival_cv2),
                 forecast_dict(fc_h),
-                "cold start: planning for the observed load",
+                f"cold start: planning for the observed load + {head:.2f} req/s of its measured error",
             )
         fc_1 = self.forecaster.forecast(1, level)
         r_h, how_h = self._bound(fc_h, self.horizon_steps)

@@ -6,9 +6,10 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
 - **reactive guard**: when the SLO attainment observed over the last tick is below the SLO percentile and work
   is queueing, the pool behind the miss grows now (TTFT → prefill, TPOT or a decode queue → decode, either →
   unified), whatever the forecast says — unless instances of that pool are still starting (their capacity is
-  on its way; reacting again every tick of a pod start-up would overshoot many times over);
-- **scale-in** only when every plan of the stabilisation window — the last max(``hysteresis_ticks``
-  intervals, cooldown) seconds, as the HPA's scale-down window — asked for fewer instances, the pool's
+  on its way; reacting again every tick of a pod start-up would overshoot many times over) or became ready
+  during the last interval (the miss was measured partly without them);
+- **scale-in** only when every plan of the stabilisation window — the last ``hysteresis_ticks`` intervals, as
+  the HPA's scale-down window — asked for fewer instances, the pool's
   cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
   still leave the remaining N−1 instances under ``scale_in_utilisation`` (Dynamo's load planner uses the same
   check); the pool then steps down to the highest of those recent plans, by at most ``max_step``;
@@ -60,10 +61,14 @@ class ScalingSettings:
 
 @dataclass(frozen=True)
 class ScalingState:
-    """What the policy remembers between ticks (per pool): recent planned counts and the last scale-in time."""
+    """What the policy remembers between ticks (per pool): recent planned counts, the last scale-in time and the
+    ready count."""
 
     recent: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     last_scale_in_s: dict[str, float] = field(default_factory=dict)
+    ready: dict[str, int] = field(default_factory=dict)
+    """Ready instances per pool at the last tick (a pool that gained ready instances since has capacity the
+    last interval's attainment did not see yet)."""
 
 
 def reactive_pools(obs: Observation, s: ScalingSettings) -> set[str]:
@@ -117,9 +122,11 @@ def apply_scaling_policy(
     for name in POOLS:
         want: PoolSize = getattr(planned, name)
         have: PoolSize = getattr(current, name)
-        # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last
-        # max(hysteresis_ticks intervals, cooldown) seconds; a scale-in goes no lower than the highest of them.
-        window_s = max(settings.hysteresis_ticks * obs.interval_s, settings.cooldown_s)
+        # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last hysteresis_ticks
+        # intervals; a scale-in goes no lower than the highest of them. (It was max(that, cooldown): with the
+        # plans' headroom taken from the measured forecast error, the cooldown spacing scale-ins is enough and a
+        # five-interval window held capacity the plans no longer asked for; issue 13.)
+        window_s = settings.hysteresis_ticks * obs.interval_s
         timed = tuple((t, c) for t, c in recent.get(name, ()) if t > now_s - window_s) + ((now_s, want.replicas),)
         recent[name] = timed
         hist = tuple(c for _, c in timed)
@@ -135,7 +142,10 @@ def apply_scaling_policy(
         n = have.replicas
         # Capacity already asked for but still starting will absorb the miss: react again only once every
         # instance of the pool is ready, or the guard would add instances every tick of a pod start-up.
-        starting = getattr(obs.ready, name) < n
+        # Likewise when instances became ready during the last interval: the miss it measured was served partly
+        # without them (a backlog from before they were ready drains now).
+        ready_now = int(getattr(obs.ready, name))
+        starting = ready_now < n or ready_now > state.ready.get(name, ready_now)
         if name in reactive and n > 0 and not starting:
             grow = max(1, math.ceil(settings.reactive_growth * n))
             target_n = n + min(max(grow, want.replicas - n), settings.max_step)
@@ -164,7 +174,8 @@ def apply_scaling_policy(
         pools[name] = have
     nxt = ClusterTarget(prefill=pools["prefill"], decode=pools["decode"], unified=pools["unified"], routing=planned.routing)
     nxt = _within_budget(nxt, current, settings.max_gpus)
-    return nxt, ScalingState(recent=recent, last_scale_in_s=last_in), reasons
+    ready = {name: int(getattr(obs.ready, name)) for name in POOLS}
+    return nxt, ScalingState(recent=recent, last_scale_in_s=last_in, ready=ready), reasons
 
 
 def _with_pool(t: ClusterTarget, name: str, pool: PoolSize) -> ClusterTarget:
