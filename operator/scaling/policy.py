@@ -8,8 +8,8 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
   unified), whatever the forecast says — unless instances of that pool are still starting (their capacity is
   on its way; reacting again every tick of a pod start-up would overshoot many times over) or became ready
   during the last interval (the miss was measured partly without them);
-- **scale-in** only when every plan of the stabilisation window — the last ``hysteresis_ticks`` intervals, as
-  the HPA's scale-down window — asked for fewer instances, the pool's
+- **scale-in** only when every plan of the stabilisation window — the last max(``hysteresis_ticks``
+  intervals, cooldown) seconds, as the HPA's scale-down window — asked for fewer instances, the pool's
   cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
   still leave the remaining N−1 instances under ``scale_in_utilisation`` (Dynamo's load planner uses the same
   check); the pool then steps down to the highest of those recent plans, by at most ``max_step``;
@@ -122,11 +122,9 @@ def apply_scaling_policy(
     for name in POOLS:
         want: PoolSize = getattr(planned, name)
         have: PoolSize = getattr(current, name)
-        # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last hysteresis_ticks
-        # intervals; a scale-in goes no lower than the highest of them. (It was max(that, cooldown): with the
-        # plans' headroom taken from the measured forecast error, the cooldown spacing scale-ins is enough and a
-        # five-interval window held capacity the plans no longer asked for; issue 13.)
-        window_s = settings.hysteresis_ticks * obs.interval_s
+        # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last
+        # max(hysteresis_ticks intervals, cooldown) seconds; a scale-in goes no lower than the highest of them.
+        window_s = max(settings.hysteresis_ticks * obs.interval_s, settings.cooldown_s)
         timed = tuple((t, c) for t, c in recent.get(name, ()) if t > now_s - window_s) + ((now_s, want.replicas),)
         recent[name] = timed
         hist = tuple(c for _, c in timed)
