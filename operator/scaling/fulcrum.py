@@ -214,14 +214,14 @@ class FulcrumPlanner:
         if not fc_h.ready:
             w = workload_from_observation(obs)
             # The observation is the forecast in cold start (a naive forecast): score it like one, so residuals
-            # exist once the model is ready, and plan for its measured error so far (the largest one-step
-            # residual × √h: with a handful of residuals the quantile is their maximum); none → no headroom.
+            # exist once the model is ready, and plan for its measured error so far: the one-step residuals'
+            # quantile, which with a handful of them is about their maximum, already an extreme value (not
+            # stretched by √h as later); none → no headroom.
             observed = _finite(obs.rate_rps, 0.0)
             for steps in {1, self.horizon_steps}:
                 self._due.setdefault(steps, deque()).append((self._tick + steps, observed))
             res1 = self._residuals.get(1, deque())
             head = max(residual_quantile(res1, self.spec.slo.percentile / 100.0), 0.0) if res1 else 0.0
-            head *= math.sqrt(self.horizon_steps)
             return (
                 WorkloadEstimate(w.rate_rps + head + backlog_rate, w.isl, w.osl, w.arrival_cv2),
                 forecast_dict(fc_h),
