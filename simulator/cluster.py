@@ -34,7 +34,8 @@ Scaling (:meth:`Simulation.apply`):
   (KV lost: prompts go back to the queue, decoding requests are recomputed elsewhere) — no request is lost;
 - a TP change of a pool drains every instance of the old TP and starts instances of the new one;
 - switching between Unified and Disaggregated moves requests not yet started to the new path; in-flight
-  ones finish where they are.
+  ones finish where they are. A target holding both kinds of pools is a switch under way (make-before-break):
+  requests keep the old path until the old pools leave the target (:func:`serving_unified`).
 
 GPU accounting: ``gpu_timeline`` holds (time, provisioned GPUs, ready GPUs) at every change, provisioned =
 every instance not removed (starting, ready, draining), ready = instances up and serving (ready or
@@ -68,7 +69,7 @@ from fulcrum.simulator.records import (
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
-__all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler", "RoleBalancer"]
+__all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler", "RoleBalancer", "serving_unified"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
 """A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
@@ -80,6 +81,19 @@ The pure planner is ``fulcrum.rebalancing.role_reassignment.plan_role_change`` (
 role flip); ``fulcrum.replay.roles`` adapts it."""
 
 _ROLES = ("prefill", "decode", "unified")
+
+
+def serving_unified(target: ClusterTarget, was_unified: bool) -> bool:
+    """Whether new requests take the unified path under ``target``: yes when it holds only a unified pool, no
+    when it holds only prefill/decode pools, and unchanged when it holds both — a mode switch under way
+    (make-before-break, :mod:`fulcrum.scaling.mode`): the old mode keeps serving until its pools leave the
+    target, which the planner does once the new pools are ready.
+    """
+    uni = target.unified.replicas > 0
+    pd = target.prefill.replicas + target.decode.replicas > 0
+    if uni != pd:
+        return uni
+    return was_unified
 
 
 @dataclass(frozen=True)
@@ -359,6 +373,7 @@ class Simulation:
         self._result: SimResult | None = None
         self._timeline: list[tuple[float, int, int]] = []
         self._target = initial
+        self._serving_unified = serving_unified(initial, False)
         self._check_tps(initial)
         for role in _ROLES:
             size: PoolSize = getattr(initial, role)
@@ -411,6 +426,7 @@ class Simulation:
         self._check_tps(target)
         was_unified = self._unified_mode
         self._target = target
+        self._serving_unified = serving_unified(target, was_unified)
         for role in _ROLES:
             self._resize(role, getattr(target, role))
         if self._unified_mode and not was_unified:
@@ -485,7 +501,9 @@ class Simulation:
 
     @property
     def _unified_mode(self) -> bool:
-        return self._target.unified.replicas > 0
+        """Whether new requests take the unified path (see :func:`serving_unified`)."""
+        return self._serving_unified
+
 
     def _check_tps(self, target: ClusterTarget) -> None:
         p = self._profile

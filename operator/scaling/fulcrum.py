@@ -4,11 +4,19 @@ Each tick (``spec.scaling.intervalSeconds``):
 
 1. **observe**: feed the interval's admission-side measurements to the forecaster (DOPD Alg. 2 lines 5–7).
 2. **forecast** at horizon h = ⌈(interval + pod start-up) / interval⌉ steps — the interval in which pods
-   started now are ready (DESIGN principle 3) — taking the *upper* prediction bound of the request rate at
-   ``forecaster.predictionLevel`` and the larger of the next step's and the horizon's; lengths as forecast
-   distributions (quantiles rescaled to the forecast mean, DOPD eqs. 6–8). A backlog at admission adds the
-   rate needed to drain it within one interval. In cold start (too little history) the observation is used.
-3. **plan** with :func:`fulcrum.ratio.planner.plan` (eqs. 11–18, TP, Kingman headroom, Auto mode).
+   started now are ready (DESIGN principle 3) — and at the next step. The rate planned for is the point forecast
+   plus the **measured forecast error**: the empirical quantile, at the SLO percentile, of the residuals
+   (observed − forecast rate, requests/s) of this planner's own past forecasts at that horizon, over the last
+   ``residual_window`` intervals; the larger of the next step's and the horizon's. A predictable load thus gets
+   little headroom and an erratic one much (DOPD Alg. 2 plans for the point forecast alone). Until
+   ``min_residuals`` forecasts of a horizon have been scored, the one-step residuals' quantile × √h stands in,
+   and before those the forecaster's upper prediction bound at ``forecaster.predictionLevel``. In cold start (too
+   little history for the model) the last observation is the forecast; it is scored like one (so residuals exist
+   when the model is ready) and planned for with its own residual quantile. Lengths are forecast distributions (quantiles rescaled to the
+   forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate needed to drain it within one interval.
+3. **plan** with :func:`fulcrum.ratio.planner.plan` (eqs. 11–18, TP, Kingman headroom); in Auto mode both modes
+   are planned and :func:`fulcrum.scaling.mode.decide_mode` decides whether to switch (cost-weighed, with dwell
+   time, make-before-break).
 4. **scale** through :func:`fulcrum.scaling.policy.apply_scaling_policy` (reactive guard, hysteresis,
    cooldown, N/(N−1), max step, budget).
 """
@@ -19,17 +27,37 @@ import math
 from collections import deque
 from typing import Any
 
-from fulcrum.api.llmserve import LLMServeSpec
+from fulcrum.api.llmserve import LLMServeSpec, Mode
+from fulcrum.errors import PlanningError
 from fulcrum.forecast.workload import WorkloadForecast, WorkloadForecaster
 from fulcrum.observation import QUANTILE_LEVELS, Observation
 from fulcrum.ratio.lengths import LengthDistribution
-from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan
+from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan, plan_disaggregated, plan_unified
 from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.scaling.mode import ModeName, ModeState, ModeSwitchSettings, decide_mode, other_mode
 from fulcrum.scaling.planner import Decision
-from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy
+from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy, reactive_pools
 from fulcrum.target import ClusterTarget, PoolSize
 
-__all__ = ["FulcrumPlanner", "workload_from_forecast", "workload_from_observation", "forecast_dict"]
+__all__ = [
+    "FulcrumPlanner", "workload_from_forecast", "workload_from_observation", "forecast_dict", "residual_quantile",
+    "MODE_POOLS",
+]
+
+#: The pools each serving mode runs.
+MODE_POOLS: dict[ModeName, tuple[str, ...]] = {"Disaggregated": ("prefill", "decode"), "Unified": ("unified",)}
+
+
+def residual_quantile(residuals: "deque[float] | list[float]", q: float) -> float:
+    """The empirical ``q``-quantile of forecast residuals (observed − forecast, requests/s), linear between
+    order statistics (numpy's default). Raises ValueError on an empty sequence."""
+    if not residuals:
+        raise ValueError("no residuals")
+    xs = sorted(residuals)
+    pos = min(max(q, 0.0), 1.0) * (len(xs) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _finite(x: float, default: float) -> float:
@@ -83,7 +111,10 @@ class FulcrumPlanner:
         *,
         settings: PlannerSettings | None = None,
         scaling: ScalingSettings | None = None,
+        mode_switch: ModeSwitchSettings | None = None,
         max_headroom: float = 2.0,
+        residual_window: int = 60,
+        min_residuals: int = 5,
     ) -> None:
         """
         Args:
@@ -91,8 +122,14 @@ class FulcrumPlanner:
             profile: the performance profile.
             settings: planner tunables (default: from the spec).
             scaling: scaling-policy tunables (default: from the spec).
+            mode_switch: Auto-mode switch tunables (default: :class:`ModeSwitchSettings`, dwell at least five
+                pod start-ups).
             max_headroom: the rate planned for is at most this multiple of the highest rate observed in the
                 last three intervals (caps the forecast after level shifts), plus the backlog.
+            residual_window: forecast residuals kept per horizon, intervals (60: an hour at the shipped 60-s
+                interval; long enough for a P90 quantile, short enough to follow a change of regime).
+            min_residuals: residuals needed before their quantile replaces the forecaster's prediction bound
+                (5: with fewer the quantile is the maximum of a handful; until then the bound over-provisions).
         """
         self.spec = spec
         self.profile = profile
@@ -104,19 +141,35 @@ class FulcrumPlanner:
             cooldown_s=sc.cooldown_seconds,
             slo_target=spec.slo.percentile / 100.0,
             max_gpus=sc.max_gpus,
+            # the plans' continuous needs are already divided by the planner's target utilisation (0.9): the
+            # N/(N−1) check asks that N−1 instances hold that need, not 80% of it on top
+            scale_in_utilisation=1.0,
+        )
+        self.mode_switch = mode_switch or ModeSwitchSettings(
+            min_dwell_s=max(900.0, 5 * sc.pod_startup_seconds), horizon_s=max(900.0, 5 * sc.pod_startup_seconds)
         )
         self.forecaster = WorkloadForecaster(sc.forecaster)
         self.horizon_steps = max(1, math.ceil((sc.interval_seconds + sc.pod_startup_seconds) / sc.interval_seconds))
         self._state = ScalingState()
         self.last_plan: Plan | None = None
         self.max_headroom = max_headroom
+        self.min_residuals = min_residuals
         self._recent_rates: deque[float] = deque([0.0], maxlen=3)
+        self._tick = 0
+        # horizon (steps) → forecast means awaiting their actual: (tick due, mean rate req/s)
+        self._due: dict[int, deque[tuple[int, float]]] = {}
+        # horizon (steps) → residuals observed − forecast, requests/s, newest last
+        self._residuals: dict[int, deque[float]] = {}
+        self._residual_window = residual_window
+        self._mode: ModeState | None = None
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
         sc = self.spec.scaling
         seed = plan(WorkloadEstimate.from_means(0.0, 1024, 256), self.profile, self.spec, self.settings)
-        if seed.mode == "Unified":
+        mode: ModeName = "Unified" if seed.mode == Mode.UNIFIED.value else "Disaggregated"
+        self._mode = ModeState(serving=mode, since_s=0.0)
+        if mode == "Unified":
             return ClusterTarget(unified=PoolSize(max(sc.initial_unified, 1), seed.unified.tp), routing=seed.routing)
         return ClusterTarget(
             prefill=PoolSize(max(sc.initial_prefill, 1), seed.prefill.tp),
@@ -124,9 +177,35 @@ class FulcrumPlanner:
             routing=seed.routing,
         )
 
+    def _score_forecasts(self, obs: Observation) -> None:
+        """Turn the forecasts due at this tick into residuals (observed − forecast rate, requests/s)."""
+        self._tick += 1
+        for h, due in self._due.items():
+            while due and due[0][0] <= self._tick:
+                t, mean = due.popleft()
+                if t == self._tick and math.isfinite(obs.rate_rps):
+                    self._residuals.setdefault(h, deque(maxlen=self._residual_window)).append(obs.rate_rps - mean)
+
+    def _bound(self, fc: WorkloadForecast, steps: int) -> tuple[float, str]:
+        """Rate to plan for from the forecast ``steps`` ahead: mean + the residual quantile at the SLO
+        percentile (requests/s), or the forecaster's upper bound while too few residuals are known."""
+        mean = _finite(fc.rate.mean, 0.0)
+        self._due.setdefault(steps, deque()).append((self._tick + steps, mean))
+        q = self.spec.slo.percentile / 100.0
+        res = self._residuals.get(steps, deque())
+        if len(res) >= self.min_residuals:
+            return max(mean + residual_quantile(res, q), 0.0), f"residual P{q * 100:g}"
+        # Too few h-step residuals yet (they take h intervals to score): the one-step residuals, whose spread
+        # grows about as √h with the horizon for a random-walk-like series (ARIMA(0,1,1) without drift).
+        res1 = self._residuals.get(1, deque())
+        if len(res1) >= self.min_residuals:
+            return max(mean + residual_quantile(res1, q) * math.sqrt(steps), 0.0), f"1-step residual P{q * 100:g}·√{steps}"
+        return _finite(fc.rate.upper, mean), f"P{self.spec.scaling.forecaster.prediction_level * 100:g} bound"
+
     def estimate(self, obs: Observation) -> tuple[WorkloadEstimate, dict[str, dict[str, float]], str]:
         """The workload to plan for after observing ``obs`` (steps 1–2 of the module doc)."""
         self.forecaster.observe(obs)
+        self._score_forecasts(obs)
         if math.isfinite(obs.rate_rps):
             self._recent_rates.append(max(obs.rate_rps, 0.0))
         level = self.spec.scaling.forecaster.prediction_level
@@ -134,35 +213,132 @@ class FulcrumPlanner:
         fc_h = self.forecaster.forecast(self.horizon_steps, level)
         if not fc_h.ready:
             w = workload_from_observation(obs)
+            # The observation is the forecast in cold start (a naive forecast): score it like one, so residuals
+            # exist once the model is ready, and plan for its measured error so far: the one-step residuals'
+            # quantile, which with a handful of them is about their maximum, already an extreme value (not
+            # stretched by √h as later); none → no headroom.
+            observed = _finite(obs.rate_rps, 0.0)
+            for steps in {1, self.horizon_steps}:
+                self._due.setdefault(steps, deque()).append((self._tick + steps, observed))
+            res1 = self._residuals.get(1, deque())
+            head = max(residual_quantile(res1, self.spec.slo.percentile / 100.0), 0.0) if res1 else 0.0
             return (
-                WorkloadEstimate(w.rate_rps + backlog_rate, w.isl, w.osl, w.arrival_cv2),
+                WorkloadEstimate(w.rate_rps + head + backlog_rate, w.isl, w.osl, w.arrival_cv2),
                 forecast_dict(fc_h),
-                "cold start: planning for the observed load",
+                f"cold start: planning for the observed load + {head:.2f} req/s of its measured error",
             )
         fc_1 = self.forecaster.forecast(1, level)
+        r_h, how_h = self._bound(fc_h, self.horizon_steps)
+        r_1, how_1 = (r_h, how_h) if self.horizon_steps == 1 else self._bound(fc_1, 1)
         # Right after a level shift a model refitted on a short window can extrapolate the jump (a positive MA
         # term) and its error variance is inflated, so the raw bound would provision for many times the load:
         # the planned rate is capped at max_headroom × the highest rate observed over the last intervals.
         base = max(self._recent_rates)
-        rate = min(max(fc_h.rate.upper, fc_1.rate.upper), self.max_headroom * base) + backlog_rate
+        rate = min(max(r_h, r_1), self.max_headroom * base) + backlog_rate
         return (
             workload_from_forecast(fc_h, rate),
             forecast_dict(fc_h),
-            f"forecast P{level * 100:g} upper bound {rate:.2f} req/s at +{self.horizon_steps} intervals",
+            f"forecast {rate:.2f} req/s (mean + {how_h}) at +{self.horizon_steps} intervals",
         )
+
+    def _plans(self, workload: WorkloadEstimate) -> dict[ModeName, Plan]:
+        """Both modes' plans for Auto (Unified left out when the profile cannot plan it)."""
+        sc = self.spec.scaling
+        kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": self.settings}
+        out: dict[ModeName, Plan] = {"Disaggregated": plan_disaggregated(
+            workload, self.profile, self.spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw
+        )}
+        try:
+            out["Unified"] = plan_unified(workload, self.profile, self.spec.slo, tp_unified=sc.tp_unified, **kw)
+        except PlanningError:
+            pass
+        return out
 
     def step(self, obs: Observation, current: ClusterTarget) -> Decision:
         """Observe, forecast, plan and scale (module doc). Never raises on odd observations."""
         workload, fc, why = self.estimate(obs)
-        p = plan(workload, self.profile, self.spec, self.settings)
+        if self.spec.mode == Mode.AUTO:
+            plans = self._plans(workload)
+            if len(plans) == 2:
+                return self._step_auto(obs, current, plans, fc, why)
+            p = plans["Disaggregated"]
+        else:
+            p = plan(workload, self.profile, self.spec, self.settings)
         self.last_plan = p
-        need = {
-            "prefill": float(p.inputs.get("prefill_need", p.prefill.replicas)),
-            "decode": float(p.inputs.get("decode_need", p.decode.replicas)),
-            "unified": float(p.inputs.get("unified_need", p.unified.replicas)),
-        }
         nxt, self._state, reasons = apply_scaling_policy(
-            p.target(), current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling, utilisation=need
+            p.target(), current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling,
+            utilisation=_needs(p),
         )
         reason = "; ".join(reasons) if reasons else "hold"
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, inputs=plan_inputs(p))
+
+    def _step_auto(
+        self, obs: Observation, current: ClusterTarget, plans: dict[ModeName, Plan], fc: dict[str, dict[str, float]],
+        why: str,
+    ) -> Decision:
+        """One Auto-mode tick: the mode switch (:func:`decide_mode`), then the scaling policy on its pools."""
+        state = self._mode or ModeState(serving="Unified" if current.unified.replicas else "Disaggregated")
+        serving = state.serving
+        to = state.switching_to
+        new_ready = to is not None and sum(getattr(current, n).replicas for n in MODE_POOLS[to]) > 0 and all(
+            getattr(obs.ready, n) >= getattr(current, n).replicas for n in MODE_POOLS[to]
+        )
+        serving_gpus = sum(getattr(current, n).gpus for n in MODE_POOLS[serving])
+        other = other_mode(serving)
+        md = decide_mode(
+            state, now_s=obs.time_s,
+            gpus={m: p.gpus for m, p in plans.items()},
+            feasible={m: p.feasible for m, p in plans.items()},
+            new_pools_ready=new_ready,
+            pressure=bool(reactive_pools(obs, self.scaling)) or obs.prefill_queue > max(obs.arrivals, 1),
+            room=serving_gpus + plans[other].gpus <= self.spec.scaling.max_gpus,
+            startup_s=self.spec.scaling.pod_startup_seconds,
+            settings=self.mode_switch,
+        )
+        self._mode = md.state
+        now_serving = md.state.serving
+        p = plans[now_serving]
+        self.last_plan = p
+        if md.phase in ("start", "starting"):
+            # make-before-break: the serving pools may grow but not shrink; the new mode's pools start
+            new_mode = md.state.switching_to
+            assert new_mode is not None
+            pools = {n: _at_least(getattr(p.target(), n), getattr(current, n)) for n in MODE_POOLS[serving]}
+            pools.update({n: getattr(plans[new_mode].target(), n) for n in MODE_POOLS[new_mode]})
+            planned = ClusterTarget(routing=p.routing, **pools)
+            needs = {**{n: _needs(plans[new_mode])[n] for n in MODE_POOLS[new_mode]},
+                     **{n: _needs(p)[n] for n in MODE_POOLS[serving]}}
+        else:
+            planned, needs = p.target(), _needs(p)
+            if md.phase == "cut-over":  # the new pools do not shrink in the tick they take over
+                planned = ClusterTarget(
+                    routing=p.routing,
+                    **{n: _at_least(getattr(planned, n), getattr(current, n)) for n in MODE_POOLS[now_serving]},
+                )
+        nxt, self._state, reasons = apply_scaling_policy(
+            planned, current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling, utilisation=needs
+        )
+        if md.phase == "cut-over":  # the old mode's pools drain now: the new ones are ready
+            nxt = ClusterTarget(routing=nxt.routing, **{
+                n: (PoolSize(0, getattr(nxt, n).tp) if n in MODE_POOLS[serving] else getattr(nxt, n))
+                for n in ("prefill", "decode", "unified")
+            })
+        reasons = [md.reason] + reasons if md.phase != "steady" else reasons
+        reason = "; ".join(reasons) if reasons else "hold"
+        inputs = plan_inputs(p)
+        inputs.update(mode_phase=md.phase, mode_serving=now_serving, mode_reason=md.reason,
+                      gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
+        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, inputs=inputs)
+
+
+def _needs(p: Plan) -> dict[str, float]:
+    """Continuous instance needs per pool of a plan (for the N/(N−1) check)."""
+    keys = {"prefill": "prefill_need", "decode": "decode_need", "unified": "unified_need"}
+    return {n: float(p.inputs.get(k, getattr(p, n).replicas)) for n, k in keys.items()}
+
+
+def _at_least(want: PoolSize, have: PoolSize) -> PoolSize:
+    """``want``, but never fewer instances than ``have`` (a TP change, to a non-empty pool, still applies)."""
+    if want.replicas and want.tp != have.tp:
+        return want
+    return have if have.replicas > want.replicas else want

@@ -6,13 +6,15 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
 - **reactive guard**: when the SLO attainment observed over the last tick is below the SLO percentile and work
   is queueing, the pool behind the miss grows now (TTFT → prefill, TPOT or a decode queue → decode, either →
   unified), whatever the forecast says — unless instances of that pool are still starting (their capacity is
-  on its way; reacting again every tick of a pod start-up would overshoot many times over);
+  on its way; reacting again every tick of a pod start-up would overshoot many times over) or became ready
+  during the last interval (the miss was measured partly without them);
 - **scale-in** only when every plan of the stabilisation window — the last max(``hysteresis_ticks``
   intervals, cooldown) seconds, as the HPA's scale-down window — asked for fewer instances, the pool's
   cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
   still leave the remaining N−1 instances under ``scale_in_utilisation`` (Dynamo's load planner uses the same
   check); the pool then steps down to the highest of those recent plans, by at most ``max_step``;
-- a TP change replaces the pool at once (new instances start, old ones drain);
+- a TP change replaces the pool at once (new instances start, old ones drain); a pool planned empty is a
+  scale-in whatever TP the plan writes for it (an empty pool's TP means nothing);
 - the GPU budget (maxGPUs) is never exceeded.
 
 A steady load therefore never oscillates: a pool only shrinks after a whole window of plans agree, and never
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from fulcrum.observation import Observation
 from fulcrum.target import ClusterTarget, PoolSize
 
-__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "POOLS"]
+__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "reactive_pools", "POOLS"]
 
 POOLS: tuple[str, ...] = ("prefill", "decode", "unified")
 
@@ -59,13 +61,20 @@ class ScalingSettings:
 
 @dataclass(frozen=True)
 class ScalingState:
-    """What the policy remembers between ticks (per pool): recent planned counts and the last scale-in time."""
+    """What the policy remembers between ticks (per pool): recent planned counts, the last scale-in time and the
+    ready count."""
 
     recent: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     last_scale_in_s: dict[str, float] = field(default_factory=dict)
+    ready: dict[str, int] = field(default_factory=dict)
+    """Ready instances per pool at the last tick (a pool that gained ready instances since has capacity the
+    last interval's attainment did not see yet)."""
 
 
-def _reactive_pools(obs: Observation, s: ScalingSettings) -> set[str]:
+def reactive_pools(obs: Observation, s: ScalingSettings) -> set[str]:
+    """Pools the reactive guard would grow after ``obs`` (see the module doc): TTFT missed with prompts queued,
+    or a prompt backlog larger than an interval's arrivals → prefill/unified; TPOT missed, or decode work queued
+    with the KV cache nearly full → decode/unified. Empty when the SLO holds."""
     pools: set[str] = set()
     enough = obs.completed >= s.reactive_min_samples
     ttft_bad = enough and math.isfinite(obs.ttft_attainment) and obs.ttft_attainment < s.slo_target
@@ -105,7 +114,7 @@ def apply_scaling_policy(
         (next target, next state, reasons — one line per pool that changed).
     """
     util = utilisation or {}
-    reactive = _reactive_pools(obs, settings)
+    reactive = reactive_pools(obs, settings)
     recent = dict(state.recent)
     last_in = dict(state.last_scale_in_s)
     pools: dict[str, PoolSize] = {}
@@ -119,14 +128,22 @@ def apply_scaling_policy(
         timed = tuple((t, c) for t, c in recent.get(name, ()) if t > now_s - window_s) + ((now_s, want.replicas),)
         recent[name] = timed
         hist = tuple(c for _, c in timed)
-        if want.tp != have.tp and (want.replicas > 0 or have.replicas > 0):
+        # An empty pool's TP is a placeholder (a plan of the other mode says PoolSize(0, 1)): only a change
+        # between two non-empty pools is a TP change. Taking the placeholder for one replaced a serving pool by
+        # an empty one at once, past the stabilisation window: the Auto-mode thrash of issue 13.
+        if want.tp != have.tp and want.replicas > 0 and have.replicas > 0:
             pools[name] = want
             reasons.append(f"{name}: TP {have.tp}→{want.tp}, {have.replicas}→{want.replicas} instances")
             continue
+        if have.replicas == 0 and want.replicas > 0:
+            have = PoolSize(0, want.tp)  # a pool started from nothing takes the plan's TP
         n = have.replicas
         # Capacity already asked for but still starting will absorb the miss: react again only once every
         # instance of the pool is ready, or the guard would add instances every tick of a pod start-up.
-        starting = getattr(obs.ready, name) < n
+        # Likewise when instances became ready during the last interval: the miss it measured was served partly
+        # without them (a backlog from before they were ready drains now).
+        ready_now = int(getattr(obs.ready, name))
+        starting = ready_now < n or ready_now > state.ready.get(name, ready_now)
         if name in reactive and n > 0 and not starting:
             grow = max(1, math.ceil(settings.reactive_growth * n))
             target_n = n + min(max(grow, want.replicas - n), settings.max_step)
@@ -155,7 +172,8 @@ def apply_scaling_policy(
         pools[name] = have
     nxt = ClusterTarget(prefill=pools["prefill"], decode=pools["decode"], unified=pools["unified"], routing=planned.routing)
     nxt = _within_budget(nxt, current, settings.max_gpus)
-    return nxt, ScalingState(recent=recent, last_scale_in_s=last_in), reasons
+    ready = {name: int(getattr(obs.ready, name)) for name in POOLS}
+    return nxt, ScalingState(recent=recent, last_scale_in_s=last_in, ready=ready), reasons
 
 
 def _with_pool(t: ClusterTarget, name: str, pool: PoolSize) -> ClusterTarget:

@@ -183,7 +183,11 @@ def test_replay_compare_json_scores_every_policy_and_writes_the_report(
 
     report = tmp_path / "report"
     data = run_json(capsys, [*REPLAY, "--compare", "--json", "--report", str(report)])
-    check_policies(data, set(POLICIES))
+    check_policies(data, set(POLICIES) | {"static-best"})
+    best = data["static_best"]
+    assert best["target_attainment"] == data["policies"]["fulcrum"]["slo_attainment"]
+    assert best["reached"] == (data["policies"]["static-best"]["slo_attainment"] >= best["target_attainment"])
+    assert best["deployment"].endswith("D") and best["probes"]
     for png in (GPUS_PNG, FORECAST_PNG, LATENCY_CDF_PNG, POOLS_PNG):
         assert (report / png).read_bytes()[:8] == PNG_SIGNATURE, png
     written = json.loads((report / SUMMARY_JSON).read_text())

@@ -8,6 +8,7 @@ import pytest
 
 from fulcrum.api import ForecasterMethod, parse_llmserve
 from fulcrum.observation import QUANTILE_LEVELS, Observation, ReadyCounts
+from fulcrum.ratio.planner import WorkloadEstimate, plan
 from fulcrum.scaling.dopd import DopdPlanner
 from fulcrum.scaling.fulcrum import FulcrumPlanner
 from fulcrum.scaling.planner import Planner
@@ -68,7 +69,7 @@ def test_a_steady_load_settles_and_never_oscillates(table_i):
 
 
 @pytest.mark.parametrize("method", ["arima", "select"])
-def test_fulcrum_scales_out_ahead_when_the_rate_quadruples_and_back_in_slowly(table_i, method):
+def test_fulcrum_scales_out_ahead_when_the_rate_quadruples_and_back_in_after_it_drops(table_i, method):
     stream = [obs(60 * (i + 1), 2.0) for i in range(20)] + [obs(60 * (i + 21), 8.0) for i in range(20)]
     stream += [obs(60 * (i + 41), 2.0) for i in range(30)]
     sc = SPEC.scaling
@@ -77,15 +78,15 @@ def test_fulcrum_scales_out_ahead_when_the_rate_quadruples_and_back_in_slowly(ta
     decisions = drive(FulcrumPlanner(spec, table_i), stream)
     p = [d.target.prefill.replicas for d in decisions]
     low, high = p[19], p[39]
-    if method == "arima":
-        # ARIMA's model bound after the step (σ fitted across it) gives ~2x headroom over the new level. The
-        # selector keeps last value on this noiseless series, whose bound from its residuals (all zero but the
-        # step) is the level itself: it plans 8 req/s, not 16 (2 instances here, not 3).
-        assert high >= 3 * low
-    assert high > low
+    # the steady 8 req/s is planned for (a forecast error of ~0 on a constant load adds no headroom)
+    need = plan(WorkloadEstimate.from_means(8.0, 1000.0, 200.0), table_i, SPEC).prefill.replicas
+    assert high >= need > low
     assert p[21] > low  # within two intervals of the jump
-    # scale-in waits for the stabilisation window (cooldown 300 s = 5 intervals) after the drop
-    assert p[41] == high and p[-1] < high
+    assert min(p[21:40]) >= high  # held while the load is high
+    assert p[-1] < high and p[-1] == low  # and back to the low load's size once it has dropped
+    # at most one step down per stabilisation window (cooldown 300 s = 5 intervals)
+    downs = [i for i in range(40, len(p)) if p[i] < p[i - 1]]
+    assert all(b - a >= 5 for a, b in zip(downs, downs[1:]))
 
 
 def test_fulcrum_plans_carry_their_inputs_and_forecasts(table_i):
@@ -98,8 +99,10 @@ def test_fulcrum_plans_carry_their_inputs_and_forecasts(table_i):
 
 def test_the_reactive_guard_adds_prefill_on_a_ttft_miss_with_a_queue(table_i):
     planner = FulcrumPlanner(SPEC, table_i)
-    steady = drive(planner, [obs(60 * (i + 1), 4.0) for i in range(12)])
-    before = steady[-1].target
+    before = planner.initial()
+    for i in range(12):  # every instance asked for is ready at the next tick
+        ready = ReadyCounts(prefill=before.prefill.replicas, decode=before.decode.replicas)
+        before = planner.step(obs(60 * (i + 1), 4.0, ready=ready), before).target
     ready = ReadyCounts(prefill=before.prefill.replicas, decode=before.decode.replicas)
     miss = obs(13 * 60, 4.0, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=50, ready=ready)
     after = planner.step(miss, before).target

@@ -207,3 +207,21 @@ def test_a_unified_mode_spec_replays_with_unified_instances_only(name: str, wind
     assert len(run.records) == len(window)
     if name == "fulcrum":  # the planner resizes the unified pool with the load
         assert len({p.unified for p in run.timeline}) > 1
+
+
+def test_static_best_is_the_cheapest_static_deployment_reaching_the_target(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> None:
+    from fulcrum.replay.static_best import static_best
+
+    best = static_best(window, spec, profile, 0.95, ReplayOptions(warmup_s=0.0))
+    assert best.reached and best.run.summary.slo_attainment >= 0.95 and best.run.policy == "static-best"
+    assert best.gpus <= spec.scaling.max_gpus
+    # every probe cheaper than the answer missed the target, and the answer is among the probes
+    assert (best.label, best.gpus, best.run.summary.slo_attainment) in best.probes
+    assert all(att < 0.95 for _, gpus, att in best.probes if gpus < best.gpus)
+    p, d = (int(x[:-1]) for x in best.label.split("+"))
+    assert any(label == f"{p - 1}P+{d}D" for label, _, _ in best.probes) or p == 1
+    # unreachable target: the highest attainment found, flagged as not reached
+    worst = static_best(window, spec, profile, 1.01, ReplayOptions(warmup_s=0.0))
+    assert not worst.reached and worst.run.summary.slo_attainment == max(a for _, _, a in worst.probes)

@@ -108,3 +108,31 @@ def test_growth_never_exceeds_the_gpu_budget():
     out = run([target(10, 5)], target(2, 1), s)
     p, d = out[0]
     assert p * 1 + d * 2 <= 12 and p >= 2 and d >= 1
+
+
+def test_the_reactive_guard_waits_a_tick_after_instances_of_the_pool_became_ready():
+    s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
+    state, cur = ScalingState(), target(4, 2)
+    calm = obs(60, ready=ReadyCounts(prefill=3, decode=2))
+    cur, state, _ = apply_scaling_policy(target(4, 2), cur, now_s=60, obs=calm, state=state, settings=s)
+    # the fourth instance became ready during the interval whose misses were measured: no reaction yet
+    miss = dict(ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=40, ready=ReadyCounts(prefill=4, decode=2))
+    cur, state, _ = apply_scaling_policy(target(4, 2), cur, now_s=120, obs=obs(120, **miss), state=state, settings=s)
+    assert cur.prefill.replicas == 4
+    # a whole interval with all four ready and still missing: now it reacts
+    cur, state, _ = apply_scaling_policy(target(4, 2), cur, now_s=180, obs=obs(180, **miss), state=state, settings=s)
+    assert cur.prefill.replicas == 5
+
+
+def test_an_empty_planned_pool_is_a_scale_in_not_a_tp_change():
+    # Auto mode's other plan writes PoolSize(0, 1) for a pool serving at TP 2: that must wait for the window
+    s = ScalingSettings(hysteresis_ticks=3, cooldown_s=0)
+    serving = ClusterTarget(unified=PoolSize(5, 2))
+    out, state, cur = [], ScalingState(), serving
+    for i in range(4):
+        cur, state, _ = apply_scaling_policy(target(3, 2, tp_p=2), cur, now_s=60.0 * (i + 1), obs=obs(60.0 * (i + 1)),
+                                             state=state, settings=s)
+        out.append(cur.unified)
+    assert out[0] == PoolSize(5, 2) and out[1] == PoolSize(5, 2)  # not emptied at once
+    assert out[2] == PoolSize(0, 2)
+    assert cur.prefill == PoolSize(3, 2)  # the new pool starts at the planned TP

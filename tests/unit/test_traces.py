@@ -376,3 +376,19 @@ def test_interval_series_of_a_bundled_trace_accounts_for_every_request() -> None
 def test_interval_series_rejects_a_non_positive_interval(interval: float) -> None:
     with pytest.raises(ValueError, match="interval_s"):
         interval_series([Request(0.0, 1, 1)], interval)
+
+
+def test_the_synthetic_burst_steady_trace_is_deterministic_bursty_then_steady() -> None:
+    a = load_trace("synthetic-burst-steady")
+    b = load_trace("synthetic-burst-steady")
+    assert a.requests == b.requests and a.fmt == "synthetic" and a.name == "synthetic-burst-steady"
+    assert a.requests[0].arrival_s == 0.0 and 3500.0 < a.span_s < 3600.0
+    per_min = [0] * 60
+    for r in a.requests:
+        per_min[min(int(r.arrival_s // 60), 59)] += 1
+        assert 16 <= r.isl <= 3000 and 8 <= r.osl <= 1000
+    bursty, steady = per_min[:30], per_min[31:59]
+    assert max(bursty) > 4 * min(bursty)  # 8 req/s bursts over a 1.5 req/s base
+    assert max(steady) < 1.3 * min(steady)  # 5 req/s, Poisson noise only
+    assert load_trace("synthetic-burst-steady", duration_s=600.0).requests == a.requests[: len(
+        [r for r in a.requests if r.arrival_s < 600.0])]

@@ -30,7 +30,9 @@ from fulcrum.simulator import SimConfig, Simulation
 from fulcrum.target import ClusterTarget
 from fulcrum.workload import Request
 
-__all__ = ["POLICIES", "make_planner", "run_policy", "scale_arrivals", "ReplayOptions", "warmup_seconds"]
+__all__ = [
+    "POLICIES", "make_planner", "run_policy", "run_planner", "scale_arrivals", "ReplayOptions", "warmup_seconds",
+]
 
 #: Policy name → planner factory. ``fulcrum`` first: it is the one the others are compared against.
 POLICIES: dict[str, Callable[[LLMServeSpec, PerformanceProfile], Planner]] = {
@@ -143,8 +145,29 @@ def run_policy(
     """
     if not requests:
         raise ValueError("the trace has no requests")
+    return run_planner(make_planner(name, spec, profile), requests, spec, profile, options, name=name)
+
+
+def run_planner(
+    planner: Planner,
+    requests: Sequence[Request],
+    spec: LLMServeSpec,
+    profile: PerformanceProfile,
+    options: ReplayOptions = ReplayOptions(),
+    *,
+    name: str | None = None,
+) -> PolicyRun:
+    """Replay ``requests`` under an already built ``planner`` and score it (what :func:`run_policy` does after
+    building the planner by name; the static-best sweep builds its own).
+
+    Raises:
+        ValueError: an empty trace.
+        PlanningError: the profile cannot hold the model under the spec's TP and GPU limits.
+    """
+    if not requests:
+        raise ValueError("the trace has no requests")
+    name = name or planner.name
     wall0 = time.perf_counter()
-    planner = make_planner(name, spec, profile)
     sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds)
     current = planner.initial()
     sim = Simulation(requests, profile, spec.slo, current, sim_cfg)

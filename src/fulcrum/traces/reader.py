@@ -42,6 +42,7 @@ from typing import IO, Any
 
 from fulcrum.data import BUNDLED_TRACES, bundled_trace_path
 from fulcrum.errors import TraceError
+from fulcrum.traces.synthetic import SYNTHETIC_TRACES, synthetic_trace
 from fulcrum.workload import Request
 
 __all__ = ["TRACE_FORMATS", "Trace", "RateSeries", "load_trace", "load_rate_series", "detect_format"]
@@ -66,7 +67,8 @@ class Trace:
         name: short name: the bundled name (``azure-conv-2023``) or the file name without its
             ``.csv``/``.jsonl``/``.gz`` suffixes.
         requests: requests sorted by ``arrival_s`` (seconds); the first arrives at 0.0. Never empty.
-        fmt: the format the file was read as, one of :data:`TRACE_FORMATS`.
+        fmt: the format the file was read as, one of :data:`TRACE_FORMATS`, or ``"synthetic"`` for a generated
+            trace (:mod:`fulcrum.traces.synthetic`).
         source: where the requests came from, for reports: file, window, limit, clamped rows.
         clamped: requests whose input or output length was 0 in the file and was clamped to 1 token.
     """
@@ -129,8 +131,9 @@ def load_trace(
     """Read a request trace file (or a bundled trace by name) into a :class:`Trace`.
 
     Args:
-        path: a file path, or the name of a bundled trace (a key of ``fulcrum.data.BUNDLED_TRACES``,
-            used when no file of that name exists).
+        path: a file path, or the name of a bundled trace (a key of ``fulcrum.data.BUNDLED_TRACES``) or of a
+            synthetic one (a key of ``fulcrum.traces.synthetic.SYNTHETIC_TRACES``), used when no file of that
+            name exists.
         fmt: ``"azure"`` or ``"mooncake"``; detected from the content when ``None``.
         start_s: keep requests arriving at or after this offset, seconds from the first request of
             the file.
@@ -151,9 +154,14 @@ def load_trace(
         raise TraceError(f"duration_s must be > 0, got {duration_s}")
     if limit is not None and limit < 1:
         raise TraceError(f"limit must be >= 1, got {limit}")
-    file, name, origin = _resolve(path)
-    fmt = _check_format(fmt) if fmt is not None else detect_format(file)
-    rows = _read_azure(file) if fmt == "azure" else _read_mooncake(file)
+    if isinstance(path, str) and path in SYNTHETIC_TRACES and not Path(path).is_file():
+        file, name, origin = Path(path), path, f"synthetic trace {path} (seeded, generated)"
+        fmt = "synthetic"
+        rows = [_Row(r.arrival_s, r.isl, r.osl, ()) for r in synthetic_trace(path)]
+    else:
+        file, name, origin = _resolve(path)
+        fmt = _check_format(fmt) if fmt is not None else detect_format(file)
+        rows = _read_azure(file) if fmt == "azure" else _read_mooncake(file)
     if not rows:
         raise TraceError(f"{file}: no requests (empty file or header only)")
     total = len(rows)
@@ -274,7 +282,7 @@ def _resolve(path: str | Path) -> tuple[Path, str, str]:
     if isinstance(path, str) and path in BUNDLED_TRACES:
         bundled = bundled_trace_path(path)
         return bundled, path, f"bundled trace {path} ({bundled.name})"
-    names = ", ".join(sorted(BUNDLED_TRACES))
+    names = ", ".join(sorted(BUNDLED_TRACES) + sorted(SYNTHETIC_TRACES))
     raise TraceError(f"no such trace file: {file} (bundled traces: {names})")
 
 

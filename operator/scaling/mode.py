@@ -1,0 +1,166 @@
+"""Auto mode: when to move between Disaggregated and Unified serving, and how (make-before-break).
+
+Each tick the planner plans the forecast load both ways (:func:`fulcrum.ratio.planner.plan_disaggregated`,
+:func:`~fulcrum.ratio.planner.plan_unified`). Picking the cheaper plan every tick — as ``plan()`` does for one
+decision — made Auto flip every few minutes on a load where the two modes cost about the same (issue 13). A
+switch is not free: the new pools are provisioned for a whole pod start-up before they serve, and the pools of
+the old mode drain after. :func:`decide_mode` therefore switches only when
+
+- the other mode's plan was cheaper in every one of the last ``agree_ticks`` ticks (or the serving mode's plan
+  is infeasible and the other's is not), so plan noise cannot trigger it;
+- the expected saving over the horizon pays for the switch: ``min(saving) · horizon_s > G_new · t_startup``,
+  saving = GPUs(serving plan) − GPUs(other plan), G_new = GPUs of the other plan, t_startup = pod start-up
+  (the GPU-seconds the new pools are held before serving);
+- the serving mode has served for at least ``min_dwell_s`` (hysteresis);
+- there is no SLO pressure (a backlog or a missed SLO makes both plans grow with the backlog, not the load);
+- both deployments fit ``maxGPUs`` at once (make-before-break needs room for both).
+
+A switch then runs **make-before-break**: phase ``start`` provisions the new mode's pools while the old ones
+keep serving and may not shrink (phase ``starting`` each tick after); when every instance of the new pools is
+ready, phase ``cut-over`` empties the old pools (they drain: in-flight requests finish) and new requests go to
+the new mode. Ready serving capacity therefore never drops during a switch. The router (and the simulator)
+keeps sending new requests down the old mode's path as long as the old pools are in the target.
+
+Pure: no I/O, no clock (the caller passes ``now_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+__all__ = ["ModeName", "ModePhase", "ModeSwitchSettings", "ModeState", "ModeDecision", "decide_mode", "other_mode"]
+
+ModeName = Literal["Disaggregated", "Unified"]
+"""A serving mode (the values of :class:`fulcrum.api.llmserve.Mode` that can serve)."""
+ModePhase = Literal["steady", "start", "starting", "cut-over"]
+"""Where a tick leaves the switch: none under way, started now, new pools still starting, old pools emptied now."""
+
+
+def other_mode(mode: ModeName) -> ModeName:
+    """The mode Auto would switch to from ``mode``."""
+    return "Unified" if mode == "Disaggregated" else "Disaggregated"
+
+
+@dataclass(frozen=True)
+class ModeSwitchSettings:
+    """Tunables of the Auto-mode switch, each with the reason for its default.
+
+    Attributes:
+        agree_ticks: consecutive ticks whose plans must all find the other mode cheaper (5: plan noise of a
+            steady load lasts a tick or two; a real change of the load mix lasts longer).
+        min_dwell_s: least time a mode serves before the next switch, seconds (900: five pod start-ups of the
+            shipped specs; a switch that pays back its start-up within a quarter hour is still allowed).
+        horizon_s: how long the saving is counted over when weighed against the start-up cost, seconds (900:
+            the dwell, the least time the new mode will then serve).
+    """
+
+    agree_ticks: int = 5
+    min_dwell_s: float = 900.0
+    horizon_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.agree_ticks < 1:
+            raise ValueError(f"agree_ticks must be >= 1, got {self.agree_ticks}")
+        if not (self.min_dwell_s >= 0 and self.horizon_s > 0 and math.isfinite(self.horizon_s)):
+            raise ValueError(f"bad dwell/horizon: {self.min_dwell_s}, {self.horizon_s}")
+
+
+@dataclass(frozen=True)
+class ModeState:
+    """What the switch remembers between ticks.
+
+    Attributes:
+        serving: the mode new requests are routed by.
+        since_s: when ``serving`` began to serve (the last cut-over; the start for the initial mode), seconds.
+        switching_to: the mode whose pools are starting (make-before-break under way), or None.
+        started_s: when the switch under way began, seconds (NaN when none).
+        savings: GPUs the other mode's plan would save, one per recent tick, newest last (+inf: the serving
+            plan is infeasible and the other's is not; −inf: the other plan is infeasible).
+    """
+
+    serving: ModeName
+    since_s: float = 0.0
+    switching_to: ModeName | None = None
+    started_s: float = math.nan
+    savings: tuple[float, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class ModeDecision:
+    """One tick of the switch: the new state, the phase and why."""
+
+    state: ModeState
+    phase: ModePhase
+    reason: str
+
+
+def _saving(gpus: Mapping[ModeName, int], feasible: Mapping[ModeName, bool], serving: ModeName) -> float:
+    other = other_mode(serving)
+    if feasible[serving] and not feasible[other]:
+        return -math.inf
+    if feasible[other] and not feasible[serving]:
+        return math.inf
+    return float(gpus[serving] - gpus[other])
+
+
+def decide_mode(
+    state: ModeState,
+    *,
+    now_s: float,
+    gpus: Mapping[ModeName, int],
+    feasible: Mapping[ModeName, bool],
+    new_pools_ready: bool,
+    pressure: bool,
+    room: bool,
+    startup_s: float,
+    settings: ModeSwitchSettings = ModeSwitchSettings(),
+) -> ModeDecision:
+    """Advance the Auto-mode switch by one tick (see the module doc).
+
+    Args:
+        state: the switch's memory; a new one is returned in the decision.
+        now_s: time of this tick, seconds.
+        gpus: GPUs each mode's plan needs for the forecast load.
+        feasible: whether each mode's plan meets the SLOs within the budget.
+        new_pools_ready: every instance of the pools of ``state.switching_to`` is ready (ignored when no switch
+            is under way).
+        pressure: the last interval missed the SLO with work queued, or a backlog is building.
+        room: the serving pools and the other mode's plan fit ``maxGPUs`` together.
+        startup_s: pod start-up, seconds (the cost side: GPU-seconds held before serving).
+        settings: tunables.
+
+    Returns:
+        The decision: phase ``steady`` (serve ``state.serving`` only), ``start`` / ``starting`` (keep serving
+        the old mode, whose pools may not shrink, while the new mode's start), or ``cut-over`` (empty the old
+        pools now; ``state.serving`` is the new mode).
+    """
+    if state.switching_to is not None:
+        to = state.switching_to
+        if new_pools_ready:
+            new = ModeState(serving=to, since_s=now_s)
+            return ModeDecision(new, "cut-over", f"{to} pools ready: {state.serving} pools drain")
+        return ModeDecision(state, "starting", f"{to} pools starting; {state.serving} keeps serving")
+    saving = _saving(gpus, feasible, state.serving)
+    recent = (state.savings + (saving,))[-settings.agree_ticks:]
+    st = replace(state, savings=recent)
+    other = other_mode(state.serving)
+    if len(recent) < settings.agree_ticks or min(recent) <= 0:
+        return ModeDecision(st, "steady", f"{state.serving}: {other} not cheaper for {settings.agree_ticks} ticks")
+    dwell = now_s - state.since_s
+    if dwell < settings.min_dwell_s:
+        return ModeDecision(st, "steady", f"{state.serving}: in mode {dwell:.0f} s < dwell {settings.min_dwell_s:.0f} s")
+    if pressure:
+        return ModeDecision(st, "steady", f"{state.serving}: SLO pressure, no mode switch now")
+    if not room:
+        return ModeDecision(st, "steady", f"{state.serving}: no GPU room to start {other} beside it")
+    benefit = min(recent) * settings.horizon_s
+    cost = gpus[other] * startup_s
+    if benefit <= cost:
+        return ModeDecision(
+            st, "steady", f"{state.serving}: saving {benefit:.0f} GPU·s over {settings.horizon_s:.0f} s ≤ start-up {cost:.0f}"
+        )
+    new = ModeState(serving=state.serving, since_s=state.since_s, switching_to=other, started_s=now_s)
+    return ModeDecision(new, "start", f"switch {state.serving}→{other}: saves {min(recent):g} GPUs (≥ {cost:.0f} GPU·s start-up)")
