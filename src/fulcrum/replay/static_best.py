@@ -21,6 +21,7 @@ static deployment on a one-hour trace).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,11 @@ class StaticBest:
     target: float
     reached: bool
     probes: tuple[tuple[str, int, float], ...]
+
+
+def _disaggregated_counts(n_d: int, n_p: int) -> tuple[int, int, int]:
+    """(prefill, decode, unified) instance counts of a static disaggregated deployment with ``n_d`` decode."""
+    return n_p, n_d, 0
 
 
 def _static_spec(spec: LLMServeSpec, mode: Mode, p: int, d: int, u: int) -> LLMServeSpec:
@@ -123,7 +129,7 @@ def static_best(
         while n_d * tp_d + tp_p <= min(sc.max_gpus, best_gpus() - 1):
             room = min(sc.max_gpus, best_gpus() - 1) - n_d * tp_d
             lo = max(1, -(-(sc.min_gpus - n_d * tp_d) // tp_p))
-            search(Mode.DISAGGREGATED, lo, room // tp_p, lambda n, n_d=n_d: (n, n_d, 0))
+            search(Mode.DISAGGREGATED, lo, room // tp_p, functools.partial(_disaggregated_counts, n_d))
             n_d += 1
     if spec.mode in (Mode.UNIFIED, Mode.AUTO):
         tp_u = StaticPlanner(_static_spec(spec, Mode.UNIFIED, 0, 0, 1), profile).initial().unified.tp
