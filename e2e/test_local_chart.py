@@ -34,6 +34,7 @@ from local.chart import REPO, Installed, install, local_values, uninstall
 from local.cluster import ManagedProcess, etcd_binary, free_port
 from local.prometheus import (PROMETHEUS_RBAC, LocalPrometheus, PodDiscovery, kubernetes_sd_supported,
                               prometheus_binary, prometheus_config)
+from local.probes import wait as _wait, kget as _get
 
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(600)]
 
@@ -43,29 +44,6 @@ LABEL_LLMSERVE = "fulcrum.dev/llmserve"
 OWNED_KINDS = ("deployments.apps", "replicasets.apps", "pods", "services", "configmaps", "serviceaccounts",
                "roles.rbac.authorization.k8s.io", "rolebindings.rbac.authorization.k8s.io")
 TIMINGS: dict[str, float] = {}
-
-
-def _wait(what: str, probe: Callable[[], Any], timeout_s: float = 120.0, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (subprocess.CalledProcessError, OSError, KeyError, ValueError, RuntimeError) as err:
-            last = err
-        else:
-            if last:
-                return last
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {str(last)[:800]})")
-
-
-def _get(cluster: Any, kind: str, ns: str, name: str = "", selector: str = "") -> dict[str, Any]:
-    args = ["get", kind, *([name] if name else []), "-n", ns, "-o", "json"]
-    if selector:
-        args += ["-l", selector]
-    out = cluster.kubectl(*args, check=False)
-    return json.loads(out) if out.strip() else {}
 
 
 def _need_agent(cluster: Any) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 import textwrap
 import time
@@ -24,6 +23,7 @@ import pytest
 import yaml
 from local.cluster import ManagedProcess, etcd_binary, free_port
 from local.node_agent import CANNOT_RUN, CONFIG_ERROR
+from local.probes import wait as _wait, kget as _get
 
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(900)]
 
@@ -34,26 +34,6 @@ EXAMPLE = REPO / "examples" / "llmserve-sim.yaml"
 def _need_agent(cluster: Any) -> None:
     if cluster.agent is None or cluster.proxies is None:
         pytest.skip("needs the local cluster's process node agent and Service proxies (not a KUBECONFIG cluster)")
-
-
-def _wait(what: str, probe: Callable[[], Any], timeout_s: float = 120.0, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (subprocess.CalledProcessError, OSError, KeyError) as err:
-            last = err
-        else:
-            if last:
-                return last
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {str(last)[:800]})")
-
-
-def _get(cluster: Any, kind: str, ns: str, name: str = "") -> dict[str, Any]:
-    out = cluster.kubectl("get", kind, *([name] if name else []), "-n", ns, "-o", "json", check=False)
-    return json.loads(out) if out.strip() else {}
 
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> tuple[int, bytes]:

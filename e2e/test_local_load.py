@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from local.cluster import ManagedProcess, etcd_binary, free_port
 from local.loadgen import TraceWindow, drive, replay_window, window_requests
 from local.prometheus import (PROMETHEUS_RBAC, LocalPrometheus, PodDiscovery, kubernetes_sd_supported,
                               prometheus_binary, prometheus_config)
+from local.probes import wait, kget
 
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(900)]
 
@@ -42,29 +42,6 @@ NAME = "load"
 WINDOW = TraceWindow(trace="azure-code-2023", start_s=150.0, duration_s=240.0, keep_every=3, time_scale=0.5,
                      max_isl=4000, max_tokens=32)
 RESULTS = Path(os.environ.get("FULCRUM_E2E_RESULTS", "/tmp/fulcrum-e2e-load"))
-
-
-def wait(what: str, probe: Callable[[], Any], timeout_s: float = 120.0, every_s: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (subprocess.CalledProcessError, OSError, KeyError, ValueError, RuntimeError) as err:
-            last = err
-        else:
-            if last:
-                return last
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {str(last)[:800]})")
-
-
-def kget(cluster: Any, kind: str, ns: str, name: str = "", selector: str = "") -> dict[str, Any]:
-    args = ["get", kind, *([name] if name else []), "-n", ns, "-o", "json"]
-    if selector:
-        args += ["-l", selector]
-    out = cluster.kubectl(*args, check=False)
-    return json.loads(out) if out.strip() else {}
 
 
 def http_get(url: str, timeout: float = 3.0) -> str:

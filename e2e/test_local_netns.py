@@ -9,11 +9,10 @@ Run: ``FULCRUM_E2E_NETNS=1 python -m pytest e2e/test_local_netns.py -v -s`` (roo
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 import yaml
 from local.audit import calls_of, summarise
 from local.cluster import ManagedProcess, free_port
+from local.probes import wait as _wait, kget as _get
 
 pytestmark = [pytest.mark.local_cluster, pytest.mark.timeout(600)]
 
@@ -30,27 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 def _need_netns(cluster: Any) -> None:
     if getattr(cluster, "pod_prefix", "127.0").startswith("127.") or cluster.agent is None:
         pytest.skip("pod IPs are loopback addresses: set FULCRUM_E2E_NETNS=1 (a network namespace of the cluster's own)")
-
-
-def _wait(what: str, probe: Callable[[], Any], timeout_s: float = 120.0, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (subprocess.CalledProcessError, OSError, KeyError, ValueError) as err:
-            last = err
-        else:
-            if last:
-                return last
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {str(last)[:800]})")
-
-
-def _get(cluster: Any, kind: str, ns: str, name: str = "", selector: str = "") -> dict[str, Any]:
-    args = ["get", kind, *([name] if name else []), "-n", ns, "-o", "json"] + (["-l", selector] if selector else [])
-    out = cluster.kubectl(*args, check=False)
-    return json.loads(out) if out.strip() else {}
 
 
 WEB = """
