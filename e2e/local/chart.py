@@ -95,6 +95,10 @@ class Installed:
                     if o["metadata"]["name"].endswith("-operator"))
 
 
+_BEFORE_WORKLOADS = ("ServiceAccount", "Secret", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Role",
+                     "RoleBinding")
+
+
 def _apply(cluster: Any, objs: list[dict[str, Any]]) -> None:
     if objs:
         cluster.kubectl("apply", "--server-side", "--field-manager=helm", "--force-conflicts", "-f", "-",
@@ -121,7 +125,11 @@ def install(cluster: Any, values: dict[str, Any], *, release: str, namespace: st
         f"crd/{yaml.safe_load(p.read_text())['metadata']['name']}" for p in sorted((hr.CHART / "crds").glob("*.yaml"))]
     cluster.kubectl("wait", "--for=condition=Established", *names, "--timeout=60s", timeout=70)
     timings["crds"] = time.monotonic() - t0
-    _apply(cluster, plain)
+    # Helm's install order: identities and RBAC exist before the workloads that use them (a Deployment applied in
+    # the same request as its ServiceAccount lost that race in CI: "serviceaccount not found", pod never created)
+    first = [o for o in plain if o.get("kind") in _BEFORE_WORKLOADS]
+    _apply(cluster, first)
+    _apply(cluster, [o for o in plain if o.get("kind") not in _BEFORE_WORKLOADS])
     _apply(cluster, hooks)
     timings["applied"] = time.monotonic() - t0
     inst = Installed(release, namespace, crds + plain + hooks, timings)
