@@ -31,7 +31,7 @@ import pytest
 import yaml
 from local.audit import calls_of, summarise
 from local.chart import REPO, Installed, install, local_values, uninstall
-from local.cluster import ManagedProcess, etcd_binary, free_port
+from local.cluster import app_etcd as start_app_etcd
 from local.prometheus import (PROMETHEUS_RBAC, LocalPrometheus, PodDiscovery, kubernetes_sd_supported,
                               prometheus_binary, prometheus_config)
 from local.probes import wait as _wait, kget as _get
@@ -74,22 +74,8 @@ def namespaces(local_cluster: Any) -> Iterator[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def app_etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Fulcrum's instance registry: an etcd host process on 127.0.0.1 (the chart's bundled etcd is off)."""
-    etcd = etcd_binary()
-    assert etcd is not None
-    d = tmp_path_factory.mktemp("chart-app-etcd")
-    port, peer = free_port(), free_port()
-    proc = ManagedProcess("app-etcd", [
-        etcd, "--name", "app", "--data-dir", str(d / "data"),
-        "--listen-client-urls", f"http://127.0.0.1:{port}", "--advertise-client-urls", f"http://127.0.0.1:{port}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"app=http://127.0.0.1:{peer}", "--log-level", "warn"], d / "etcd.log")
-    proc.start()
-    try:
-        _wait("app etcd", lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200,
-              timeout_s=30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    with start_app_etcd(tmp_path_factory.mktemp("chart-app-etcd")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ when the Kubernetes binaries or etcd are absent. See docs/e2e.md.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import textwrap
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from local.cluster import ManagedProcess, etcd_binary, free_port
+from local.cluster import ManagedProcess, app_etcd as start_app_etcd, free_port
 from local.node_agent import CANNOT_RUN, CONFIG_ERROR
 from local.probes import wait as _wait, kget as _get
 
@@ -301,20 +300,8 @@ def test_a_pod_reaches_the_api_as_its_service_account_and_services_by_name(
 def app_etcd(local_cluster: Any, tmp_path: Path) -> Iterator[str]:
     """An etcd for Fulcrum's instance registry (the router's ``registry: etcd``), apart from the cluster's."""
     _need_agent(local_cluster)
-    etcd = etcd_binary()
-    assert etcd is not None
-    port, peer = free_port(), free_port()
-    proc = ManagedProcess("app-etcd", [
-        etcd, "--name", "app", "--data-dir", str(tmp_path / "app-etcd"),
-        "--listen-client-urls", f"http://127.0.0.1:{port}", "--advertise-client-urls", f"http://127.0.0.1:{port}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"app=http://127.0.0.1:{peer}", "--log-level", "warn"], tmp_path / "app-etcd.log")
-    proc.start()
-    try:
-        _wait("app etcd", lambda: _http(f"http://127.0.0.1:{port}/health")[0] == 200, timeout_s=30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    with start_app_etcd(tmp_path / "app-etcd") as url:
+        yield url
 
 
 @pytest.fixture
@@ -376,55 +363,3 @@ def _serve_the_sim_example(local_cluster: Any, ns: str, operator_alive: Callable
     _wait("LLMServe Ready", lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in
                                         (_get(local_cluster, "llmserve", ns, name).get("status") or {})
                                         .get("conditions") or []), timeout_s=120, every_s=2.0)
-
-
-def _helm_render() -> Any:
-    spec = importlib.util.spec_from_file_location("fulcrum_tests_helm_render", REPO / "tests" / "helm_render.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MONITORING_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
-"""Prometheus Operator objects the chart may render; their CRDs are not installed here."""
-
-
-def test_the_chart_runs_the_operator_as_a_pod_under_its_service_account(
-        local_cluster: Any, local_namespace: str, app_etcd: str) -> None:
-    """The Helm chart (rendered by Helm's engine, tests/helm_render.py) installs the operator as a pod: it logs in
-    with its projected service-account token, its startup and liveness probes pass on its pod IP, and it serves
-    the sim example end to end."""
-    _need_agent(local_cluster)
-    helm = _helm_render()
-    missing = helm.helm_missing()
-    if missing:
-        pytest.skip(missing)
-    ns = local_namespace
-    local_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    local_cluster.kubectl("wait", "--for=condition=Established", "crd/llmserves.fulcrum.dev", "--timeout=60s")
-    values = {"operator": {"namespaces": [ns], "prometheusUrl": "", "logFormat": "text"},
-              "etcd": {"endpoint": app_etcd}, "image": {"tag": "local"}}
-    docs = helm.objects(helm.render(values, namespace=ns))
-    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]  # kopf's peering resources
-    objects = [d for d in docs if d["kind"] not in MONITORING_KINDS and d not in crds]
-    assert any(d["kind"] == "Deployment" for d in objects), sorted({d["kind"] for d in docs})
-    if crds:
-        local_cluster.kubectl("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(crds))
-        for crd in crds:
-            local_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}",
-                                  "--timeout=60s")
-    local_cluster.kubectl("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(objects))
-    _wait("the operator Deployment ready", lambda: (_get(local_cluster, "deployment", ns, "fulcrum-operator")
-                                                   .get("status") or {}).get("readyReplicas"), timeout_s=180,
-          every_s=1.0)
-    pod = next(p for p in _get(local_cluster, "pods", ns)["items"]
-               if p["metadata"]["labels"].get("app.kubernetes.io/component") == "operator")
-    assert pod["spec"]["serviceAccountName"] == "fulcrum"
-    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
-
-    def operator_alive() -> bool:
-        p = _get(local_cluster, "pod", ns, pod["metadata"]["name"])
-        return bool(p) and p["status"]["phase"] == "Running"
-
-    _serve_the_sim_example(local_cluster, ns, operator_alive)

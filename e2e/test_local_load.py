@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
-from local.cluster import ManagedProcess, etcd_binary, free_port
+from local.cluster import ManagedProcess, app_etcd as start_app_etcd, free_port
 from local.loadgen import TraceWindow, drive, replay_window, window_requests
 from local.prometheus import (PROMETHEUS_RBAC, LocalPrometheus, PodDiscovery, kubernetes_sd_supported,
                               prometheus_binary, prometheus_config)
@@ -73,20 +73,8 @@ def need_agent(cluster: Any) -> None:
 @pytest.fixture
 def app_etcd(local_cluster: Any, tmp_path: Path) -> Iterator[str]:
     need_agent(local_cluster)
-    etcd = etcd_binary()
-    assert etcd is not None
-    port, peer = free_port(), free_port()
-    proc = ManagedProcess("app-etcd", [
-        etcd, "--name", "app", "--data-dir", str(tmp_path / "app-etcd"),
-        "--listen-client-urls", f"http://127.0.0.1:{port}", "--advertise-client-urls", f"http://127.0.0.1:{port}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"app=http://127.0.0.1:{peer}", "--log-level", "warn"], tmp_path / "app-etcd.log")
-    proc.start()
-    try:
-        wait("app etcd", lambda: "true" in http_get(f"http://127.0.0.1:{port}/health"), timeout_s=30, every_s=0.3)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    with start_app_etcd(tmp_path / "app-etcd") as url:
+        yield url
 
 
 @pytest.fixture

@@ -26,6 +26,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,7 @@ __all__ = [
     "ClusterError",
     "ControlPlane",
     "ManagedProcess",
+    "app_etcd",
     "binaries_available",
     "die_with_parent",
     "ensure_binaries",
@@ -222,6 +225,44 @@ class ManagedProcess:
             return self.log.read_text(errors="replace")[-n_chars:]
         except OSError:
             return ""
+
+
+@contextmanager
+def app_etcd(directory: Path, timeout_s: float = 30.0) -> Iterator[str]:
+    """An etcd for Fulcrum's instance registry (the router's ``registry: etcd``), apart from the cluster's: a
+    host process on free 127.0.0.1 ports, data and log under ``directory``. Yields its client URL once
+    ``/health`` answers; stops it on exit.
+
+    Raises:
+        ClusterError: no etcd binary, or it did not answer within ``timeout_s`` (the message holds its log's tail).
+    """
+    etcd = etcd_binary()
+    if etcd is None:
+        raise ClusterError("no etcd binary: install Debian's etcd-server (scripts/install-servers.sh) "
+                           "or set FULCRUM_ETCD_BIN")
+    port, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = ManagedProcess("app-etcd", [
+        etcd, "--name", "app", "--data-dir", str(directory / "data"),
+        "--listen-client-urls", url, "--advertise-client-urls", url,
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"app=http://127.0.0.1:{peer}", "--log-level", "warn"], directory / "etcd.log")
+    proc.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline or not proc.alive():
+                raise ClusterError(f"app etcd not healthy in {timeout_s:.0f} s: {proc.tail()}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.stop()
 
 
 # --- certificates ----------------------------------------------------------------------------------------
