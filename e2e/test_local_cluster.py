@@ -308,7 +308,7 @@ def app_etcd(local_cluster: Any, tmp_path: Path) -> Iterator[str]:
 def operator(local_cluster: Any, local_namespace: str, app_etcd: str, tmp_path: Path) -> Iterator[ManagedProcess]:
     """``fulcrum operator`` as a local process watching the test's namespace with the admin's credentials."""
     _need_agent(local_cluster)
-    local_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    local_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     local_cluster.kubectl("wait", "--for=condition=Established", "crd/llmserves.fulcrum.dev", "--timeout=60s")
     proc = ManagedProcess("operator", [
         sys.executable, "-m", "fulcrum", "operator", "--namespace", local_namespace, "--log-format", "text",

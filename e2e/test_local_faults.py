@@ -5,8 +5,9 @@ LLMServe (the load scenario's spec: e2e/test_local_load.py), its own app etcd, P
   is down; back up → ``Degraded`` clears and the pools scale in (drained);
 - a worker process killed (SIGKILL) under load → the router ejects it; the client-visible failures are at most
   the requests in flight on it;
-- the operator killed (SIGKILL) mid-scale-out → a new operator converges: no duplicated objects, the scale-out
-  completes, a later scale-in is drained.
+- the operator's pod (installed by the chart, under its ServiceAccount) killed mid-scale-out — its process
+  SIGKILLed and the pod force-deleted — → the Deployment's successor pod converges: no duplicated objects, the
+  scale-out completes, a later scale-in is drained.
 
 Run: ``python -m pytest e2e/test_local_faults.py -v -s`` (each test 3–5 min on the loaded 2-core machine).
 """
@@ -19,9 +20,11 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from local.chart import Installed, install, local_values, uninstall
 from local.loadgen import TraceWindow, drive, window_requests
 from local.prometheus import LocalPrometheus
 from test_local_load import (NAME, Operator, Watcher, apply_and_wait_ready, app_etcd, events, kget,  # noqa: F401
@@ -138,38 +141,76 @@ def test_a_worker_killed_under_load_is_ejected_and_only_its_in_flight_requests_f
         assert len(failed) <= killed["inflight"], (len(failed), killed)
 
 
-def test_the_operator_killed_mid_scale_out_is_replaced_and_converges(
-        local_cluster: Any, local_namespace: str, operator: Operator, prometheus: LocalPrometheus) -> None:
+@pytest.fixture
+def operator_pod(local_cluster: Any, local_namespace: str, app_etcd: str,
+                 prometheus: LocalPrometheus) -> Iterator[Installed]:
+    """The operator as the chart installs it: a Deployment's pod under the chart's ServiceAccount, watching
+    ``local_namespace`` (release ``faults``, in that namespace)."""
+    values = local_values(prometheus_url=prometheus.url, etcd_endpoint=app_etcd, watch_namespaces=[local_namespace])
+    inst = install(local_cluster, values, release="faults", namespace=local_namespace)
+    try:
+        yield inst
+    finally:
+        local_cluster.kubectl("delete", "llmserve", "--all", "-n", local_namespace, "--wait=false", check=False)
+        for pod in kget(local_cluster, "pods", local_namespace,
+                        selector="app.kubernetes.io/component=operator").get("items") or []:
+            runner = local_cluster.runner(local_namespace, pod["metadata"]["name"])
+            if runner is not None and runner.containers:
+                log = runner.log_path(runner.containers[0].name)
+                text = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+                print(f"----- operator pod {pod['metadata']['name']} log tail ({log}) -----\n{text}")
+        uninstall(local_cluster, inst)
+
+
+def _operator_pods(cluster: Any, ns: str) -> list[dict[str, Any]]:
+    return [p for p in kget(cluster, "pods", ns, selector="app.kubernetes.io/component=operator").get("items") or []
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_the_operator_pod_killed_mid_scale_out_is_replaced_and_its_successor_converges(
+        local_cluster: Any, local_namespace: str, operator_pod: Installed, prometheus: LocalPrometheus) -> None:
+    """The chart's operator pod is killed (its process SIGKILLed, the pod force-deleted, as when its node dies)
+    while a scale-out's pods start: the Deployment's successor pod takes over, converges with no duplicated
+    objects, and its later scale-in is drained."""
     ns = local_namespace
     doc, url = _setup(local_cluster, ns, prometheus)
     model = doc["spec"]["model"]["servedName"]
+    first = _operator_pods(local_cluster, ns)
+    assert len(first) == 1, [p["metadata"]["name"] for p in first]
+    victim = first[0]["metadata"]["name"]
+    assert first[0]["spec"]["serviceAccountName"] == operator_pod.service_account
     watcher = Watcher(local_cluster, ns, NAME)
     watcher.start()
     before = total(wait("pools", watcher.pools))
     state: dict[str, Any] = {}
     box: dict[str, Any] = {}
-    # the load in a thread: the replacement operator must be started from this (the main) thread, since
-    # ``setpriv --pdeathsig KILL`` kills a child when the *thread* that started it ends
     load = threading.Thread(target=lambda: box.update(report=drive(url, model, window_requests(BURST))), daemon=True)
     load.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and load.is_alive():
         pools = watcher.pools()
         if total(pools) > before and total(pools, "ready") < total(pools):  # scale-out applied, pods starting
-            os.killpg(operator.current.proc.pid, signal.SIGKILL)
+            runner = local_cluster.runner(ns, victim)
+            assert runner is not None and runner.containers[0].proc is not None
+            os.killpg(runner.containers[0].proc.pid, signal.SIGKILL)
+            local_cluster.kubectl("delete", "pod", victim, "-n", ns, "--grace-period=0", "--force", "--wait=false")
             state.update(killed_at=time.time(), pools=pools)
-            time.sleep(5)
-            operator.start()
-            state["restarted_at"] = time.time()
             break
         time.sleep(0.5)
+    assert state.get("killed_at"), "no scale-out to interrupt"
+    successor = wait("a successor operator pod Ready", lambda: next(
+        (p for p in _operator_pods(local_cluster, ns) if p["metadata"]["name"] != victim
+         and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])),
+        None), timeout_s=120, every_s=1)
+    state["successor_ready_at"] = time.time()
     load.join(300)
     report = box["report"]
-    assert state.get("killed_at"), "no scale-out to interrupt"
-    print(f"\nkilled the operator at +{state['killed_at'] - report.started:.1f} s mid scale-out {state['pools']}")
+    print(f"\nkilled operator pod {victim} at +{state['killed_at'] - report.started:.1f} s mid scale-out "
+          f"{state['pools']}; successor {successor['metadata']['name']} Ready "
+          f"{state['successor_ready_at'] - state['killed_at']:.1f} s later")
     assert not report.failed, [(r.status, r.error) for r in report.failed[:5]]
-    # the new operator converges: pools ready at what it wants, then scaled back in with drains
-    wait("the pools scaled back in by the new operator", lambda: total(watcher.pools()) < max(
+    # the successor converges: pools ready at what it wants, then scaled back in with drains
+    wait("the pools scaled back in by the successor", lambda: total(watcher.pools()) < max(
         total(p) for _, p in watcher.samples) and not (kget(local_cluster, "llmserve", ns, NAME).get("status") or {})
         .get("draining"), timeout_s=180, every_s=2)
     watcher.stop()
@@ -186,8 +227,8 @@ def test_the_operator_killed_mid_scale_out_is_replaced_and_converges(
     evs = events(local_cluster, ns)
     print("events:", [(e["time"], e["reason"], e["message"][:100]) for e in evs])
     ins = [e for e in evs if e["reason"] == "ScaledIn"]
-    assert ins, "the new operator never scaled in"
-    assert operator.current.alive() and len(operator.procs) == 2
+    assert ins, "the successor never scaled in"
+    assert [p["metadata"]["name"] for p in _operator_pods(local_cluster, ns)] == [successor["metadata"]["name"]]
     assert "chose a draining instance" not in router_log(local_cluster, ns, NAME)
 
 

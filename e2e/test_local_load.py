@@ -147,7 +147,7 @@ class Operator:
 @pytest.fixture
 def operator(local_cluster: Any, local_namespace: str, app_etcd: str, prometheus: LocalPrometheus,
              tmp_path: Path) -> Iterator[Operator]:
-    local_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    local_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     local_cluster.kubectl("wait", "--for=condition=Established", "crd/llmserves.fulcrum.dev", "--timeout=60s")
     op = Operator(local_cluster, local_namespace, app_etcd, prometheus.url, tmp_path)
     op.start()

@@ -79,7 +79,7 @@ def test_endpointslices_hold_the_ready_pod_ips(local_cluster: Any, local_namespa
 def operator_without_etcd(local_cluster: Any, local_namespace: str, tmp_path: Path) -> Iterator[ManagedProcess]:
     """``fulcrum operator`` (a local process) with no etcd: LLMServes get the router's Kubernetes registry."""
     _need_netns(local_cluster)
-    local_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    local_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     local_cluster.kubectl("wait", "--for=condition=Established", "crd/llmserves.fulcrum.dev", "--timeout=60s")
     proc = ManagedProcess("operator", [
         sys.executable, "-m", "fulcrum", "operator", "--namespace", local_namespace, "--log-format", "text",

@@ -68,7 +68,7 @@ def _example(ns: str) -> tuple[str, str]:
 
 @pytest.fixture
 def operator(namespace: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     kubectl("wait", "--for=condition=Established", "crd/llmserves.fulcrum.dev", "--timeout=60s")
     log = open(tmp_path / "operator.log", "wb")  # noqa: SIM115 (closed below)
     args = [sys.executable, "-m", "fulcrum", "operator", "--namespace", namespace, "--log-format", "text",

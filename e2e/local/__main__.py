@@ -4,6 +4,9 @@
   until interrupted (Ctrl-C or ``down``); prints ``export KUBECONFIG=…`` and writes it to ``DIR/env.sh``.
 - ``down [--dir DIR]``: stop the ``up`` running on DIR (SIGTERM to its pid), which stops every process it started.
 - ``env [--dir DIR]``: print ``DIR/env.sh`` (``eval "$(python -m e2e.local env)"``).
+- ``chart [--dir DIR] [--namespace NS] [--watch NS ...] [--prometheus-url URL] [--etcd-endpoint URL]``: what
+  ``helm install fulcrum charts/fulcrum`` does, on the cluster ``up`` runs (no helm binary here: the chart is
+  rendered by Helm's engine and applied in Helm's order, e2e/local/chart.py); returns once the operator is ready.
 
 DIR defaults to ``$FULCRUM_E2E_CLUSTER_DIR``, else ``~/.cache/fulcrum-k8s/cluster``.
 """
@@ -15,6 +18,7 @@ import os
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -94,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     """The CLI; returns its exit code."""
     p = argparse.ArgumentParser(prog="python -m e2e.local", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=["up", "down", "env"])
+    p.add_argument("action", choices=["up", "down", "env", "chart"])
     p.add_argument("--dir", type=Path, default=None, help="cluster folder (default: see above)")
     p.add_argument("--nodes", type=int, default=1, help="process nodes (up; default 1)")
     p.add_argument("--gpus", type=int, default=16, help="emulated nvidia.com/gpu per node (up; default 16)")
+    p.add_argument("--namespace", default="fulcrum-system", help="release namespace (chart; default fulcrum-system)")
+    p.add_argument("--watch", nargs="*", default=[], help="namespaces the operator watches (chart; default: all)")
+    p.add_argument("--prometheus-url", default="", help="the operator's --prometheus-url (chart; default none)")
+    p.add_argument("--etcd-endpoint", default="", help="the routers' etcd registry (chart; default none)")
     args = p.parse_args(argv)
     d = (args.dir or _default_dir()).resolve()
     if args.action == "up":
@@ -110,7 +118,27 @@ def main(argv: list[str] | None = None) -> int:
     if not env_file.is_file():
         print(f"no local cluster on {d} (`python -m e2e.local up`)", file=sys.stderr)
         return 1
+    if args.action == "chart":
+        return _chart(env_file, args.namespace, args.watch, args.prometheus_url, args.etcd_endpoint)
     print(env_file.read_text(), end="")
+    return 0
+
+
+def _chart(env_file: Path, namespace: str, watch: list[str], prometheus_url: str, etcd_endpoint: str) -> int:
+    from . import chart
+    from .fixtures import ExternalCluster
+
+    env = dict(shlex.split(line.removeprefix("export "))[0].split("=", 1)
+               for line in env_file.read_text().splitlines() if line.startswith("export "))
+    cluster = ExternalCluster(Path(env["KUBECONFIG"]), api_url=env.get("FULCRUM_E2E_API_URL", ""))
+    values = chart.local_values(prometheus_url=prometheus_url, etcd_endpoint=etcd_endpoint, watch_namespaces=watch)
+    try:
+        inst = chart.install(cluster, values, release="fulcrum", namespace=namespace)
+    except (TimeoutError, subprocess.CalledProcessError) as err:
+        print(f"chart install failed: {err} {getattr(err, 'stderr', '') or ''}", file=sys.stderr)
+        return 1
+    print(f"installed release fulcrum in {namespace}: {len(inst.objects)} objects; operator "
+          f"deployment/{inst.operator_deployment} ready in {inst.timings_s['operator_ready']:.1f} s")
     return 0
 
 

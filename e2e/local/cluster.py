@@ -42,6 +42,7 @@ __all__ = [
     "ensure_binaries",
     "etcd_binary",
     "free_port",
+    "kubectl",
     "shared_dir",
 ]
 
@@ -263,6 +264,21 @@ def app_etcd(directory: Path, timeout_s: float = 30.0) -> Iterator[str]:
         yield url
     finally:
         proc.stop()
+
+
+def kubectl(kubeconfig: Path, *args: str, check: bool = True, timeout: float = 60.0,
+            input_text: str | None = None) -> str:
+    """``kubectl --kubeconfig <kubeconfig> …`` (``input_text`` on its stdin); its stdout.
+
+    Raises:
+        subprocess.CalledProcessError: it failed and ``check`` (stdout and stderr attached);
+        subprocess.TimeoutExpired: it ran past ``timeout`` seconds.
+    """
+    argv = ["kubectl", "--kubeconfig", str(kubeconfig), *args]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input_text)
+    if check and proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, argv, proc.stdout, proc.stderr)
+    return proc.stdout
 
 
 # --- certificates ----------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .cluster import binaries_available, etcd_binary
+from .cluster import binaries_available, etcd_binary, kubectl
 from .harness import LocalCluster
 
 __all__ = ["ExternalCluster", "local_cluster", "local_namespace"]
@@ -38,11 +38,7 @@ class ExternalCluster:
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0, input_text: str | None = None) -> str:
         """``kubectl --kubeconfig <it> …``; its stdout."""
-        argv = ["kubectl", "--kubeconfig", str(self.kubeconfig), *args]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input_text)
-        if check and proc.returncode != 0:
-            raise subprocess.CalledProcessError(proc.returncode, argv, proc.stdout, proc.stderr)
-        return proc.stdout
+        return kubectl(self.kubeconfig, *args, check=check, timeout=timeout, input_text=input_text)
 
     def diagnostics(self, n_chars: int = 2000) -> str:
         """Nothing to add: the cluster's logs are its own."""

@@ -6,14 +6,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cluster import ClusterError, ControlPlane
+from .cluster import ClusterError, ControlPlane, kubectl
 from .node_agent import NodeAgent, PodRunner
 from .service_proxy import LoopbackAllocator, ServiceProxies
 
@@ -116,11 +115,7 @@ class LocalCluster:
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0, input_text: str | None = None) -> str:
         """``kubectl --kubeconfig <admin> …``; its stdout (CalledProcessError when ``check`` and it fails)."""
-        argv = ["kubectl", "--kubeconfig", str(self.kubeconfig), *args]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input_text)
-        if check and proc.returncode != 0:
-            raise subprocess.CalledProcessError(proc.returncode, argv, proc.stdout, proc.stderr)
-        return proc.stdout
+        return kubectl(self.kubeconfig, *args, check=check, timeout=timeout, input_text=input_text)
 
     def _wait_default_service_account(self, deadline: float) -> None:
         while time.monotonic() < deadline:

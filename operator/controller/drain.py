@@ -7,13 +7,18 @@ The protocol, for a pool going from N to M < N instances (DESIGN principle 3; th
    their own ``/metrics`` (``vllm:num_requests_running + vllm:num_requests_waiting``), ties by name;
 2. **mark draining**: add them to the router ConfigMap's ``draining`` list — the router sends them no new
    requests, in-flight ones finish (the router reloads its config within seconds);
-3. **wait** until each victim's running + waiting is 0 (polling its ``/metrics``) or the drain timeout
+3. **confirm**: poll every router replica's ``/metrics`` until each reports every victim draining
+   (``fulcrum_router_instance_draining`` = 1) or does not know it at all — only then is "idle" final, since a
+   router that has not reloaded yet may still send a victim a new request after it was seen idle. Past
+   ``confirm_timeout_s`` (default 30 s) a Warning Event ``DrainUnconfirmed`` names the routers that lag and the
+   drain goes on (the wait below and the worker's own SIGTERM drain still protect in-flight requests);
+4. **wait** until each victim's running + waiting is 0 (polling its ``/metrics``) or the drain timeout
    (``spec.scaling.drainTimeoutSeconds``, default 300 s) — on timeout a Warning Event and the Degraded condition
    say which pods still had work, and the scale-in proceeds (the worker's own SIGTERM drain still runs);
-4. **set** ``controller.kubernetes.io/pod-deletion-cost`` to :data:`DRAINED_DELETION_COST` on the victims, so
+5. **set** ``controller.kubernetes.io/pod-deletion-cost`` to :data:`DRAINED_DELETION_COST` on the victims, so
    the ReplicaSet controller deletes exactly them when replicas drop;
-5. **lower replicas** of the pool Deployment to M;
-6. **unmark**: remove them from ``draining`` (they are terminating; their registry entries go with them).
+6. **lower replicas** of the pool Deployment to M;
+7. **unmark**: remove them from ``draining`` (they are terminating; their registry entries go with them).
 
 Cancelled (the operator runs drains in the background and stops one when the plan wants the pool back),
 :func:`drain_pool` unmarks the pods it marked before re-raising: they serve again.
@@ -28,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     "pick_victims",
     "drain_steps",
     "drain_pool",
+    "draining_from_metrics",
     "load_from_metrics",
 ]
 
@@ -83,7 +89,7 @@ def pick_victims(pods: Sequence[PodLoad], count: int) -> list[str]:
 
 @dataclass(frozen=True)
 class DrainStep:
-    """One step of the protocol: ``kind`` in mark | wait | deletion_cost | scale | unmark."""
+    """One step of the protocol: ``kind`` in mark | confirm | wait | deletion_cost | scale | unmark."""
 
     kind: str
     pods: tuple[str, ...] = ()
@@ -91,7 +97,7 @@ class DrainStep:
 
 
 def drain_steps(pool: str, victims: Sequence[str], new_replicas: int) -> list[DrainStep]:
-    """The protocol's ordering for ``victims`` of ``pool`` (module doc, steps 2–6); pure.
+    """The protocol's ordering for ``victims`` of ``pool`` (module doc, steps 2–7); pure.
 
     Raises:
         ValueError: ``new_replicas`` < 0.
@@ -101,7 +107,7 @@ def drain_steps(pool: str, victims: Sequence[str], new_replicas: int) -> list[Dr
     v = tuple(victims)
     if not v:
         return [DrainStep("scale", (), new_replicas)]
-    return [DrainStep("mark", v), DrainStep("wait", v), DrainStep("deletion_cost", v),
+    return [DrainStep("mark", v), DrainStep("confirm", v), DrainStep("wait", v), DrainStep("deletion_cost", v),
             DrainStep("scale", v, new_replicas), DrainStep("unmark", v)]
 
 
@@ -122,6 +128,12 @@ class DrainIO(Protocol):
 
     async def unmark_draining(self, pods: Sequence[str]) -> None:
         """Remove ``pods`` from ``draining``."""
+        ...
+
+    async def routers_lagging(self, pods: Sequence[str]) -> list[str]:
+        """The router replicas that may still send one of ``pods`` a new request: those whose ``/metrics`` lists
+        one of them as not draining, or that could not be read. Empty when every router has the list (or there
+        is no router)."""
         ...
 
     async def set_deletion_cost(self, pods: Sequence[str], cost: int) -> None:
@@ -145,6 +157,8 @@ class DrainResult:
         pool: the pool; victims: the pods removed; replicas: the new count.
         timed_out: the timeout passed with work left; busy: pod → running + waiting left at the timeout.
         waited_s: seconds spent waiting for in-flight requests.
+        confirmed_s: seconds until every router reported the victims draining (the timeout when unconfirmed).
+        unconfirmed: the router replicas still lagging at the confirm timeout (empty when confirmed).
     """
 
     pool: str
@@ -153,6 +167,8 @@ class DrainResult:
     timed_out: bool = False
     busy: dict[str, float] = field(default_factory=dict)
     waited_s: float = 0.0
+    confirmed_s: float = 0.0
+    unconfirmed: tuple[str, ...] = ()
 
 
 async def drain_pool(
@@ -164,6 +180,7 @@ async def drain_pool(
     poll_s: float,
     clock: Callable[[], float],
     sleep: Callable[[float], Awaitable[None]],
+    confirm_timeout_s: float = 30.0,
 ) -> DrainResult:
     """Drain ``pool`` down to ``new_replicas`` instances (module doc). Idempotent over a restart: marking,
     annotating and scaling again are no-ops.
@@ -171,6 +188,7 @@ async def drain_pool(
     Args:
         io: the adapter; timeout_s: the drain timeout, seconds; poll_s: seconds between load polls.
         clock: monotonic seconds; sleep: awaits that many seconds (injected: tests run instantly).
+        confirm_timeout_s: seconds to wait for every router to report the victims draining (module doc, step 3).
 
     Raises:
         whatever ``io`` raises (the caller reports it; the pool keeps its replicas, the router its list).
@@ -184,6 +202,9 @@ async def drain_pool(
             if step.kind == "mark":
                 marked = step.pods  # before the await: a cancel during the mark must still unmark them
                 await io.mark_draining(step.pods)
+            elif step.kind == "confirm":
+                result = await _confirm_marked(io, result, timeout_s=confirm_timeout_s, poll_s=poll_s, clock=clock,
+                                               sleep=sleep)
             elif step.kind == "wait":
                 result = await _wait_idle(io, result, timeout_s=timeout_s, poll_s=poll_s, clock=clock, sleep=sleep)
             elif step.kind == "deletion_cost":
@@ -200,6 +221,23 @@ async def drain_pool(
     return result
 
 
+async def _confirm_marked(io: DrainIO, result: DrainResult, *, timeout_s: float, poll_s: float,
+                          clock: Callable[[], float], sleep: Callable[[float], Awaitable[None]]) -> DrainResult:
+    start = clock()
+    poll = min(poll_s, 1.0)  # a router reloads its config within seconds: look more often than for idleness
+    while True:
+        lagging = tuple(sorted(await io.routers_lagging(result.victims)))
+        waited = clock() - start
+        if not lagging:
+            return replace(result, confirmed_s=waited)
+        if waited >= timeout_s:
+            await io.event("Warning", "DrainUnconfirmed",
+                           f"{result.pool}: after {waited:.0f} s the router replicas {', '.join(lagging)} still did "
+                           f"not report {', '.join(result.victims)} draining; waiting for in-flight requests anyway")
+            return replace(result, confirmed_s=waited, unconfirmed=lagging)
+        await sleep(min(poll, max(timeout_s - waited, 0.0)) or poll)
+
+
 async def _wait_idle(io: DrainIO, result: DrainResult, *, timeout_s: float, poll_s: float,
                      clock: Callable[[], float], sleep: Callable[[float], Awaitable[None]]) -> DrainResult:
     start = clock()
@@ -209,12 +247,12 @@ async def _wait_idle(io: DrainIO, result: DrainResult, *, timeout_s: float, poll
         busy = {p: float(v) for p, v in loads.items() if v > 0}
         waited = clock() - start
         if not busy:
-            return DrainResult(result.pool, result.victims, result.replicas, False, {}, waited)
+            return replace(result, timed_out=False, busy={}, waited_s=waited)
         if waited >= timeout_s:
             await io.event("Warning", "DrainTimeout",
                            f"{result.pool}: drain timeout after {waited:.0f} s with requests left on "
                            + ", ".join(f"{p} ({v:g})" for p, v in sorted(busy.items())) + "; scaling in anyway")
-            return DrainResult(result.pool, result.victims, result.replicas, True, busy, waited)
+            return replace(result, timed_out=True, busy=busy, waited_s=waited)
         await sleep(min(poll_s, max(timeout_s - waited, 0.0)) or poll_s)
 
 
@@ -237,3 +275,20 @@ def load_from_metrics(text: str) -> float:
     if not seen:
         raise ValueError("no vllm:num_requests_running/waiting in the metrics")
     return total
+
+
+def draining_from_metrics(text: str) -> dict[str, bool]:
+    """Instance id → draining flag, from a router's ``/metrics`` text (``fulcrum_router_instance_draining``).
+
+    Raises:
+        ValueError: the text is not the Prometheus exposition format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, bool] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "fulcrum_router_instance_draining":
+            for s in fam.samples:
+                if s.name == fam.name and "instance" in s.labels:
+                    out[s.labels["instance"]] = out.get(s.labels["instance"], False) or float(s.value) >= 1.0
+    return out

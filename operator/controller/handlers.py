@@ -45,11 +45,13 @@ from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.target import ClusterTarget, PoolSize
 
 from fulcrum.controller.apply import Applier, ApplyReport, DRAIN_FIELD_MANAGER, KubeApiError, KubeClient
-from fulcrum.controller.drain import DELETION_COST_ANNOTATION, DrainResult, PodLoad, drain_pool, load_from_metrics
+from fulcrum.controller.drain import (DELETION_COST_ANNOTATION, DrainResult, PodLoad, drain_pool, draining_from_metrics,
+                                     load_from_metrics)
 from fulcrum.controller.loop import POOLS, ControlLoop, LoopOutcome, distribute, replica_owner
 from fulcrum.controller.metrics import OperatorMetrics
 from fulcrum.controller.observe import ObservationError, PrometheusObserver, QueryClient, Selectors
 from fulcrum.controller.resources import (
+    LABEL_COMPONENT,
     LABEL_LLMSERVE,
     LABEL_POOL,
     MODE_POOLS,
@@ -658,6 +660,26 @@ class _KubeDrainIO:
 
     async def unmark_draining(self, pods: Sequence[str]) -> None:
         await self._set_draining(pods, draining=False)
+
+    async def routers_lagging(self, pods: Sequence[str]) -> list[str]:
+        sel = f"{LABEL_LLMSERVE}={self.name},{LABEL_COMPONENT}=router"
+        routers = await asyncio.to_thread(self.c.kube.list, "v1", "Pod", self.ns, sel)
+        lagging = []
+        for r in routers:
+            ip = (r.get("status") or {}).get("podIP")
+            if (r.get("metadata") or {}).get("deletionTimestamp") or not ip or not _ready(r):
+                continue  # a router out of its Service gets no requests; one that starts reads the list first
+            rname = r["metadata"]["name"]
+            try:
+                text = await self.c.fetch(f"http://{ip}:{_http_port(r)}/metrics", self.c.settings.metrics_timeout_s)
+                seen = draining_from_metrics(text)
+            except (OSError, ValueError) as err:
+                log.info("%s: /metrics of router %s unreadable: %s", self.name, rname, err)
+                lagging.append(rname)
+                continue
+            if any(not seen.get(p, True) for p in pods):
+                lagging.append(rname)
+        return lagging
 
     async def _set_draining(self, pods: Sequence[str], *, draining: bool) -> None:
         """Add ``pods`` to (or remove them from) the router's draining list and apply the router config."""

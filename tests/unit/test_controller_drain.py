@@ -14,6 +14,7 @@ from fulcrum.controller.drain import (
     PodLoad,
     drain_pool,
     drain_steps,
+    draining_from_metrics,
     load_from_metrics,
     pick_victims,
 )
@@ -49,6 +50,17 @@ class FakeDrainIO:
         self.calls.append(("unmark", tuple(pods)))
         self.draining -= set(pods)
 
+    #: polls of ``routers_lagging`` before the router reports the marked pods draining (its config reload)
+    router_lag_polls = 0
+
+    async def routers_lagging(self, pods: Sequence[str]) -> list[str]:
+        self.calls.append(("confirm", tuple(pods)))
+        assert set(pods) <= self.draining, "asked the router to confirm pods never marked"
+        if self.router_lag_polls > 0:
+            self.router_lag_polls -= 1
+            return ["router-0"]
+        return []
+
     async def set_deletion_cost(self, pods: Sequence[str], cost: int) -> None:
         self.calls.append(("cost", (tuple(pods), cost)))
 
@@ -83,10 +95,10 @@ def test_victims_are_unready_pods_first_then_the_least_loaded_then_by_name() -> 
     assert pick_victims(pods, 0) == []
 
 
-def test_the_steps_mark_wait_annotate_scale_then_unmark() -> None:
+def test_the_steps_mark_confirm_wait_annotate_scale_then_unmark() -> None:
     steps = drain_steps("decode", ["x", "y"], 3)
-    assert [s.kind for s in steps] == ["mark", "wait", "deletion_cost", "scale", "unmark"]
-    assert steps[3] == DrainStep("scale", ("x", "y"), 3)
+    assert [s.kind for s in steps] == ["mark", "confirm", "wait", "deletion_cost", "scale", "unmark"]
+    assert steps[4] == DrainStep("scale", ("x", "y"), 3)
     assert drain_steps("decode", [], 2) == [DrainStep("scale", (), 2)]
     with pytest.raises(ValueError, match="replicas must be >= 0"):
         drain_steps("decode", ["x"], -1)
@@ -99,7 +111,7 @@ async def test_a_drain_waits_for_in_flight_requests_before_lowering_replicas() -
     r = await drain_pool(io, "prefill", 2, timeout_s=60, poll_s=5, clock=clock, sleep=clock.sleep)
     assert r.victims == ("p1",) and not r.timed_out and r.replicas == 2
     kinds = [c[0] for c in io.calls]
-    assert kinds == ["pod_loads", "mark", "loads", "loads", "loads", "loads", "cost", "scale", "unmark"]
+    assert kinds == ["pod_loads", "mark", "confirm", "loads", "loads", "loads", "loads", "cost", "scale", "unmark"]
     assert ("cost", (("p1",), DRAINED_DELETION_COST)) in io.calls
     assert r.waited_s == 15 and io.replicas == 2 and io.draining == set()
 
@@ -150,3 +162,40 @@ def test_the_load_is_read_from_vllm_metrics_text() -> None:
     assert load_from_metrics(text) == 5.0
     with pytest.raises(ValueError, match="no vllm:num_requests"):
         load_from_metrics("# TYPE other gauge\nother 1\n")
+
+
+@pytest.mark.asyncio
+async def test_idleness_is_polled_only_once_every_router_reports_the_victims_draining() -> None:
+    io = FakeDrainIO([PodLoad("p0", True, 0, 0), PodLoad("p1", True, 3, 0)])
+    io.router_lag_polls = 3  # the router reloads its config after three looks
+    clock = Clock()
+    r = await drain_pool(io, "decode", 1, timeout_s=60, poll_s=5, clock=clock, sleep=clock.sleep)
+    kinds = [c[0] for c in io.calls]
+    assert kinds[:6] == ["pod_loads", "mark", "confirm", "confirm", "confirm", "confirm"]
+    assert kinds.index("loads") > kinds.index("confirm") + 3
+    assert r.confirmed_s == 3.0 and r.unconfirmed == ()  # polled each second (poll_s capped at 1 s)
+    assert not [c for c in io.calls if c[0] == "event"]
+
+
+@pytest.mark.asyncio
+async def test_a_router_that_never_confirms_gets_a_warning_and_the_drain_still_waits_for_idle() -> None:
+    io = FakeDrainIO([PodLoad("p0", True, 5, 0), PodLoad("p1", True, 2, 0)])
+    io.router_lag_polls = 10**6
+    clock = Clock()
+    r = await drain_pool(io, "prefill", 1, timeout_s=60, poll_s=5, clock=clock, sleep=clock.sleep,
+                         confirm_timeout_s=10)
+    assert r.unconfirmed == ("router-0",) and r.confirmed_s == 10
+    warn = [c[1] for c in io.calls if c[0] == "event"]
+    assert len(warn) == 1 and warn[0][1] == "DrainUnconfirmed" and "router-0" in warn[0][2] and "p1" in warn[0][2]
+    assert not r.timed_out and io.replicas == 1 and ("loads", ("p1",)) in io.calls
+
+
+def test_the_draining_flags_are_read_from_the_router_metrics() -> None:
+    text = (
+        "# HELP fulcrum_router_instance_draining 1 while draining\n"
+        "# TYPE fulcrum_router_instance_draining gauge\n"
+        'fulcrum_router_instance_draining{instance="p0",role="decode"} 1.0\n'
+        'fulcrum_router_instance_draining{instance="p1",role="decode"} 0.0\n'
+    )
+    assert draining_from_metrics(text) == {"p0": True, "p1": False}
+    assert draining_from_metrics("") == {}
