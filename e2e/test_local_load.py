@@ -367,11 +367,13 @@ def test_a_bursty_trace_scales_out_and_drains_back_in_with_no_failed_request(
     # the drained pods are gone
     left = {p["metadata"]["name"] for p in kget(local_cluster, "pods", ns).get("items") or []}
     assert not drained & left, drained & left
-    # did the router see them in its draining list before they went? (reported, not asserted: docs/e2e.md —
-    # an idle pod drains in one poll, before the ConfigMap volume reaches the router)
+    # the router saw every victim in its draining list before it went: the drain's confirm step waits for the
+    # router's fulcrum_router_instance_draining (operator/controller/drain.py, step 3)
     marked = drained_in_log(rlog)
     print(f"drained pods the router had marked draining: {len(drained & marked)} of {len(drained)}; "
           f"seen in the ConfigMap by the watcher: {len(drained & set(watcher.draining_seen))}")
+    assert drained <= marked, f"drained before the router had them as draining: {sorted(drained - marked)}"
+    assert not [e for e in evs if e["reason"] == "DrainUnconfirmed"], "a router never confirmed a drain"
     # a drained pod's load never grew once the router had it as draining (+1 s for the sample in flight)
     for pod, series in watcher.drain_load.items():
         grew = [(round(tb - report.started, 1), a, b) for (ta, a), (tb, b) in zip(series, series[1:])
