@@ -1,7 +1,9 @@
 """``python -m e2e.local up|down|env`` (from the repository root): a local cluster for a shell.
 
-- ``up [--dir DIR] [--nodes N] [--gpus G]``: start it (control plane, Service proxies, process node agent) and stay in the foreground
-  until interrupted (Ctrl-C or ``down``); prints ``export KUBECONFIG=…`` and writes it to ``DIR/env.sh``.
+- ``up [--dir DIR] [--nodes N] [--gpus G]``: start it (control plane, Service proxies, process node agent, and an
+  etcd for Fulcrum's instance registry: pod IPs are loopback addresses, which EndpointSlices refuse, so the
+  router's Kubernetes registry cannot work here — docs/e2e.md) and stay in the foreground until interrupted
+  (Ctrl-C or ``down``); prints ``export KUBECONFIG=… FULCRUM_E2E_ETCD_URL=…`` and writes it to ``DIR/env.sh``.
 - ``down [--dir DIR]``: stop the ``up`` running on DIR (SIGTERM to its pid), which stops every process it started.
 - ``env [--dir DIR]``: print ``DIR/env.sh`` (``eval "$(python -m e2e.local env)"``).
 - ``chart [--dir DIR] [--namespace NS] [--watch NS ...] [--prometheus-url URL] [--etcd-endpoint URL]``: what
@@ -14,6 +16,7 @@ DIR defaults to ``$FULCRUM_E2E_CLUSTER_DIR``, else ``~/.cache/fulcrum-k8s/cluste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
@@ -24,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from .cluster import ClusterError
+from .cluster import ClusterError, app_etcd
 from .harness import LocalCluster
 
 
@@ -46,12 +49,15 @@ def _up(d: Path, nodes: int, gpus: int) -> int:
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     cluster = LocalCluster(d, nodes=nodes, gpus=gpus)
+    registry = contextlib.ExitStack()
     try:
         cluster.start()
+        etcd_url = registry.enter_context(app_etcd(d / "app-etcd"))
     except ClusterError as err:
         print(f"local cluster failed to start: {err}", file=sys.stderr)
+        cluster.stop()
         return 1
-    env = cluster.env()
+    env = {**cluster.env(), "FULCRUM_E2E_ETCD_URL": etcd_url}
     text = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items() if k != "pid")
     (d / "env.sh").write_text(text)
     pid_file.write_text(str(os.getpid()))
@@ -68,6 +74,7 @@ def _up(d: Path, nodes: int, gpus: int) -> int:
             print(f"{', '.join(dead)} exited; stopping (see {d}/logs)", file=sys.stderr)
             break
     cluster.stop()
+    registry.close()
     pid_file.unlink(missing_ok=True)
     return 0
 
@@ -105,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", default="fulcrum-system", help="release namespace (chart; default fulcrum-system)")
     p.add_argument("--watch", nargs="*", default=[], help="namespaces the operator watches (chart; default: all)")
     p.add_argument("--prometheus-url", default="", help="the operator's --prometheus-url (chart; default none)")
-    p.add_argument("--etcd-endpoint", default="", help="the routers' etcd registry (chart; default none)")
+    p.add_argument("--etcd-endpoint", default=None,
+                   help="the routers' etcd registry (chart; default: the one `up` started, $FULCRUM_E2E_ETCD_URL)")
     args = p.parse_args(argv)
     d = (args.dir or _default_dir()).resolve()
     if args.action == "up":
@@ -124,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _chart(env_file: Path, namespace: str, watch: list[str], prometheus_url: str, etcd_endpoint: str) -> int:
+def _chart(env_file: Path, namespace: str, watch: list[str], prometheus_url: str, etcd_endpoint: str | None) -> int:
     from . import chart
     from .fixtures import ExternalCluster
 
     env = dict(shlex.split(line.removeprefix("export "))[0].split("=", 1)
                for line in env_file.read_text().splitlines() if line.startswith("export "))
     cluster = ExternalCluster(Path(env["KUBECONFIG"]), api_url=env.get("FULCRUM_E2E_API_URL", ""))
+    etcd_endpoint = env.get("FULCRUM_E2E_ETCD_URL", "") if etcd_endpoint is None else etcd_endpoint
     values = chart.local_values(prometheus_url=prometheus_url, etcd_endpoint=etcd_endpoint, watch_namespaces=watch)
     try:
         inst = chart.install(cluster, values, release="fulcrum", namespace=namespace)
