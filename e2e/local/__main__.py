@@ -38,14 +38,10 @@ def _default_dir() -> Path:
 
 def _up(d: Path, nodes: int, gpus: int) -> int:
     pid_file = d / "up.pid"
-    if pid_file.is_file():
-        try:
-            os.kill(int(pid_file.read_text()), 0)
-            print(f"a local cluster already runs on {d} (pid {pid_file.read_text().strip()}); "
-                  f"`python -m e2e.local down` first", file=sys.stderr)
-            return 1
-        except (ProcessLookupError, ValueError):
-            pass
+    if pid_file.is_file() and pid_file.read_text().strip().isdigit() and _running(int(pid_file.read_text())):
+        print(f"a local cluster already runs on {d} (pid {pid_file.read_text().strip()}); "
+              f"`python -m e2e.local down` first", file=sys.stderr)
+        return 1
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     cluster = LocalCluster(d, nodes=nodes, gpus=gpus)
@@ -73,13 +69,28 @@ def _up(d: Path, nodes: int, gpus: int) -> int:
         if dead:
             print(f"{', '.join(dead)} exited; stopping (see {d}/logs)", file=sys.stderr)
             break
+    t0 = time.monotonic()
     cluster.stop()
     registry.close()
+    print(f"# stopped in {time.monotonic() - t0:.1f} s", flush=True)
     pid_file.unlink(missing_ok=True)
     return 0
 
 
-def _down(d: Path) -> int:
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie — exited, not yet reaped by its parent — has stopped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def _down(d: Path, timeout_s: float) -> int:
     pid_file = d / "up.pid"
     if not pid_file.is_file():
         print(f"no local cluster runs on {d}", file=sys.stderr)
@@ -90,14 +101,12 @@ def _down(d: Path) -> int:
     except ProcessLookupError:
         pid_file.unlink(missing_ok=True)
         return 0
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             return 0
         time.sleep(0.2)
-    print(f"pid {pid} still runs after 60 s", file=sys.stderr)
+    print(f"pid {pid} still runs after {timeout_s:.0f} s", file=sys.stderr)
     return 1
 
 
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=None, help="cluster folder (default: see above)")
     p.add_argument("--nodes", type=int, default=1, help="process nodes (up; default 1)")
     p.add_argument("--gpus", type=int, default=16, help="emulated nvidia.com/gpu per node (up; default 16)")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds `down` waits for the `up` to stop its pods and control plane (default 180)")
     p.add_argument("--namespace", default="fulcrum-system", help="release namespace (chart; default fulcrum-system)")
     p.add_argument("--watch", nargs="*", default=[], help="namespaces the operator watches (chart; default: all)")
     p.add_argument("--prometheus-url", default="", help="the operator's --prometheus-url (chart; default none)")
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--nodes must be >= 1 and --gpus >= 0")
         return _up(d, args.nodes, args.gpus)
     if args.action == "down":
-        return _down(d)
+        return _down(d, args.timeout)
     env_file = d / "env.sh"
     if not env_file.is_file():
         print(f"no local cluster on {d} (`python -m e2e.local up`)", file=sys.stderr)
