@@ -186,9 +186,7 @@ def _parse_json(raw: bytes, iid: str) -> dict[str, Any]:
 
 async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, Any], ticket: Ticket,
                        transform: Transform | None) -> Outcome:
-    async with pool.open(iid, path, body, stream=False) as resp:
-        raw = await resp.read()
-        status = resp.status
+    status, raw, _ = await pool.fetch(iid, path, body)
     if status != 200:
         return Outcome(status, raw)
     try:
