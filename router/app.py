@@ -224,6 +224,7 @@ async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: 
             raise ModelNotFound(f"the model {model!r} does not exist; this router serves {cfg.model!r}",
                                 param="model", code="model_not_found")
         model = cfg.model
+    as_sent = "kv_transfer_params" not in body and (model is None or body.get("model") == model)
     if model is not None:
         body["model"] = model
     body.pop("kv_transfer_params", None)
@@ -250,6 +251,7 @@ async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: 
     return Exchange(
         request_id=f"{_ID_PREFIX}{next(_ID_COUNTER):x}", endpoint=endpoint, req=req, body=body, stream=stream,
         client_usage=client_usage, prompt=prompt, max_tokens=cap, model=model or "", created=int(time.time()), t0=t0,
+        raw=raw if as_sent and not stream else None,
     )
 
 

@@ -7,7 +7,7 @@ request in one ``write`` and parses the answer's head with ``bytes`` operations 
 streamed calls, health probes and scrapes stay on aiohttp (:class:`fulcrum.router.transport.HttpTransport`).
 
 Errors (:class:`Http1Error`, translated by the transport): ``connect`` (refused, unreachable, DNS),
-``timeout`` (connect or the whole call past its limit: ``asyncio.TimeoutError`` is raised as is),
+``timeout`` (connect or the whole call past its limit: ``TimeoutError`` is raised as is),
 ``broken`` (the connection closed or reset before the whole answer, or an answer that is not HTTP/1.x). A
 connection taken from the idle pool that the server had closed meanwhile (no byte of the answer came back) is
 retried once on a new connection, as browsers and aiohttp do for idle keep-alive races.
@@ -42,7 +42,7 @@ class Http1Error(Exception):
 class _Conn(asyncio.Protocol):
     """One connection: bytes received so far, and a future the reader waits on for more."""
 
-    __slots__ = ("key", "transport", "buf", "waiter", "closed", "error", "reused")
+    __slots__ = ("key", "transport", "buf", "waiter", "closed", "error", "reused", "expired")
 
     def __init__(self, key: tuple[str, str, int]) -> None:
         self.key = key
@@ -52,6 +52,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.error: BaseException | None = None
         self.reused = False
+        self.expired = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -75,13 +76,26 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
+    def expire(self) -> None:
+        """The call's deadline passed: the reader's wait ends in ``TimeoutError``."""
+        self.expired = True
+        self._wake()
+
     async def more(self) -> None:
-        """Wait for more bytes or the close."""
+        """Wait for more bytes or the close.
+
+        Raises:
+            TimeoutError: the call's deadline passed (:meth:`expire`).
+        """
+        if self.expired:
+            raise TimeoutError
         self.waiter = asyncio.get_running_loop().create_future()
         try:
             await self.waiter
         finally:
             self.waiter = None
+        if self.expired:
+            raise TimeoutError
 
     def close(self) -> None:
         self.closed = True
@@ -117,19 +131,31 @@ class Http1Client:
             got = self._origins[base] = ((scheme, host, port), prefix.encode(), netloc.encode())
         return got
 
-    async def post(self, base: str, path: str, body: bytes, connect_s: float) -> tuple[int, bytes]:
-        """POST ``body`` (JSON) to ``base + path``: (status, whole answer body). Run it under the caller's overall
-        deadline (``asyncio.timeout``); cancellation closes the connection (the engine then aborts the call).
+    async def post(self, base: str, path: str, body: bytes, connect_s: float,
+                   total_s: float | None) -> tuple[int, bytes]:
+        """POST ``body`` (JSON) to ``base + path``: (status, whole answer body). Cancellation closes the connection
+        (the engine then aborts the call).
+
+        Args:
+            connect_s: limit to open a connection, seconds.
+            total_s: limit for the whole call (waiting for a free connection included), seconds; None = none.
+                One timer per call (``loop.call_at``), not an ``asyncio.timeout`` scope: it is on the hot path.
 
         Raises:
             Http1Error: "connect" or "broken" (module docstring).
-            TimeoutError: connecting took longer than ``connect_s``.
+            TimeoutError: past ``connect_s`` or ``total_s``.
         """
         key, prefix, host = self._origin(base)
         head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
             prefix, path.encode(), host, len(body))
+        loop = asyncio.get_running_loop()
+        deadline = None if total_s is None else loop.time() + total_s
         for attempt in (0, 1):
-            conn = await self._acquire(key, connect_s)
+            conn = self._take_idle(key)
+            if conn is None:
+                async with asyncio.timeout_at(deadline):
+                    conn = await self._acquire(key, connect_s)
+            timer = loop.call_at(deadline, conn.expire) if deadline is not None else None
             try:
                 conn.transport.write(head + body)  # type: ignore[union-attr]
                 status, data, keep = await _read_answer(conn)
@@ -141,6 +167,9 @@ class Http1Client:
             except BaseException:
                 self._drop(conn)
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
             if keep and not conn.closed and not conn.buf:
                 conn.reused = True
                 self._idle.setdefault(key, []).append(conn)
@@ -150,9 +179,7 @@ class Http1Client:
         raise AssertionError("unreachable")
 
     async def _acquire(self, key: tuple[str, str, int], connect_s: float) -> _Conn:
-        conn = self._take_idle(key)
-        if conn is not None:
-            return conn
+        """A new connection to ``key`` once fewer than ``limit`` are open (or an idle one freed meanwhile)."""
         while self._open >= self.limit:
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)

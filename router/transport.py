@@ -89,7 +89,7 @@ class HttpTransport:
         except (TimeoutError, asyncio.TimeoutError) as err:
             raise UpstreamFailure(iid, "timeout", f"{iid} did not answer in time") from err
 
-    async def post(self, iid: str, base: str, path: str, body: dict[str, Any], deadline: Deadline, *,
+    async def post(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline, *,
                    queueable: bool) -> tuple[int, bytes, Any | None]:
         """As :meth:`fulcrum.router.upstream.Transport.post` (never parses: the parsed body is None).
 
@@ -104,12 +104,11 @@ class HttpTransport:
             raise UpstreamFailure(iid, "status", upstream_message(raw, status), status)
         return status, raw, None
 
-    async def _post_http1(self, iid: str, base: str, path: str, body: dict[str, Any], deadline: Deadline
+    async def _post_http1(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline
                           ) -> tuple[int, bytes]:
         assert self.http1 is not None
         try:
-            async with asyncio.timeout(deadline.total_s):
-                return await self.http1.post(base, path, json.dumps(body).encode(), deadline.connect_s)
+            return await self.http1.post(base, path, _encode(body), deadline.connect_s, deadline.total_s)
         except Http1Error as err:
             if err.cause == "connect":
                 raise UpstreamFailure(iid, "connect", f"cannot connect to {iid}: {err}") from err
@@ -117,10 +116,10 @@ class HttpTransport:
         except TimeoutError as err:
             raise UpstreamFailure(iid, "timeout", f"{iid} did not answer in time") from err
 
-    async def _post_aiohttp(self, iid: str, base: str, path: str, body: dict[str, Any], deadline: Deadline
+    async def _post_aiohttp(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline
                             ) -> tuple[int, bytes]:
         try:
-            async with self.session.post(base + path, data=json.dumps(body).encode(), headers=_JSON,
+            async with self.session.post(base + path, data=_encode(body), headers=_JSON,
                                          timeout=self._timeout(deadline)) as resp:
                 return resp.status, await resp.read()
         except aiohttp.ClientError as err:
@@ -150,6 +149,10 @@ class HttpTransport:
                 await self.http1.close()
         finally:
             await self.session.close()
+
+
+def _encode(body: dict[str, Any] | bytes) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
 
 
 def _translate(iid: str, err: aiohttp.ClientError) -> UpstreamFailure:
@@ -263,7 +266,7 @@ class QueuedTransport:
         finally:
             await self.direct.close()
 
-    async def post(self, iid: str, base: str, path: str, body: dict[str, Any], deadline: Deadline, *,
+    async def post(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline, *,
                    queueable: bool) -> tuple[int, bytes, Any | None]:
         """As :meth:`fulcrum.router.upstream.Transport.post`; a queueable prefill leg goes through the queue when
         one is in use.
@@ -275,7 +278,7 @@ class QueuedTransport:
                 unreachable; the message says which.
         """
         queue = self.queue
-        if queue is None or not queueable or not is_prefill_leg(path, body):
+        if queue is None or not queueable or isinstance(body, bytes) or not is_prefill_leg(path, body):
             return await self.direct.post(iid, base, path, body, deadline, queueable=queueable)
         from fulcrum.router.prefill_queue import PrefillJobError, PrefillQueueError, PrefillTimeoutError
 

@@ -147,10 +147,10 @@ class Transport(Protocol):
         """
         ...
 
-    async def post(self, iid: str, base: str, path: str, body: dict[str, Any], deadline: Deadline, *,
+    async def post(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline, *,
                    queueable: bool) -> tuple[int, bytes, Any | None]:
-        """POST ``body`` as JSON and read the whole answer: (status, raw body, the parsed body or None when this
-        transport did not parse it). ``queueable``: a prefill leg may go through the prefill queue (only
+        """POST ``body`` as JSON (``bytes``: already encoded, sent as is; never a prefill leg) and read the whole
+        answer: (status, raw body, the parsed body or None when this transport did not parse it). ``queueable``: a prefill leg may go through the prefill queue (only
         :meth:`UpstreamPool.post_json` allows it; relayed answers and prefix pulls go to the instance).
 
         Raises:
@@ -451,9 +451,9 @@ class UpstreamPool:
             raise
         self.record_success(iid)
 
-    async def fetch(self, iid: str, path: str, body: dict[str, Any], total_s: float | None = None, *,
+    async def fetch(self, iid: str, path: str, body: dict[str, Any] | bytes, total_s: float | None = None, *,
                     queueable: bool = False) -> tuple[int, bytes, Any | None]:
-        """POST and read the whole answer: (status, raw body, parsed body or None when the transport did not
+        """POST ``body`` (``bytes``: JSON already encoded) and read the whole answer: (status, raw body, parsed body or None when the transport did not
         parse it). 4xx are returned. ``queueable``: a prefill leg may go through the prefill queue.
 
         Raises:
