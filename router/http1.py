@@ -173,6 +173,7 @@ class Http1Client:
             if keep and not conn.closed and not conn.buf:
                 conn.reused = True
                 self._idle.setdefault(key, []).append(conn)
+                self._wake_one()
             else:
                 self._drop(conn)
             return status, data
@@ -181,6 +182,8 @@ class Http1Client:
     async def _acquire(self, key: tuple[str, str, int], connect_s: float) -> _Conn:
         """A new connection to ``key`` once fewer than ``limit`` are open (or an idle one freed meanwhile)."""
         while self._open >= self.limit:
+            if self._evict_idle():
+                continue
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
@@ -224,8 +227,20 @@ class Http1Client:
         conn.close()
         self._release_slot()
 
+    def _evict_idle(self) -> bool:
+        """Close the oldest idle connection (of any origin) to free a slot; False when none is idle."""
+        for conns in self._idle.values():
+            if conns:
+                self._drop(conns.pop(0))
+                return True
+        return False
+
     def _release_slot(self) -> None:
         self._open -= 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        """Wake one call waiting for a connection (a slot or an idle connection is free)."""
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
