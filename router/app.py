@@ -202,6 +202,9 @@ def apply_draining(pool: UpstreamPool, draining: tuple[str, ...] | list[str]) ->
             log.info("instance %s %s", iid, "draining: no new requests" if st.draining else "no longer draining")
 
 
+_JSON_HEADERS: Final = {"Content-Type": "application/json"}
+
+
 def _json_response(status: int, data: Any) -> web.Response:
     return web.Response(status=status, body=json.dumps(data).encode(), content_type="application/json")
 
@@ -540,10 +543,10 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
             await _stream_error(sink, UpstreamError(f"upstream answered HTTP {out.status}"))
             return sink.answer()
         st.metrics.child(st.metrics.responses, ex.endpoint, str(out.status)).inc()
-        return web.Response(status=out.status, body=out.body or b"", content_type="application/json")
+        return web.Response(status=out.status, body=out.body or b"", headers=_JSON_HEADERS)
     _observe_done(st, ex, sink, out, "200")
     if not ex.stream:
-        return web.Response(status=200, body=out.body or b"", content_type="application/json")
+        return web.Response(status=200, body=out.body or b"", headers=_JSON_HEADERS)
     await sink.send(DONE, tokens=0)
     await sink.close()
     return sink.answer()

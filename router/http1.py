@@ -273,7 +273,7 @@ async def _read_answer(conn: _Conn) -> tuple[int, bytes, bool]:
     if status in (204, 304):
         return status, b"", keep
     te = headers.get(b"transfer-encoding")
-    if te is not None and b"chunked" in te.lower():
+    if te is not None and b"chunked" in te:
         return status, await _read_chunked(conn), keep
     cl = headers.get(b"content-length")
     if cl is not None:
@@ -296,7 +296,22 @@ async def _read_answer(conn: _Conn) -> tuple[int, bytes, bool]:
     return status, data, False
 
 
+def _header(low_head: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` (``b"\r\ncontent-length:"``, lower case) in a lower-cased head, stripped."""
+    i = low_head.find(name)
+    if i < 0:
+        return None
+    j = low_head.find(b"\r\n", i + 2)
+    return low_head[i + len(name): j if j >= 0 else len(low_head)].strip()
+
+
 async def _read_head(conn: _Conn) -> tuple[int, dict[bytes, bytes], bool]:
+    """The next answer head: (status, the framing headers found — ``transfer-encoding``, ``content-length`` —
+    lower case, whether the connection may be reused).
+
+    Raises:
+        Http1Error: "broken": closed before the head, a head over 64 KiB, or not HTTP/1.x.
+    """
     buf = conn.buf
     while True:
         i = buf.find(_HEAD_END)
@@ -307,16 +322,18 @@ async def _read_head(conn: _Conn) -> tuple[int, dict[bytes, bytes], bool]:
         if len(buf) > _MAX_HEAD:
             raise Http1Error("broken", "answer head longer than 64 KiB")
         await conn.more()
-    lines = bytes(buf[:i]).split(b"\r\n")
+    head = bytes(buf[:i])
     del buf[: i + 4]
-    first = lines[0].split(b" ", 2)
+    first = head.split(b"\r\n", 1)[0].split(b" ", 2)
     if len(first) < 2 or not first[0].startswith(b"HTTP/1.") or not first[1].isdigit():
-        raise Http1Error("broken", f"not an HTTP/1.x answer: {lines[0][:80]!r}")
+        raise Http1Error("broken", f"not an HTTP/1.x answer: {head[:80]!r}")
+    low = head.lower()
     headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    connection = headers.get(b"connection", b"").lower()
+    for name in (b"transfer-encoding", b"content-length"):
+        v = _header(low, b"\r\n" + name + b":")
+        if v is not None:
+            headers[name] = v
+    connection = _header(low, b"\r\nconnection:") or b""
     keep = (b"close" not in connection) if first[0] != b"HTTP/1.0" else (b"keep-alive" in connection)
     return int(first[1]), headers, keep
 
