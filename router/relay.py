@@ -20,7 +20,7 @@ from aiohttp import web
 
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint
-from fulcrum.router.sse import EventSplitter, event_payload, is_usage_only
+from fulcrum.router.sse import EventSplitter, event_payload, is_usage_only, plain_token_events, split_events
 from fulcrum.router.tokens import PromptTokens
 from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
 
@@ -289,9 +289,20 @@ async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, b
             return Outcome(resp.status, await resp.read())
         splitter = EventSplitter()
         async for chunk in resp.content.iter_any():
+            block = splitter.feed_block(chunk)
+            if not block:
+                continue
+            plain = plain_token_events(block) if transform is None else 0
+            if plain:  # the common case: output events only, relayed as they came, one token each
+                ticket.add_tokens(plain)
+                state.counted += plain
+                if first_deadline.when() is not None:
+                    first_deadline.reschedule(None)
+                await sink.send(block, tokens=plain)
+                continue
             out: list[bytes] = []
             tokens = 0
-            for ev in splitter.feed(chunk):
+            for ev in split_events(block):
                 if ev.startswith(b"data: [DONE]"):
                     done = True
                     continue
