@@ -127,7 +127,7 @@ class Http1Client:
             host = u.hostname or "localhost"
             port = u.port or (443 if scheme == "https" else 80)
             prefix = u.path.rstrip("/")
-            netloc = host if u.port is None else f"{host}:{port}"
+            netloc = u.netloc.rpartition("@")[2]  # the Host header: as written (IPv6 keeps its brackets)
             got = self._origins[base] = ((scheme, host, port), prefix.encode(), netloc.encode())
         return got
 
