@@ -16,8 +16,9 @@ transport (``fulcrum.router.transport``). Prefill legs (router config ``prefill_
 the policy's instance A; ``nats`` publishes each engine call that carries ``kv_transfer_params.do_remote_decode``
 (the ``disaggregated`` prefill leg and the ``split`` A leg) as a job on the NATS JetStream prefill queue, awaits a
 prefill worker's reply (the engine's answer with its ``kv_transfer_params``) and sends the decode leg as in the
-direct case (:class:`fulcrum.router.transport.QueuedTransport`, DOPD §V-C). Draining (router config ``draining``): the listed instances are shown to every policy as draining, so they
-get no new requests, while the calls in flight on them finish; a reload applies a new list at once.
+direct case (:class:`fulcrum.router.transport.QueuedTransport`, DOPD §V-C). Draining (router config
+``draining``): the listed instances are shown to every policy as draining, so they get no new requests, while the
+calls in flight on them finish; a reload applies a new list at once.
 
 Rebalancing in flight (router config ``rescheduling``, ``roles``, ``kv_connector``; docs/rebalancing.md): with
 ``rescheduling`` the requests that can move run through :func:`fulcrum.router.rescheduler.run_migratable` and a

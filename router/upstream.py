@@ -150,8 +150,9 @@ class Transport(Protocol):
     async def post(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline, *,
                    queueable: bool) -> tuple[int, bytes, Any | None]:
         """POST ``body`` as JSON (``bytes``: already encoded, sent as is; never a prefill leg) and read the whole
-        answer: (status, raw body, the parsed body or None when this transport did not parse it). ``queueable``: a prefill leg may go through the prefill queue (only
-        :meth:`UpstreamPool.post_json` allows it; relayed answers and prefix pulls go to the instance).
+        answer: (status, raw body, the parsed body or None when this transport did not parse it). ``queueable``: a
+        prefill leg may go through the prefill queue (only :meth:`UpstreamPool.post_json` allows it; relayed
+        answers and prefix pulls go to the instance).
 
         Raises:
             UpstreamFailure: as :meth:`open`.
@@ -276,7 +277,8 @@ class UpstreamPool:
         self.learned_max_model_len: int | None = None
         self.config = config
         self._set_deadlines(config)
-        self._errors = {c: metrics.child(metrics.upstream_errors, c) for c in ("connect", "timeout", "status", "broken")}
+        self._errors = {c: metrics.child(metrics.upstream_errors, c)
+                        for c in ("connect", "timeout", "status", "broken")}
 
     # ---------------------------------------------------------------- membership and views
     def set_records(self, records: Iterable[InstanceRecord]) -> None:
@@ -453,8 +455,9 @@ class UpstreamPool:
 
     async def fetch(self, iid: str, path: str, body: dict[str, Any] | bytes, total_s: float | None = None, *,
                     queueable: bool = False) -> tuple[int, bytes, Any | None]:
-        """POST ``body`` (``bytes``: JSON already encoded) and read the whole answer: (status, raw body, parsed body or None when the transport did not
-        parse it). 4xx are returned. ``queueable``: a prefill leg may go through the prefill queue.
+        """POST ``body`` (``bytes``: JSON already encoded) and read the whole answer: (status, raw body, parsed
+        body or None when the transport did not parse it). 4xx are returned. ``queueable``: a prefill leg may go
+        through the prefill queue.
 
         Raises:
             UpstreamFailure: as :meth:`open`.
