@@ -10,12 +10,15 @@ One request: validate (400) → count the prompt (``fulcrum.router.tokens``) →
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message. An engine's 4xx is
 the client's error and is relayed as is.
 
-Prefill legs (router config ``prefill_queue``): ``direct`` POSTs them to the policy's instance A; ``nats`` publishes
-each engine call that carries ``kv_transfer_params.do_remote_decode`` (the ``disaggregated`` prefill leg and the
-``split`` A leg) as a job on the NATS JetStream prefill queue, awaits a prefill worker's reply (the engine's answer
-with its ``kv_transfer_params``) and sends the decode leg as in the direct case (:class:`QueuedPrefillPool`, DOPD
-§V-C). Draining (router config ``draining``): the listed instances are shown to every policy as draining, so they
-get no new requests, while the calls in flight on them finish; a reload applies a new list at once.
+Executing a decision: :data:`EXECUTORS` maps each decision kind to its executor (colocated, disaggregated, split);
+steps common to every kind (a planned prefix pull) run before it. Calls reach the engines through the pool's
+transport (``fulcrum.router.transport``). Prefill legs (router config ``prefill_queue``): ``direct`` POSTs them to
+the policy's instance A; ``nats`` publishes each engine call that carries ``kv_transfer_params.do_remote_decode``
+(the ``disaggregated`` prefill leg and the ``split`` A leg) as a job on the NATS JetStream prefill queue, awaits a
+prefill worker's reply (the engine's answer with its ``kv_transfer_params``) and sends the decode leg as in the
+direct case (:class:`fulcrum.router.transport.QueuedTransport`, DOPD §V-C). Draining (router config
+``draining``): the listed instances are shown to every policy as draining, so they get no new requests, while the
+calls in flight on them finish; a reload applies a new list at once.
 
 Rebalancing in flight (router config ``rescheduling``, ``roles``, ``kv_connector``; docs/rebalancing.md): with
 ``rescheduling`` the requests that can move run through :func:`fulcrum.router.rescheduler.run_migratable` and a
@@ -38,18 +41,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
 
 from fulcrum.cancellation import cancel_and_wait
 from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor, PerModelLengthPredictors
-from fulcrum.router.config import ConfigWatcher, PrefillQueueConfig, RouterConfig
+from fulcrum.router.config import ConfigWatcher, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
+from fulcrum.router.http1 import Http1Client
 from fulcrum.router.handoff import (
     DO_REMOTE_DECODE,
     completions_body,
@@ -73,12 +77,13 @@ from fulcrum.router.roles import RoleBalancer
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint, parse_request
 from fulcrum.router.sse import DONE, encode_event
 from fulcrum.router.tokens import count_prompt
-from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool
+from fulcrum.router.transport import HttpTransport, QueuedTransport, new_session, retire_queue
+from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
 
 __all__ = [
     "PolicyFactory",
-    "QueuedPrefillPool",
-    "is_prefill_leg",
+    "Executor",
+    "EXECUTORS",
     "OutputLengthPredictor",
     "RouterState",
     "ROUTER",
@@ -125,6 +130,8 @@ class RouterState:
     clock: Callable[[], float]
     config_path: Path | None = None
     pool: UpstreamPool | None = None
+    transport: QueuedTransport | None = None
+    """The pool's transport: direct HTTP, prefill legs through the NATS prefill queue while one is in use."""
     watcher: ConfigWatcher | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     owns_registry: bool = False
@@ -162,11 +169,11 @@ class RouterState:
         if self.pool is not None:
             self.pool.update_config(new)
             apply_draining(self.pool, new.draining)
-            if new.prefill_queue != old.prefill_queue and isinstance(self.pool, QueuedPrefillPool):
-                retired = self.pool.use_queue(new.prefill_queue)
-                if retired is not None:
-                    self.tasks.append(asyncio.create_task(_retire_queue(retired, old.prefill_queue.timeout_s),
-                                                          name="router-prefill-queue-retire"))
+        if self.transport is not None and new.prefill_queue != old.prefill_queue:
+            retired = self.transport.use_queue(new.prefill_queue)
+            if retired is not None:
+                self.tasks.append(asyncio.create_task(retire_queue(retired, old.prefill_queue.timeout_s),
+                                                      name="router-prefill-queue-retire"))
 
     def reset_prefill_gate(self) -> None:
         """A new DOPD Alg. 1 gate for the current policy (none when it groups no prefills); prompts waiting at
@@ -196,145 +203,7 @@ def apply_draining(pool: UpstreamPool, draining: tuple[str, ...] | list[str]) ->
             log.info("instance %s %s", iid, "draining: no new requests" if st.draining else "no longer draining")
 
 
-# ------------------------------------------------------------------------------------------ prefill queue
-_ENGINE_PATHS = ("/v1/completions", "/v1/chat/completions")
-
-
-def is_prefill_leg(path: str, body: Mapping[str, Any]) -> bool:
-    """Whether an engine call is a prefill leg for the queue: a generation call whose ``kv_transfer_params`` ask
-    the engine to keep its KV for a remote decode (``do_remote_decode``) — the disaggregated prefill and the split
-    A leg (``fulcrum.router.handoff``)."""
-    kv = body.get("kv_transfer_params")
-    return path in _ENGINE_PATHS and isinstance(kv, Mapping) and kv.get("do_remote_decode") is True
-
-
-def _new_queue(cfg: PrefillQueueConfig) -> Any:
-    """A :class:`fulcrum.router.prefill_queue.NatsPrefillQueue` for ``cfg`` (connects on first use); imported
-    here so that a router without the queue does not load nats-py."""
-    from fulcrum.router.prefill_queue import NatsPrefillQueue
-
-    return NatsPrefillQueue(cfg.servers(), cfg.stream, cfg.subject_prefix, durable=cfg.durable,
-                            ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver, name="fulcrum-router",
-                            connect_timeout_s=cfg.connect_timeout_s)
-
-
-async def _retire_queue(queue: Any, wait_s: float, sleep: Callable[[float], Any] = asyncio.sleep) -> None:
-    """Close a replaced queue once the jobs still waiting on it are answered (or after ``wait_s`` seconds)."""
-    waited = 0.0
-    try:
-        while queue.waiting and waited < wait_s:
-            await sleep(0.1)
-            waited += 0.1
-    finally:
-        await queue.close()
-
-
-class QueuedPrefillPool(UpstreamPool):
-    """The upstream pool, with prefill legs through the NATS JetStream prefill queue when one is in use.
-
-    ``post_json`` of a prefill leg (:func:`is_prefill_leg`) publishes ``{"path", "body"}`` as a job, awaits a
-    prefill worker's reply ``{"status", "body"}`` (``fulcrum.router.prefill_queue.engine_handler``) and returns it
-    as the engine's answer, so the handoff code runs unchanged and the decode leg follows as in the direct case.
-    Every other call, and every call while no queue is in use (``prefill_queue.kind: direct``), goes over HTTP.
-    The instance the policy chose for the prefill keeps the router's accounting of the job (any puller may run
-    it: the queue balances prefills by itself, DOPD §V-C).
-
-    Outcomes (``fulcrum_router_prefill_jobs{outcome}``): ``ok``; ``failed`` — the workers' engines failed on
-    every delivery → :class:`UpstreamFailure` (the router retries the request, then 502 with the worker's error);
-    ``timeout`` — no worker replied within ``prefill_queue.timeout_s`` — and ``unavailable`` — NATS unreachable —
-    → 503 with the reason, or with ``on_timeout: direct`` the prefill leg over HTTP to the chosen instance
-    (``direct``).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.prefill_queue: Any | None = None
-        self._prefills: dict[str, list[tuple[float, Ticket]]] = {}
-
-    def acquire(self, iid: str, queued: int, context: int) -> Ticket:
-        """As :meth:`UpstreamPool.acquire`; calls with prompt tokens to prefill are remembered with their start
-        time for :meth:`oldest_prefill_wait` (role reassignment's prefill pressure)."""
-        ticket = super().acquire(iid, queued, context)
-        if queued > 0:
-            waiting = self._prefills.setdefault(iid, [])
-            if len(waiting) >= 64:
-                waiting[:] = [(t, k) for t, k in waiting if not (k.started or k.released)]
-            waiting.append((self.clock(), ticket))
-        return ticket
-
-    def oldest_prefill_wait(self) -> dict[str, float]:
-        """Instance id → seconds the oldest prefill dispatched to it and not yet done has waited (absent: none)."""
-        now = self.clock()
-        out: dict[str, float] = {}
-        for iid, waiting in list(self._prefills.items()):
-            waiting[:] = [(t, k) for t, k in waiting if not (k.started or k.released)]
-            if waiting:
-                out[iid] = now - waiting[0][0]
-            else:
-                del self._prefills[iid]
-        return out
-
-    def use_queue(self, cfg: PrefillQueueConfig) -> Any | None:
-        """Switch to the queue ``cfg`` describes (None for ``kind: direct``); returns the queue it replaced."""
-        old = self.prefill_queue
-        self.prefill_queue = _new_queue(cfg) if cfg.kind == "nats" else None
-        return old
-
-    async def post_json(self, iid: str, path: str, body: dict[str, Any],
-                        total_s: float | None = None) -> tuple[int, bytes, Any]:
-        """As :meth:`UpstreamPool.post_json`; a prefill leg goes through the queue when one is in use.
-
-        Raises:
-            UpstreamFailure: as the direct call; for a queued job, "status" when it failed on every delivery
-                and "broken" when the reply is malformed.
-            NoHealthyInstance: (queued, ``on_timeout: unavailable``) no worker replied in time, or NATS is
-                unreachable; the message says which.
-        """
-        queue = self.prefill_queue
-        if queue is None or not is_prefill_leg(path, body):
-            return await super().post_json(iid, path, body, total_s)
-        from fulcrum.router.prefill_queue import PrefillJobError, PrefillQueueError, PrefillTimeoutError
-
-        cfg = self.config.prefill_queue
-        m = self.metrics
-        t0 = self.clock()
-        m.prefill_jobs_waiting.inc()
-        try:
-            reply = await queue.submit({"path": path, "body": body}, timeout_s=cfg.timeout_s)
-        except PrefillTimeoutError:
-            outcome, reason = "timeout", f"no prefill worker replied within {cfg.timeout_s:g} s (prefill queue {cfg.stream})"
-        except PrefillJobError as err:
-            m.child(m.prefill_jobs, "failed").inc()
-            raise UpstreamFailure(iid, "status", f"prefill failed on every worker: {err}", 502) from err
-        except PrefillQueueError as err:
-            outcome, reason = "unavailable", f"the prefill queue is unavailable: {err}"
-        else:
-            m.child(m.prefill_jobs, "ok").inc()
-            m.prefill_job_seconds.observe(max(0.0, self.clock() - t0))
-            return _queued_answer(iid, reply)
-        finally:
-            m.prefill_jobs_waiting.dec()
-        m.child(m.prefill_jobs, outcome).inc()
-        if cfg.on_timeout == "direct" and iid in self.ids():
-            log.warning("%s; prefilling on %s over HTTP", reason, iid)
-            m.child(m.prefill_jobs, "direct").inc()
-            return await super().post_json(iid, path, body, total_s)
-        log.warning("%s", reason)
-        raise NoHealthyInstance(f"no prefill capacity for the request: {reason}")
-
-
-def _queued_answer(iid: str, reply: Mapping[str, Any]) -> tuple[int, bytes, Any]:
-    """A worker's reply ``{"status", "body"}`` as ``post_json``'s (status, raw, parsed-or-None).
-
-    Raises:
-        UpstreamFailure: "broken" when the reply is not of that shape."""
-    status, data = reply.get("status"), reply.get("body")
-    if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status < 600:
-        raise UpstreamFailure(iid, "broken", "a prefill worker replied without an HTTP status")
-    raw = json.dumps(data).encode()
-    if status >= 500:
-        raise UpstreamFailure(iid, "status", f"prefill worker's engine answered HTTP {status}", status)
-    return status, raw, data if status == 200 else None
+_JSON_HEADERS: Final = {"Content-Type": "application/json"}
 
 
 def _json_response(status: int, data: Any) -> web.Response:
@@ -359,6 +228,7 @@ async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: 
             raise ModelNotFound(f"the model {model!r} does not exist; this router serves {cfg.model!r}",
                                 param="model", code="model_not_found")
         model = cfg.model
+    as_sent = "kv_transfer_params" not in body and (model is None or body.get("model") == model)
     if model is not None:
         body["model"] = model
     body.pop("kv_transfer_params", None)
@@ -385,6 +255,7 @@ async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: 
     return Exchange(
         request_id=f"{_ID_PREFIX}{next(_ID_COUNTER):x}", endpoint=endpoint, req=req, body=body, stream=stream,
         client_usage=client_usage, prompt=prompt, max_tokens=cap, model=model or "", created=int(time.time()), t0=t0,
+        raw=raw if as_sent and not stream else None,
     )
 
 
@@ -399,9 +270,12 @@ def _route(st: RouterState, info: RequestInfo, exclude: list[str]) -> RouteDecis
     except Exception:  # noqa: BLE001 - a policy bug must not take requests down
         log.exception("policy %s failed; routing %s to the least loaded instance", st.policy.name, info.request_id)
         return _fallback_decision(st, exclude, "policy-error")
-    ids = set(st.pool.ids())
-    if decision.first not in ids or (decision.second is not None and decision.second not in ids):
+    pool = st.pool
+    if decision.first not in pool or (decision.second is not None and decision.second not in pool):
         log.error("policy %s chose an unknown instance (%s, %s)", st.policy.name, decision.first, decision.second)
+        return _fallback_decision(st, exclude, "policy-error")
+    if decision.kind not in EXECUTORS:
+        log.error("policy %s made a decision of unknown kind %r", st.policy.name, decision.kind)
         return _fallback_decision(st, exclude, "policy-error")
     if st.config.draining and any(i is not None and st.pool.state(i).draining for i in (decision.first, decision.second)):
         log.error("policy %s chose a draining instance (%s, %s)", st.policy.name, decision.first, decision.second)
@@ -417,37 +291,86 @@ def _fallback_decision(st: RouterState, exclude: list[str], reason: str) -> Rout
     return RouteDecision(kind="colocated", first=ids[0], reason=reason)
 
 
+Executor = Callable[["RouterState", Exchange, RouteDecision, ClientSink], Awaitable[Outcome]]
+"""Runs one decision of its kind: (state, exchange, decision, the client's sink) → the outcome to answer.
+
+Raises :class:`UpstreamFailure` (the caller retries while nothing was streamed), :class:`RouterHTTPError`
+(answered as is) or :class:`ClientGone`."""
+
+
 async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
-    assert st.pool is not None
-    bs = st.config.kv_block_size
+    """Run a decision: a prefix pull the policy planned for it (any kind may have one; the policy forgets it once
+    taken), else the executor of its kind (:data:`EXECUTORS`)."""
     take = getattr(st.policy, "take_prefix_pull", None)
     pull = take(ex.request_id) if callable(take) else None
     if isinstance(pull, PrefixPull) and d.kind == "colocated" and pull.target == d.first:
         out = await _run_with_prefix_pull(st, ex, pull, sink)
         if out is not None:
             return out
-    if d.kind == "disaggregated" and d.second is not None and st.prefill_gate is not None \
-            and disagg_blocker(ex) is None:
+    return await EXECUTORS[d.kind](st, ex, d, sink)
+
+
+async def _execute_colocated(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
+    """``colocated``: instance A runs the whole request (migratable when decode rescheduling is on)."""
+    assert st.pool is not None
+    out = await _execute_migratable(st, ex, d, sink)
+    if out is not None:
+        return out
+    return await run_colocated(st.pool, ex, d.first, sink)
+
+
+async def _execute_disaggregated(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
+    """``disaggregated``: A prefills, B decodes on A's KV (``fulcrum.router.handoff.run_disaggregated``); a short
+    prompt first waits at the DOPD Alg. 1 gate when the policy groups prefills. Without B it runs colocated on A;
+    a request that cannot be handed off runs colocated on B (``handoff_guard{action="not-handed-off"}``)."""
+    assert st.pool is not None
+    if d.second is not None and st.prefill_gate is not None and disagg_blocker(ex) is None:
         view = st.pool.view_of(d.first)
         idle = view is None or view.queued_prefill_tokens == 0
         await st.prefill_gate.admit(d.first, ex.prompt.count, idle=idle)
-    if st.config.rescheduling.enabled and st.rescheduler is not None and (d.kind != "split" or d.handoff_after == 0):
-        out = await _execute_migratable(st, ex, d, sink)
-        if out is not None:
-            return out
-    if d.kind == "colocated" or d.second is None:
+    out = await _execute_migratable(st, ex, d, sink)
+    if out is not None:
+        return out
+    if d.second is None:
         return await run_colocated(st.pool, ex, d.first, sink)
     if disagg_blocker(ex) is not None:
         st.metrics.child(st.metrics.handoff_guard, "not-handed-off").inc()
         return await run_colocated(st.pool, ex, d.second, sink)
-    if d.kind == "split" and d.handoff_after > 0:
+    return await run_disaggregated(st.pool, ex, d.first, d.second, sink, st.metrics, st.config.kv_block_size)
+
+
+async def _execute_split(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
+    """``split`` at token s (Libra §4.1): past the prompt (k = s − P > 0) A generates k tokens and B continues
+    (``run_split``); inside the prompt (s < P) A prefills the head and B the rest (:func:`_run_partial_split`);
+    at the prompt's end as ``disaggregated``. Migratable (decode rescheduling) only when k = 0."""
+    assert st.pool is not None
+    if d.handoff_after == 0:
+        out = await _execute_migratable(st, ex, d, sink)
+        if out is not None:
+            return out
+    if d.second is None:
+        return await run_colocated(st.pool, ex, d.first, sink)
+    if disagg_blocker(ex) is not None:
+        st.metrics.child(st.metrics.handoff_guard, "not-handed-off").inc()
+        return await run_colocated(st.pool, ex, d.second, sink)
+    bs = st.config.kv_block_size
+    if d.handoff_after > 0:
         return await run_split(st.pool, ex, d.first, d.second, d.handoff_after, sink, st.metrics, bs)
-    if d.kind == "split" and d.split_token < ex.prompt.count:
+    if d.split_token < ex.prompt.count:
         out = await _run_partial_split(st, ex, d, sink)
         if out is not None:
             return out
         st.metrics.child(st.metrics.handoff_guard, "partial-prefix").inc()
     return await run_disaggregated(st.pool, ex, d.first, d.second, sink, st.metrics, bs)
+
+
+EXECUTORS: Final[Mapping[str, Executor]] = {
+    "colocated": _execute_colocated,
+    "disaggregated": _execute_disaggregated,
+    "split": _execute_split,
+}
+"""Decision kind (:attr:`RouteDecision.kind`) → its executor; a decision of another kind is a policy error
+(``_route`` falls back to the least loaded instance)."""
 
 
 async def _run_partial_split(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome | None:
@@ -496,7 +419,7 @@ async def _run_with_prefix_pull(st: RouterState, ex: Exchange, pull: PrefixPull,
                 kv_transfer_params=dict(DO_REMOTE_DECODE))
     body.pop("min_tokens", None)
     try:  # straight to the holder (never through the prefill queue: only the holder has the prefix)
-        status, _, data = await UpstreamPool.post_json(st.pool, pull.holder, "/v1/completions", body)
+        status, _, data = await st.pool.post_json(pull.holder, "/v1/completions", body, queueable=False)
     except UpstreamFailure as err:
         log.warning("prefix pull from %s failed (%s); recomputing", pull.holder, err.message)
         status, data = 0, None
@@ -521,10 +444,11 @@ def _drop_kv_params(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _execute_migratable(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome | None:
-    """Run a colocated or disaggregated decision so that its decode part can move (``fulcrum.router.rescheduler``);
-    None when the request cannot (it then runs as usual, untracked)."""
-    assert st.pool is not None and st.rescheduler is not None
-    if migratable(ex, st.config) is not None:
+    """With decode rescheduling on (router config ``rescheduling``), run a colocated or disaggregated decision so
+    that its decode part can move (``fulcrum.router.rescheduler``); None when rescheduling is off or the request
+    cannot move (it then runs as usual, untracked)."""
+    assert st.pool is not None
+    if not st.config.rescheduling.enabled or st.rescheduler is None or migratable(ex, st.config) is not None:
         return None
     ids = await prompt_ids(st.pool, ex)
     if ids is None:
@@ -620,10 +544,10 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
             await _stream_error(sink, UpstreamError(f"upstream answered HTTP {out.status}"))
             return sink.answer()
         st.metrics.child(st.metrics.responses, ex.endpoint, str(out.status)).inc()
-        return web.Response(status=out.status, body=out.body or b"", content_type="application/json")
+        return web.Response(status=out.status, body=out.body or b"", headers=_JSON_HEADERS)
     _observe_done(st, ex, sink, out, "200")
     if not ex.stream:
-        return web.Response(status=200, body=out.body or b"", content_type="application/json")
+        return web.Response(status=200, body=out.body or b"", headers=_JSON_HEADERS)
     await sink.send(DONE, tokens=0)
     await sink.close()
     return sink.answer()
@@ -720,8 +644,7 @@ async def _watch_queue_depth(st: RouterState, sleep: Callable[[float], Any] = as
     its last value meanwhile."""
     failing = False
     while True:
-        pool = st.pool
-        queue = pool.prefill_queue if isinstance(pool, QueuedPrefillPool) else None
+        queue = st.transport.queue if st.transport is not None else None
         if queue is not None:
             try:
                 st.metrics.prefill_queue_depth.set(await queue.depth())
@@ -758,7 +681,7 @@ async def _roles_loop(st: RouterState, sleep: Callable[[float], Any] = asyncio.s
         pool = st.pool
         if cfg.enabled and pool is not None and st.roles is not None:
             try:
-                waits = pool.oldest_prefill_wait() if isinstance(pool, QueuedPrefillPool) else {}
+                waits = pool.oldest_prefill_wait()
                 change = st.roles.step(pool.views(), waits, cfg, st.clock())
                 if change is not None and change.to_duty == "prefill" and cfg.migrate_on_flip:
                     _move_off(st, change.instance)
@@ -817,7 +740,9 @@ def create_app(
             ``E[L − g | L > g]``, :class:`fulcrum.router.remaining_length.RemainingLengthPredictor`).
         metrics: the metrics (default: new ones on their own registry).
         health_checks: run the periodic ``/health`` probes.
-        session_factory: builds the shared upstream ``ClientSession`` (default: a pooled ``TCPConnector``).
+        session_factory: builds the shared upstream ``ClientSession`` that then carries every engine call (default:
+            a pooled ``TCPConnector`` for streams and probes, and the lean :class:`fulcrum.router.http1.Http1Client`
+            for whole answers).
 
     Raises:
         ValueError: the configured policy cannot be built.
@@ -839,15 +764,14 @@ def create_app(
 
     async def startup(app: web.Application) -> None:
         if session_factory is not None:
-            session = session_factory(st.config)
+            direct = HttpTransport(session_factory(st.config))
         else:
-            connector = aiohttp.TCPConnector(limit=st.config.connection_limit, limit_per_host=0,
-                                             keepalive_timeout=60, enable_cleanup_closed=False)
-            session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
-                                            cookie_jar=aiohttp.DummyCookieJar())
-        pool = QueuedPrefillPool(session, st.config, st.metrics, clock)
-        pool.use_queue(st.config.prefill_queue)
-        st.pool = pool
+            limit = st.config.connection_limit
+            direct = HttpTransport(new_session(limit), Http1Client(limit))
+        st.transport = QueuedTransport(direct, st.metrics, clock,
+                                       registered=lambda iid: st.pool is not None and iid in st.pool)
+        st.transport.use_queue(st.config.prefill_queue)
+        st.pool = UpstreamPool(st.transport, st.config, st.metrics, clock)
         st.pool.set_records(await st.registry.snapshot())
         apply_draining(st.pool, st.config.draining)
         st.metrics.attach_pool(lambda: st.pool.views() if st.pool is not None else [])
@@ -866,10 +790,8 @@ def create_app(
             st.prefill_gate.close()
         await cancel_and_wait(st.tasks)  # the depth watcher's NATS calls can swallow one cancel (Python 3.11)
         st.tasks.clear()
-        if isinstance(st.pool, QueuedPrefillPool) and st.pool.prefill_queue is not None:
-            await st.pool.prefill_queue.close()
-        if st.pool is not None:
-            await st.pool.session.close()
+        if st.transport is not None:
+            await st.transport.close()
         if owns:
             await st.registry.close()
 

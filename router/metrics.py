@@ -81,6 +81,7 @@ class RouterMetrics:
         self.retries = Counter("fulcrum_router_retries", "Upstream calls retried on another instance", ["stage"], registry=r)
         self.aborts = Counter("fulcrum_router_client_aborts", "Requests whose client went away (upstream work cancelled)", registry=r)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._decisions: dict[tuple[str, str, str], Any] = {}
         self.upstream_errors = Counter("fulcrum_router_upstream_errors", "Upstream failures by cause", ["cause"], registry=r)
         # the NATS prefill queue (router config prefill_queue.kind: nats)
         self.prefill_queue_depth = Gauge("fulcrum_router_prefill_queue_depth", "Prefill jobs in the NATS queue not yet taken by any prefill worker (demand at admission)", registry=r)
@@ -121,8 +122,14 @@ class RouterMetrics:
 
     def decision(self, policy: str, kind: str, reason: str, phi: float | None) -> None:
         """Count one policy decision (reason: its first word)."""
-        word = reason.split(maxsplit=1)[0].strip(":,;.").lower() if reason.strip() else "none"
-        self.child(self.decisions, policy, kind, word[:40]).inc()
+        key = (policy, kind, reason)
+        counter = self._decisions.get(key)
+        if counter is None:
+            word = reason.split(maxsplit=1)[0].strip(":,;.").lower() if reason.strip() else "none"
+            counter = self.child(self.decisions, policy, kind, word[:40])
+            if len(self._decisions) < 4096:  # reasons with numbers in them would grow it without end
+                self._decisions[key] = counter
+        counter.inc()
         if phi is not None and kind == "split":
             self.split_ratio.observe(phi)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +20,12 @@ from aiohttp import web
 
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint
-from fulcrum.router.sse import EventSplitter, event_payload, is_usage_only
+from fulcrum.router.sse import EventSplitter, event_payload, is_usage_only, plain_token_events, split_events
 from fulcrum.router.tokens import PromptTokens
 from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
 
 __all__ = ["ClientGone", "ClientSink", "Exchange", "Outcome", "relay", "Transform", "count_event_tokens",
-           "error_outcome_message"]
+           "error_outcome_message", "whole_usage"]
 
 Transform = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
@@ -49,6 +50,8 @@ class Exchange:
         model: the model name answers carry.
         created: Unix seconds for rewritten answers (from the request's arrival).
         t0: arrival on the router's monotonic clock, seconds.
+        raw: the client's body bytes while ``body`` is exactly what the client sent (a whole answer relayed
+            from ``body`` then forwards them as they came, not re-encoded); None otherwise.
     """
 
     request_id: str
@@ -62,6 +65,7 @@ class Exchange:
     model: str
     created: int
     t0: float
+    raw: bytes | None = None
 
     @property
     def path(self) -> str:
@@ -78,7 +82,8 @@ class Outcome:
         body: the whole answer for non-streamed requests and errors (None when it was streamed).
         completion_tokens: tokens generated, from the engine's usage where it gave one.
         prompt_tokens: the engine's count of prompt tokens, or None.
-        data: the parsed non-streamed answer, when it was parsed.
+        data: the parsed non-streamed answer, when it was parsed (a relayed answer without a transform is not:
+            only its ``usage`` is read, :func:`whole_usage`).
     """
 
     status: int
@@ -184,24 +189,48 @@ def _parse_json(raw: bytes, iid: str) -> dict[str, Any]:
     return data
 
 
-async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, Any], ticket: Ticket,
+_DECODER = json.JSONDecoder()
+_USAGE_VALUE = re.compile(rb'\s*:\s*\{')
+
+
+def whole_usage(raw: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a whole JSON answer, found from the end without parsing the rest (vLLM and OpenAI
+    write it last; the answer's text cannot hold an unescaped ``"usage"``); None when it is not found that way
+    (then parse the whole answer)."""
+    if raw[:1] != b"{":
+        return None
+    i = raw.rfind(b'"usage"')
+    if i <= 0 or raw[i - 1] == 0x5C:  # a backslash: inside a string
+        return None
+    m = _USAGE_VALUE.match(raw, i + 7)
+    if m is None:
+        return None
+    try:
+        obj, _ = _DECODER.raw_decode(raw[m.end() - 1:].decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, Any] | bytes, ticket: Ticket,
                        transform: Transform | None) -> Outcome:
-    async with pool.open(iid, path, body, stream=False) as resp:
-        raw = await resp.read()
-        status = resp.status
+    status, raw, _ = await pool.fetch(iid, path, body)
     if status != 200:
         return Outcome(status, raw)
-    try:
-        data = _parse_json(raw, iid)
-    except UpstreamFailure as err:
-        pool.record_failure(iid, err.cause)
-        raise
-    u = data.get("usage")
-    usage: dict[str, Any] = u if isinstance(u, dict) else {}
+    data: dict[str, Any] | None = None
+    usage = whole_usage(raw) if transform is None else None
+    if usage is None:
+        try:
+            data = _parse_json(raw, iid)
+        except UpstreamFailure as err:
+            pool.record_failure(iid, err.cause)
+            raise
+        u = data.get("usage")
+        usage = u if isinstance(u, dict) else {}
     ct = int(usage.get("completion_tokens") or 0)
     pt = usage.get("prompt_tokens")
     ticket.add_tokens(ct)
-    if transform is not None:
+    if transform is not None and data is not None:
         data = transform(data) or data
         raw = json.dumps(data).encode()
     return Outcome(200, raw, ct, int(pt) if isinstance(pt, int) else None, data)
@@ -221,7 +250,8 @@ async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dic
         ClientGone: the client went away (the upstream connection is closed on the way out).
     """
     if body.get("stream") is not True:
-        return await _relay_whole(pool, iid, path, body, ticket, transform)
+        raw = ex.raw if body is ex.body else None  # the client's own bytes: nothing to re-encode
+        return await _relay_whole(pool, iid, path, raw if raw is not None else body, ticket, transform)
     loop = asyncio.get_running_loop()
     state = _StreamState()
     # the first-token deadline covers the wait for the answer's headers too; once an event has been relayed,
@@ -259,9 +289,20 @@ async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, b
             return Outcome(resp.status, await resp.read())
         splitter = EventSplitter()
         async for chunk in resp.content.iter_any():
+            block = splitter.feed_block(chunk)
+            if not block:
+                continue
+            plain = plain_token_events(block) if transform is None else 0
+            if plain:  # the common case: output events only, relayed as they came, one token each
+                ticket.add_tokens(plain)
+                state.counted += plain
+                if first_deadline.when() is not None:
+                    first_deadline.reschedule(None)
+                await sink.send(block, tokens=plain)
+                continue
             out: list[bytes] = []
             tokens = 0
-            for ev in splitter.feed(chunk):
+            for ev in split_events(block):
                 if ev.startswith(b"data: [DONE]"):
                     done = True
                     continue

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["DONE", "EventSplitter", "event_payload", "encode_event", "is_usage_only"]
+__all__ = ["DONE", "EventSplitter", "split_events", "plain_token_events", "event_payload", "encode_event",
+           "is_usage_only"]
 
 DONE = b"data: [DONE]\n\n"
 """The stream's last event."""
@@ -25,24 +26,46 @@ class EventSplitter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Add a chunk; return the events it completed, each with its trailing ``\\n\\n``."""
+        return split_events(self.feed_block(chunk))
+
+    def feed_block(self, chunk: bytes) -> bytes:
+        """Add a chunk; return the events it completed as one block (``b""`` for none; line ends ``\\n``)."""
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
-        events: list[bytes] = []
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            events.append(buf[start : end + 2])
-            start = end + 2
-        self._buf = buf[start:]
-        return events
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return b""
+        self._buf = buf[end + 2 :]
+        return buf[: end + 2]
 
     @property
     def pending(self) -> bytes:
         """Bytes of an incomplete event still buffered."""
         return self._buf
+
+
+def split_events(block: bytes) -> list[bytes]:
+    """The events of a block of whole events (:meth:`EventSplitter.feed_block`), each with its ``\\n\\n``."""
+    events: list[bytes] = []
+    start = 0
+    while True:
+        end = block.find(b"\n\n", start)
+        if end < 0:
+            return events
+        events.append(block[start : end + 2])
+        start = end + 2
+
+
+def plain_token_events(block: bytes) -> int:
+    """How many events a block of whole events holds when every one is a ``data:`` event of generated output that
+    can be relayed untouched — no usage, error or ``[DONE]`` event, no comment — else 0 (look at each event)."""
+    n = block.count(b"\n\n")
+    if (n == 0 or not block.startswith(b"data:") or block.count(b"\n\ndata:") != n - 1 or b'"usage"' in block
+            or b'"error"' in block or b"data: [DONE]" in block):
+        return 0
+    return n
 
 
 def event_payload(event: bytes) -> bytes | None:

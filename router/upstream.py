@@ -1,9 +1,13 @@
-"""The pool of upstream instances: pooled connections, per-instance accounting, health and ejection.
+"""The pool of upstream instances: membership, per-instance accounting, health and ejection — over a transport.
 
-One shared ``aiohttp.ClientSession`` (one ``TCPConnector``) carries every upstream call, so connections to each
-engine are kept alive and reused. For each instance the pool keeps what the router itself dispatched — requests
-in flight, prompt tokens queued for prefill, KV tokens of running requests — and turns it into the
-:class:`~fulcrum.router.policies.base.InstanceView` the policies read.
+For each instance the pool keeps what the router itself dispatched — requests in flight, prompt tokens queued
+for prefill, KV tokens of running requests — and turns it into the
+:class:`~fulcrum.router.policies.base.InstanceView` the policies read. How a call reaches an engine is not its
+business: every call goes through the injected :class:`Transport` (the seam; httpx's transports are the model):
+:class:`fulcrum.router.transport.HttpTransport` (one shared ``aiohttp`` session, keep-alive connections) or
+:class:`fulcrum.router.transport.QueuedTransport` (prefill legs through the NATS prefill queue, every other call
+over HTTP). The transport translates the wire's failures into :class:`UpstreamFailure`; the pool records them
+against the instance (the ejection rules below) and counts its successes.
 
 Failures (:class:`UpstreamFailure`):
 
@@ -23,23 +27,21 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import aiohttp
+from typing import Any, Literal, Protocol
 
 from fulcrum.router.config import RouterConfig
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.policies.base import InstanceView
 from fulcrum.router.registry import InstanceRecord
 
-__all__ = ["FailureCause", "UpstreamFailure", "InstanceState", "Ticket", "UpstreamPool", "upstream_message"]
+__all__ = ["FailureCause", "UpstreamFailure", "Deadline", "UpstreamResponse", "Transport", "InstanceState", "Ticket",
+           "UpstreamPool", "upstream_message", "parse_gauge"]
 
 log = logging.getLogger(__name__)
 
 FailureCause = Literal["connect", "timeout", "status", "broken"]
-_JSON = {"Content-Type": "application/json"}
 
 
 class UpstreamFailure(Exception):
@@ -50,14 +52,18 @@ class UpstreamFailure(Exception):
         cause: "connect" (refused, reset, DNS), "timeout", "status" (a 5xx answer), "broken" (cut mid-answer).
         status: the engine's HTTP status for "status", else 0.
         message: the engine's own error message, or a description of the failure.
+        instance_fault: whether the instance itself failed (the pool records it: ejection rules); False for a
+            failure of a queued prefill job, which any prefill worker may have run.
     """
 
-    def __init__(self, instance: str, cause: FailureCause, message: str, status: int = 0) -> None:
+    def __init__(self, instance: str, cause: FailureCause, message: str, status: int = 0, *,
+                 instance_fault: bool = True) -> None:
         super().__init__(f"{instance}: {cause}: {message}")
         self.instance = instance
         self.cause = cause
         self.message = message
         self.status = status
+        self.instance_fault = instance_fault
 
 
 def upstream_message(raw: bytes, status: int) -> str:
@@ -75,6 +81,96 @@ def upstream_message(raw: bytes, status: int) -> str:
             if isinstance(data.get(key), str):
                 return str(data[key])[:500]
     return f"upstream answered HTTP {status}"
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """Time limits of one upstream call, seconds.
+
+    Attributes:
+        connect_s: to open a connection.
+        total_s: for the whole call, answer included (None: no overall limit, as for streams).
+        idle_s: between two reads of the answer (None: none; streams use the router's ``timeouts.idle_s``).
+    """
+
+    connect_s: float
+    total_s: float | None
+    idle_s: float | None = None
+
+
+class _Chunks(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class UpstreamResponse(Protocol):
+    """An engine's answer as a transport yields it, its body not yet read (``aiohttp.ClientResponse`` is one)."""
+
+    @property
+    def status(self) -> int:
+        """The HTTP status."""
+        ...
+
+    @property
+    def content(self) -> _Chunks:
+        """The body as it arrives: ``content.iter_any()`` yields its bytes in the pieces read."""
+        ...
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection at once (vLLM then aborts the request and frees its KV)."""
+        ...
+
+
+class Transport(Protocol):
+    """How the pool's calls reach an engine: the seam between the pool (membership, accounting, health) and the
+    wire. Implementations: :class:`fulcrum.router.transport.HttpTransport` (direct HTTP),
+    :class:`fulcrum.router.transport.QueuedTransport` (prefill legs through the NATS prefill queue); tests inject
+    fakes.
+
+    Every method translates its wire's failures into :class:`UpstreamFailure` (``instance`` = the ``iid`` given;
+    the pool records those with ``instance_fault``); a 5xx answer is a failure with cause "status" and the
+    engine's message (:func:`upstream_message`). ``base`` is the instance's URL, ``path`` the endpoint's
+    (``/v1/completions``).
+    """
+
+    def open(self, iid: str, base: str, path: str, body: dict[str, Any], deadline: Deadline
+             ) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """POST ``body`` as JSON; yields the answer (status < 500) with its body unread. Failures while the caller
+        reads inside the block (timeouts, resets) are translated too; leaving the block early closes the
+        connection (vLLM then aborts the request).
+
+        Raises:
+            UpstreamFailure: connect error, timeout, 5xx answer, an answer cut mid-way.
+        """
+        ...
+
+    async def post(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline, *,
+                   queueable: bool) -> tuple[int, bytes, Any | None]:
+        """POST ``body`` as JSON (``bytes``: already encoded, sent as is; never a prefill leg) and read the whole
+        answer: (status, raw body, the parsed body or None when this transport did not parse it). ``queueable``: a
+        prefill leg may go through the prefill queue (only :meth:`UpstreamPool.post_json` allows it; relayed
+        answers and prefix pulls go to the instance).
+
+        Raises:
+            UpstreamFailure: as :meth:`open`.
+            fulcrum.router.errors.NoHealthyInstance: a queued prefill leg found no prefill capacity.
+        """
+        ...
+
+    async def get(self, iid: str, base: str, path: str, deadline: Deadline) -> tuple[int, bytes]:
+        """GET ``base + path``: (status, raw body), 5xx included (health probes and scrapes read the status).
+
+        Raises:
+            UpstreamFailure: connect error, timeout, broken answer.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release connections (and a prefill queue) for good."""
+        ...
 
 
 @dataclass(slots=True)
@@ -161,24 +257,28 @@ class Ticket:
 
 
 class UpstreamPool:
-    """All instances, their accounting, and the shared HTTP session.
+    """All instances, their accounting and health; calls travel through the injected transport.
 
     Args:
-        session: the shared client session (its connector is the connection pool).
+        transport: how calls reach the engines (:class:`Transport`).
         config: timeouts, ejection and health settings (``update_config`` swaps them live).
         metrics: where ejections and failures are counted.
         clock: monotonic seconds (injected: tests move it by hand).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, config: RouterConfig, metrics: RouterMetrics,
+    def __init__(self, transport: Transport, config: RouterConfig, metrics: RouterMetrics,
                  clock: Callable[[], float]) -> None:
-        self.session = session
-        self.config = config
+        self.transport = transport
         self.metrics = metrics
         self.clock = clock
         self._states: dict[str, InstanceState] = {}
         self._rr = itertools.count()
+        self._prefills: dict[str, list[tuple[float, Ticket]]] = {}
         self.learned_max_model_len: int | None = None
+        self.config = config
+        self._set_deadlines(config)
+        self._errors = {c: metrics.child(metrics.upstream_errors, c)
+                        for c in ("connect", "timeout", "status", "broken")}
 
     # ---------------------------------------------------------------- membership and views
     def set_records(self, records: Iterable[InstanceRecord]) -> None:
@@ -198,10 +298,21 @@ class UpstreamPool:
     def update_config(self, config: RouterConfig) -> None:
         """Swap timeouts and ejection settings."""
         self.config = config
+        self._set_deadlines(config)
+
+    def _set_deadlines(self, config: RouterConfig) -> None:
+        t = config.timeouts
+        self._stream_deadline = Deadline(t.connect_s, None, t.idle_s)
+        self._whole_deadline = Deadline(t.connect_s, t.request_s)
+        self._health_deadline = Deadline(t.connect_s, t.health_s)
 
     def ids(self) -> list[str]:
         """Registered instance ids."""
         return list(self._states)
+
+    def __contains__(self, iid: object) -> bool:
+        """Whether ``iid`` is registered."""
+        return iid in self._states
 
     def state(self, iid: str) -> InstanceState:
         """The state of one instance. Raises KeyError when it is not registered."""
@@ -219,7 +330,7 @@ class UpstreamPool:
         out = []
         for st in self._states.values():
             v = st.view(now, partial)
-            if st.record.id in exclude and v.healthy:
+            if exclude and st.record.id in exclude and v.healthy:
                 v = InstanceView(**{**{f: getattr(v, f) for f in v.__dataclass_fields__}, "healthy": False})
             out.append(v)
         return out
@@ -233,22 +344,51 @@ class UpstreamPool:
 
     def any_available(self, exclude: Sequence[str] = ()) -> str | None:
         """One available instance, rotating (for /tokenize and similar side calls)."""
-        ids = [i for i in self._states if self._states[i].available(self.clock()) and i not in exclude]
+        now = self.clock()
+        ids = [i for i, s in self._states.items() if s.available(now) and i not in exclude]
         if not ids:
             return None
         return ids[next(self._rr) % len(ids)]
 
+    # ---------------------------------------------------------------- load accounting
     def acquire(self, iid: str, queued: int, context: int) -> Ticket:
-        """Account one call dispatched to ``iid`` (``queued`` prompt tokens to prefill, ``context`` KV tokens)."""
+        """Account one call dispatched to ``iid`` (``queued`` prompt tokens to prefill, ``context`` KV tokens).
+
+        Calls with prompt tokens to prefill are remembered with their start time for
+        :meth:`oldest_prefill_wait` (role reassignment's prefill pressure).
+
+        Raises:
+            KeyError: ``iid`` is not registered.
+        """
         st = self._states[iid]
         st.inflight += 1
         st.queued_prefill_tokens += queued
-        return Ticket(state=st, queued=queued, context=context)
+        ticket = Ticket(state=st, queued=queued, context=context)
+        if queued > 0:
+            waiting = self._prefills.get(iid)
+            if waiting is None:
+                waiting = self._prefills[iid] = []
+            elif len(waiting) >= 64:
+                waiting[:] = [(t, k) for t, k in waiting if not (k.started or k.released)]
+            waiting.append((self.clock(), ticket))
+        return ticket
+
+    def oldest_prefill_wait(self) -> dict[str, float]:
+        """Instance id → seconds the oldest prefill dispatched to it and not yet done has waited (absent: none)."""
+        now = self.clock()
+        out: dict[str, float] = {}
+        for iid, waiting in list(self._prefills.items()):
+            waiting[:] = [(t, k) for t, k in waiting if not (k.started or k.released)]
+            if waiting:
+                out[iid] = now - waiting[0][0]
+            else:
+                del self._prefills[iid]
+        return out
 
     # ---------------------------------------------------------------- failures
     def record_failure(self, iid: str, cause: FailureCause) -> None:
         """Count a failure; eject per the rules in the module docstring."""
-        self.metrics.child(self.metrics.upstream_errors, cause).inc()
+        self._errors[cause].inc()
         st = self._states.get(iid)
         if st is None:
             return
@@ -278,62 +418,75 @@ class UpstreamPool:
         self.metrics.child(self.metrics.ejections, iid, cause).inc()
         log.warning("instance %s ejected for %.1f s (%s)", iid, length, cause)
 
+    def _failed(self, err: UpstreamFailure) -> None:
+        if err.instance_fault:
+            self.record_failure(err.instance, err.cause)
+
     # ---------------------------------------------------------------- calls
-    def _timeout(self, stream: bool, total: float | None) -> aiohttp.ClientTimeout:
-        t = self.config.timeouts
+    def _deadline(self, stream: bool, total_s: float | None) -> Deadline:
         if stream:
-            return aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, connect=t.connect_s, sock_read=t.idle_s)
-        return aiohttp.ClientTimeout(total=total if total is not None else t.request_s, sock_connect=t.connect_s,
-                                     connect=t.connect_s)
+            return self._stream_deadline
+        if total_s is None:
+            return self._whole_deadline
+        return Deadline(self.config.timeouts.connect_s, total_s)
 
     @asynccontextmanager
     async def open(self, iid: str, path: str, body: dict[str, Any], *, stream: bool,
-                   total_s: float | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST ``body`` to ``iid``; yields the response (status < 500) with its body unread.
+                   total_s: float | None = None) -> AsyncIterator[UpstreamResponse]:
+        """POST ``body`` to ``iid`` over the transport; yields the response (status < 500) with its body unread.
 
         Failures raised inside the ``async with`` block while reading (timeouts, resets) are translated too.
-        Leaving the block early closes the connection, which makes vLLM abort the request.
+        Leaving the block early closes the connection, which makes vLLM abort the request. Never through the
+        prefill queue.
 
         Raises:
             UpstreamFailure: connect error, timeout, 5xx answer, or an answer cut mid-way; recorded against
                 the instance (ejection rules) before raising.
             KeyError: ``iid`` is not registered.
         """
-        url = self._states[iid].record.url + path
+        base = self._states[iid].record.url
         try:
-            async with self.session.post(url, data=json.dumps(body), headers=_JSON,
-                                         timeout=self._timeout(stream, total_s)) as resp:
-                if resp.status >= 500:
-                    raw = await resp.read()
-                    raise UpstreamFailure(iid, "status", upstream_message(raw, resp.status), resp.status)
+            async with self.transport.open(iid, base, path, body, self._deadline(stream, total_s)) as resp:
                 yield resp
         except UpstreamFailure as err:
-            self.record_failure(err.instance, err.cause)
+            self._failed(err)
             raise
-        except aiohttp.ClientConnectorError as err:
-            self.record_failure(iid, "connect")
-            raise UpstreamFailure(iid, "connect", f"cannot connect to {iid}: {err}") from err
-        except (TimeoutError, asyncio.TimeoutError) as err:
-            self.record_failure(iid, "timeout")
-            raise UpstreamFailure(iid, "timeout", f"{iid} did not answer in time") from err
-        except aiohttp.ClientError as err:
-            self.record_failure(iid, "broken")
-            raise UpstreamFailure(iid, "broken", f"{iid} broke the connection: {type(err).__name__}: {err}") from err
-        else:
-            self.record_success(iid)
+        self.record_success(iid)
 
-    async def post_json(self, iid: str, path: str, body: dict[str, Any],
-                        total_s: float | None = None) -> tuple[int, bytes, Any]:
-        """POST and read the whole answer: (status, raw body, parsed JSON or None). 4xx are returned.
+    async def fetch(self, iid: str, path: str, body: dict[str, Any] | bytes, total_s: float | None = None, *,
+                    queueable: bool = False) -> tuple[int, bytes, Any | None]:
+        """POST ``body`` (``bytes``: JSON already encoded) and read the whole answer: (status, raw body, parsed
+        body or None when the transport did not parse it). 4xx are returned. ``queueable``: a prefill leg may go
+        through the prefill queue.
+
+        Raises:
+            UpstreamFailure: as :meth:`open`.
+            NoHealthyInstance: a queued prefill leg found no prefill capacity (the message says why).
+            KeyError: ``iid`` is not registered.
+        """
+        base = self._states[iid].record.url
+        try:
+            got = await self.transport.post(iid, base, path, body, self._deadline(False, total_s), queueable=queueable)
+        except UpstreamFailure as err:
+            self._failed(err)
+            raise
+        self.record_success(iid)
+        return got
+
+    async def post_json(self, iid: str, path: str, body: dict[str, Any], total_s: float | None = None, *,
+                        queueable: bool = True) -> tuple[int, bytes, Any]:
+        """POST and read the whole answer: (status, raw body, parsed JSON or None). 4xx are returned. A prefill
+        leg goes through the prefill queue where the transport has one, unless ``queueable`` is False.
 
         Raises:
             UpstreamFailure: as :meth:`open`, and "broken" when a 200 answer is not JSON.
+            NoHealthyInstance: as :meth:`fetch`.
         """
-        async with self.open(iid, path, body, stream=False, total_s=total_s) as resp:
-            raw = await resp.read()
-            status = resp.status
+        status, raw, data = await self.fetch(iid, path, body, total_s, queueable=queueable)
         if status != 200:
             return status, raw, None
+        if data is not None:
+            return status, raw, data
         try:
             return status, raw, json.loads(raw)
         except ValueError as err:
@@ -346,13 +499,11 @@ class UpstreamPool:
         st = self._states.get(iid)
         if st is None:
             return False
-        t = self.config.timeouts
-        timeout = aiohttp.ClientTimeout(total=t.health_s, connect=t.connect_s)
+        deadline = self._health_deadline
         try:
-            async with self.session.get(st.record.url + "/health", timeout=timeout) as resp:
-                await resp.read()
-                ok = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, OSError):
+            status, _ = await self.transport.get(iid, st.record.url, "/health", deadline)
+            ok = status == 200
+        except UpstreamFailure:
             ok = False
         was = st.healthy
         st.healthy = ok
@@ -361,17 +512,17 @@ class UpstreamPool:
         if not ok and was:
             self.eject(iid, "health")
         if ok:
-            await self._scrape(st, timeout)
+            await self._scrape(st, deadline)
         return ok
 
-    async def _scrape(self, st: InstanceState, timeout: aiohttp.ClientTimeout) -> None:
+    async def _scrape(self, st: InstanceState, deadline: Deadline) -> None:
         try:
-            async with self.session.get(st.record.url + "/metrics", timeout=timeout) as resp:
-                if resp.status != 200:
-                    return
-                text = (await resp.read()).decode(errors="replace")
-        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, OSError):
+            status, raw = await self.transport.get(st.record.id, st.record.url, "/metrics", deadline)
+        except UpstreamFailure:
             return
+        if status != 200:
+            return
+        text = raw.decode(errors="replace")
         running = parse_gauge(text, ("vllm:num_requests_running",))
         usage = parse_gauge(text, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
         if running is not None:
