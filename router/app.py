@@ -53,7 +53,6 @@ from fulcrum.cancellation import cancel_and_wait
 from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor, PerModelLengthPredictors
 from fulcrum.router.config import ConfigWatcher, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
-from fulcrum.router.http1 import Http1Client
 from fulcrum.router.handoff import (
     DO_REMOTE_DECODE,
     completions_body,
@@ -740,9 +739,8 @@ def create_app(
             ``E[L − g | L > g]``, :class:`fulcrum.router.remaining_length.RemainingLengthPredictor`).
         metrics: the metrics (default: new ones on their own registry).
         health_checks: run the periodic ``/health`` probes.
-        session_factory: builds the shared upstream ``ClientSession`` that then carries every engine call (default:
-            a pooled ``TCPConnector`` for streams and probes, and the lean :class:`fulcrum.router.http1.Http1Client`
-            for whole answers).
+        session_factory: builds the shared upstream ``ClientSession`` that carries every engine call (default:
+            :func:`fulcrum.router.transport.new_session`, a pooled ``TCPConnector``).
 
     Raises:
         ValueError: the configured policy cannot be built.
@@ -763,11 +761,8 @@ def create_app(
     app[ROUTER] = st
 
     async def startup(app: web.Application) -> None:
-        if session_factory is not None:
-            direct = HttpTransport(session_factory(st.config))
-        else:
-            limit = st.config.connection_limit
-            direct = HttpTransport(new_session(limit), Http1Client(limit))
+        direct = HttpTransport(session_factory(st.config) if session_factory is not None
+                               else new_session(st.config.connection_limit))
         st.transport = QueuedTransport(direct, st.metrics, clock,
                                        registered=lambda iid: st.pool is not None and iid in st.pool)
         st.transport.use_queue(st.config.prefill_queue)

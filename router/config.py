@@ -317,8 +317,7 @@ class RouterConfig(_Strict):
     health_interval_s: float = Field(default=5.0, gt=0)
     """Period of the ``/health`` probes (ejected instances are re-admitted by a passing probe after backoff)."""
     connection_limit: int = Field(default=1000, ge=1)
-    """Pooled upstream connections, all instances together, for each of the router's two clients (streams and probes
-    over aiohttp; whole answers over ``fulcrum.router.http1``)."""
+    """Pooled upstream connections, all instances together (the router's one aiohttp client session)."""
     reload_interval_s: float = Field(default=2.0, gt=0)
     """Period of the config file's mtime check."""
     prefill_queue: PrefillQueueConfig = Field(default_factory=PrefillQueueConfig)

@@ -24,7 +24,6 @@ import aiohttp
 
 from fulcrum.router.config import PrefillQueueConfig
 from fulcrum.router.errors import NoHealthyInstance
-from fulcrum.router.http1 import Http1Client, Http1Error
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.upstream import Deadline, Transport, UpstreamFailure, UpstreamResponse, upstream_message
 
@@ -46,18 +45,15 @@ def new_session(connection_limit: int) -> aiohttp.ClientSession:
 
 
 class HttpTransport:
-    """Direct HTTP to the engines (:class:`~fulcrum.router.upstream.Transport`): streamed calls, probes and scrapes
-    over one shared ``aiohttp`` session, whole-answer POSTs over the lean keep-alive client
-    (:class:`fulcrum.router.http1.Http1Client`) when one is given, else over the session too.
+    """Direct HTTP to the engines (:class:`~fulcrum.router.upstream.Transport`): every call over one shared
+    ``aiohttp`` session.
 
     Args:
         session: the shared client session (its connector is the connection pool); closed by :meth:`close`.
-        http1: the client of whole-answer POSTs, or None to send them over ``session``.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, http1: Http1Client | None = None) -> None:
+    def __init__(self, session: aiohttp.ClientSession) -> None:
         self.session = session
-        self.http1 = http1
         self._timeouts: dict[Deadline, aiohttp.ClientTimeout] = {}
 
     def _timeout(self, d: Deadline) -> aiohttp.ClientTimeout:
@@ -96,25 +92,10 @@ class HttpTransport:
         Raises:
             UpstreamFailure: connect error, timeout, 5xx answer, an answer cut mid-way.
         """
-        if self.http1 is not None:
-            status, raw = await self._post_http1(iid, base, path, body, deadline)
-        else:
-            status, raw = await self._post_aiohttp(iid, base, path, body, deadline)
+        status, raw = await self._post_aiohttp(iid, base, path, body, deadline)
         if status >= 500:
             raise UpstreamFailure(iid, "status", upstream_message(raw, status), status)
         return status, raw, None
-
-    async def _post_http1(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline
-                          ) -> tuple[int, bytes]:
-        assert self.http1 is not None
-        try:
-            return await self.http1.post(base, path, _encode(body), deadline.connect_s, deadline.total_s)
-        except Http1Error as err:
-            if err.cause == "connect":
-                raise UpstreamFailure(iid, "connect", f"cannot connect to {iid}: {err}") from err
-            raise UpstreamFailure(iid, "broken", f"{iid} broke the connection: {err}") from err
-        except TimeoutError as err:
-            raise UpstreamFailure(iid, "timeout", f"{iid} did not answer in time") from err
 
     async def _post_aiohttp(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline
                             ) -> tuple[int, bytes]:
@@ -143,12 +124,8 @@ class HttpTransport:
                                   f"{iid}: {type(err).__name__}: {err}") from err
 
     async def close(self) -> None:
-        """Close the session and the lean client (their connections)."""
-        try:
-            if self.http1 is not None:
-                await self.http1.close()
-        finally:
-            await self.session.close()
+        """Close the session (its connections)."""
+        await self.session.close()
 
 
 def _encode(body: dict[str, Any] | bytes) -> bytes:
