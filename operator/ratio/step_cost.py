@@ -37,7 +37,14 @@ Deliberate differences are named parameters, each with the simulator's behaviour
 - the tensor-parallel rule per table (``prefill_tp_rule`` / ``decode_tp_rule``): ``"exact"`` raises
   :class:`~fulcrum.errors.ProfileError` for a TP the profile did not measure; ``"nearest"`` borrows the
   nearest measured TP's table (ties: the smaller, slower one), unscaled, i.e. conservatively. DOPD's profile,
-  for instance, has prefill only at TP 1 and decode only at TP 2.
+  for instance, has prefill only at TP 1 and decode only at TP 2. ``prefill_tp`` names the prefill table to read
+  instead (the planner reads its P pool's), and ``scale_borrowed_prefill=True`` scales a prefill table borrowed
+  from TP t' by t'/tp (ideal tensor-parallel speedup, the planner's estimate in DOPD §V-E) — the TP factor
+  :attr:`StepCost.prefill_scale`.
+- :meth:`StepCost.prefill_fit_marginal_s`: the compute ``κ1·x + κ2·x²`` a prompt of x tokens adds to a step that
+  runs anyway (DOPD eq. 5 without its intercept τ) — the planner's price of an ultra-short prompt prefilled
+  locally on a decode instance (DOPD §V-E). The simulator instead charges such a prompt as a batched prefill
+  (intercept included) beside the decode step, i.e. more: the planner's threshold is optimistic by up to τ.
 
 Chunk size (vLLM ``max_num_batched_tokens``) is the caller's: it decides the chunks, this module prices them.
 
@@ -162,6 +169,7 @@ class StepCost:
         decode_model: ``"table"`` or ``"linear"`` (module doc).
         pass_intercept: ``"per_part"`` or ``"per_pass"`` (module doc).
         decode_fit: the linear decode model; set when ``decode_model == "linear"``, else None.
+        prefill_scale: multiplies every prefill time (1.0 unless a borrowed table is scaled, module doc).
     """
 
     tp: int
@@ -172,6 +180,7 @@ class StepCost:
     decode_model: DecodeModel = "table"
     pass_intercept: PassIntercept = "per_part"
     decode_fit: DecodeFit | None = None
+    prefill_scale: float = 1.0
     _ttft_memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -184,6 +193,8 @@ class StepCost:
         pass_intercept: PassIntercept = "per_part",
         prefill_tp_rule: TpRule = "nearest",
         decode_tp_rule: TpRule = "nearest",
+        prefill_tp: int | None = None,
+        scale_borrowed_prefill: bool = False,
     ) -> StepCost:
         """The step cost of a TP-``tp`` instance of ``profile``'s model.
 
@@ -192,13 +203,16 @@ class StepCost:
             tp: tensor-parallel size (>= 1).
             decode_model, pass_intercept: module doc; the defaults are the simulator's model.
             prefill_tp_rule, decode_tp_rule: ``"exact"`` or ``"nearest"`` for a TP the table lacks (module doc).
+            prefill_tp: read the prefill table measured at this TP (overrides ``prefill_tp_rule``).
+            scale_borrowed_prefill: scale a prefill table read at TP t' != ``tp`` by t'/``tp`` (default: unscaled).
 
         Raises:
-            ProfileError: ``tp < 1``, or an ``"exact"`` table the profile does not have at ``tp``.
+            ProfileError: ``tp < 1``, or a table (an ``"exact"`` one, or ``prefill_tp``) the profile lacks.
         """
         if tp < 1:
             raise ProfileError(f"tensor-parallel size must be >= 1, got {tp}")
-        prefill_tp = tp if prefill_tp_rule == "exact" else nearest_tp(profile.prefill_tps, tp)
+        if prefill_tp is None:
+            prefill_tp = tp if prefill_tp_rule == "exact" else nearest_tp(profile.prefill_tps, tp)
         decode_tp = tp if decode_tp_rule == "exact" else nearest_tp(profile.decode_tps, tp)
         for kind, tables, used in (("prefill", profile.prefill, prefill_tp), ("decode", profile.decode, decode_tp)):
             if used not in tables:
@@ -215,6 +229,7 @@ class StepCost:
             decode_model=decode_model,
             pass_intercept=pass_intercept,
             decode_fit=fit_decode(dec) if decode_model == "linear" else None,
+            prefill_scale=prefill_tp / tp if scale_borrowed_prefill and prefill_tp != tp else 1.0,
         )
 
     def with_model(self, *, decode_model: DecodeModel, pass_intercept: PassIntercept) -> StepCost:
@@ -240,9 +255,9 @@ class StepCost:
             if v is None:
                 if len(memo) >= _TTFT_MEMO:
                     memo.clear()
-                v = memo[tokens] = self.prefill_table(float(tokens))
+                v = memo[tokens] = self.prefill_table(float(tokens)) * self.prefill_scale
             return v
-        return self.prefill_table(tokens)
+        return self.prefill_table(tokens) * self.prefill_scale
 
     @property
     def prefill_fixed_s(self) -> float:
@@ -266,7 +281,18 @@ class StepCost:
     def prefill_batch_s(self, lengths: Sequence[float]) -> float:
         """One batch of whole prompts of these lengths (tokens) started together, s (0 for none): the profile's
         batched-prefill formula (DOPD Alg. 1; :meth:`~fulcrum.ratio.profile.PrefillTable.batch`)."""
-        return self.prefill_table.batch(lengths)
+        return self.prefill_table.batch(lengths) * self.prefill_scale
+
+    def prefill_fit_marginal_s(self, tokens: float) -> float:
+        """Compute a prompt of ``tokens`` tokens adds to a step that runs anyway, s: ``κ1·x + κ2·x²`` of the
+        prefill table's NNLS fit (DOPD eq. 5 without τ), times :attr:`prefill_scale`. The planner's price of a
+        local (ultra-short) prefill on a decode instance (DOPD §V-E)."""
+        _, k1, k2 = self.prefill_table.quadratic
+        scale = self.prefill_scale
+        if scale != 1.0:
+            k1, k2 = k1 * scale, k2 * scale
+        x = float(tokens)
+        return k1 * x + k2 * x * x
 
     def prefill_part_s(self, chunks: Sequence[tuple[int, int]], decodes: int = 0) -> float:
         """The prefill part of a step that computes these prompt chunks ``(offset, tokens)``, s.
@@ -287,7 +313,7 @@ class StepCost:
                 fresh.append(float(q))
             else:
                 cont += self.prefill_chunk_s(o, q)
-        return (self.prefill_table.batch(fresh) if fresh else 0.0) + cont
+        return (self.prefill_table.batch(fresh) * self.prefill_scale if fresh else 0.0) + cont
 
     # ---- decode ------------------------------------------------------------------------------------------
 
