@@ -105,27 +105,6 @@ class DecodeFit:
     per_context_token_s: float
     max_rel_error: float
 
-    def step_s(self, batch: int, context_sum: float) -> float:
-        """One decode step of ``batch`` requests attending to ``context_sum`` tokens in all, s (0 for no batch)."""
-        if batch <= 0:
-            return 0.0
-        return self.fixed_s + batch * self.per_seq_s + context_sum * self.per_context_token_s
-
-    def request_s(self, context: float, steps: int) -> float:
-        """Per-request part of ``steps`` decode steps of one request starting at ``context`` tokens (the context
-        grows one token a step), s, without the per-step fixed cost: ``Σ_j (m + k·(context + j))``."""
-        if steps <= 0:
-            return 0.0
-        return steps * self.per_seq_s + self.per_context_token_s * (steps * context + steps * (steps - 1) / 2.0)
-
-    def run_s(self, batch: int, context_sum: float, steps: int) -> float:
-        """``steps`` consecutive decode steps of a constant batch whose contexts each grow a token a step, s."""
-        if batch <= 0 or steps <= 0:
-            return 0.0
-        return steps * (self.fixed_s + batch * self.per_seq_s) + self.per_context_token_s * (
-            steps * context_sum + batch * steps * (steps - 1) / 2.0
-        )
-
 
 def fit_decode(table: DecodeTable) -> DecodeFit:
     """NNLS fit of ``t = w + m·b + k·b·c`` to a decode grid, rows weighted by 1/t (relative error).
@@ -249,7 +228,7 @@ class StepCost:
 
         Integer lengths are memoised (at most 65,536 of them, then the memo starts over).
         """
-        if isinstance(tokens, int):
+        if type(tokens) is int:  # exact type: a bool or an int subclass is not memoised
             memo = self._ttft_memo
             v = memo.get(tokens)
             if v is None:
@@ -276,7 +255,8 @@ class StepCost:
         ``ttft(offset + tokens) − ttft(offset)``, never negative."""
         if tokens <= 0:
             return 0.0
-        return max(self.prefill_s(offset + tokens) - self.prefill_s(offset), 0.0)
+        v = self.prefill_s(offset + tokens) - self.prefill_s(offset)
+        return v if v > 0.0 else 0.0
 
     def prefill_batch_s(self, lengths: Sequence[float]) -> float:
         """One batch of whole prompts of these lengths (tokens) started together, s (0 for none): the profile's
@@ -332,22 +312,29 @@ class StepCost:
     def decode_request_s(self, context: float, steps: int) -> float:
         """Per-request part of ``steps`` decode steps of one request from ``context`` tokens, s (no fixed cost).
 
-        Only the linear model splits a step's cost over its requests (:meth:`DecodeFit.request_s`).
+        ``Σ_j (m + k·(context + j))`` over the steps (the context grows a token a step): only the linear model
+        splits a step's cost over its requests.
 
         Raises:
             ValueError: ``decode_model`` is ``"table"``.
         """
-        if self.decode_fit is None:
+        fit = self.decode_fit
+        if fit is None:
             raise ValueError("per-request decode cost needs decode_model='linear'")
-        return self.decode_fit.request_s(context, steps)
+        if steps <= 0:
+            return 0.0
+        return steps * fit.per_seq_s + fit.per_context_token_s * (steps * context + steps * (steps - 1) / 2.0)
 
     def decode_run_s(self, batch: int, context_sum: float, steps: int) -> float:
         """``steps`` consecutive decode steps of a constant batch of ``batch`` requests attending to
         ``context_sum`` tokens at the first, each context growing one token a step, s (0 for none)."""
         if batch <= 0 or steps <= 0:
             return 0.0
-        if self.decode_fit is not None:
-            return self.decode_fit.run_s(batch, context_sum, steps)
+        fit = self.decode_fit
+        if fit is not None:
+            return steps * (fit.fixed_s + batch * fit.per_seq_s) + fit.per_context_token_s * (
+                steps * context_sum + batch * steps * (steps - 1) / 2.0
+            )
         return sum(self.decode_table(batch, context_sum / batch + j) for j in range(steps))
 
     # ---- a step ------------------------------------------------------------------------------------------
