@@ -73,7 +73,7 @@ PassIntercept = Literal["per_part", "per_pass"]
 TpRule = Literal["exact", "nearest"]
 """A TP the profile did not measure: raise (``exact``) or borrow the nearest measured table (``nearest``)."""
 
-_TTFT_MEMO = 1 << 16  # prompt lengths memoised per model (the predictor probes the same few thousand lengths)
+_TTFT_MEMO = 1 << 16  # prompt lengths memoised per model
 
 
 def nearest_tp(measured: Sequence[int], tp: int) -> int:
@@ -226,17 +226,16 @@ class StepCost:
     def prefill_s(self, tokens: float) -> float:
         """Prefill latency of one whole prompt of ``tokens`` tokens, s: ``ttft(tokens)`` (batch of one).
 
-        Integer lengths are memoised (at most 65,536 of them, then the memo starts over).
+        Memoised per length (at most 65,536 lengths, then the memo starts over): the predictor probes the same
+        few thousand prompt lengths over and over.
         """
-        if type(tokens) is int:  # exact type: a bool or an int subclass is not memoised
-            memo = self._ttft_memo
-            v = memo.get(tokens)
-            if v is None:
-                if len(memo) >= _TTFT_MEMO:
-                    memo.clear()
-                v = memo[tokens] = self.prefill_table(float(tokens)) * self.prefill_scale
-            return v
-        return self.prefill_table(tokens) * self.prefill_scale
+        memo = self._ttft_memo
+        v = memo.get(tokens)
+        if v is None:
+            if len(memo) >= _TTFT_MEMO:
+                memo.clear()
+            v = memo[tokens] = self.prefill_table(float(tokens)) * self.prefill_scale
+        return v
 
     @property
     def prefill_fixed_s(self) -> float:
