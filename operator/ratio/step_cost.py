@@ -54,7 +54,6 @@ built, so the latency table's vLLM process imports neither).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
@@ -160,7 +159,7 @@ class StepCost:
     pass_intercept: PassIntercept = "per_part"
     decode_fit: DecodeFit | None = None
     prefill_scale: float = 1.0
-    _ttft_memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
+    _ttft_memo: dict[float, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_profile(

@@ -4,7 +4,6 @@ the same step times for the same profile and inputs."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
