@@ -19,8 +19,8 @@ it additive over requests (``decode_model="linear"``, ``pass_intercept="per_pass
 where a prompt chunk covers prompt tokens o..o+q, b is the number of decoding requests and w, m, k come from a
 non-negative least-squares fit ``TPOT(b, c) ≈ w + m·b + k·b·c`` of the profile's decode grid (relative error
 reported in :attr:`fulcrum.ratio.step_cost.DecodeFit.max_rel_error`). Every term except ``fixed`` is a sum over
-requests,
-so a request's own token costs do not depend on whom it shares a step with; only the NUMBER of steps does.
+requests, so a request's own token costs do not depend on whom it shares a step with; only the NUMBER of steps
+does.
 
 Why a probe is cheap (the incremental part). Under FCFS a request that joins the tail of the queue takes only
 the budget and the slots the earlier requests leave over, so it never changes at which step an earlier request
