@@ -1,6 +1,6 @@
 """One step-cost model (issue 12, item 2; STYLE.md §15): only ``fulcrum.ratio.step_cost`` evaluates a profile's
-latency coefficients, and the code that models engine steps (simulator, sim-worker and scheduler, router, replay,
-rebalancing) takes every step time from it instead of reading the profile's tables itself.
+latency coefficients, and the code that models engine steps (simulator, sim-worker and scheduler, router and
+routing core, replay, rebalancing) takes every step time from it instead of reading the profile's tables itself.
 
 The planning code (``fulcrum.ratio``, ``fulcrum.scaling``) and the operator may still ask the profile for one
 request's TTFT or one decode step's TPOT (``profile.ttft`` / ``profile.tpot``) in their queueing models; they may
@@ -25,7 +25,10 @@ COEFFICIENTS = frozenset({
 """Names that only the profile and the step-cost module may touch."""
 TABLE_LOOKUPS = frozenset({"ttft", "tpot", "prefill_batch_time"})
 """Profile latency lookups the step-modelling packages must leave to the step-cost module."""
-STEP_MODELLING = ("fulcrum.simulator", "fulcrum.worker", "fulcrum.router", "fulcrum.replay", "fulcrum.rebalancing")
+STEP_MODELLING = (
+    "fulcrum.simulator", "fulcrum.worker", "fulcrum.router", "fulcrum.routing", "fulcrum.replay", "fulcrum.rebalancing",
+)
+"""Packages that model engine steps (``fulcrum.routing``: the routing core issue 12 moves the predictor into)."""
 
 
 def package_files() -> dict[Path, str]:
