@@ -8,7 +8,9 @@ instance *i* now, when would *i* drain?"; the binary search over the split ratio
 request, so a probe must cost O(log n), not a re-simulation of the queue ("subsequent requests reuse the
 existing timing prefix and simulate only the delta").
 
-Cost of one engine step (pass), from a :class:`~fulcrum.ratio.profile.PerformanceProfile` (:class:`StepCostModel`)::
+Cost of one engine step (pass): :class:`fulcrum.ratio.step_cost.StepCost`, the step-cost model the simulator, the
+sim-worker and the local scheduler use too, built by :func:`predictor_step_cost` with two named choices that make
+it additive over requests (``decode_model="linear"``, ``pass_intercept="per_pass"``)::
 
     step = fixed + Σ_chunks [ttft(o + q) − ttft(o)] + m·b + k·Σ_decoding context
     fixed = w        if the step decodes anything (b > 0)      — decode intercept of the fitted TPOT
@@ -16,8 +18,9 @@ Cost of one engine step (pass), from a :class:`~fulcrum.ratio.profile.Performanc
 
 where a prompt chunk covers prompt tokens o..o+q, b is the number of decoding requests and w, m, k come from a
 non-negative least-squares fit ``TPOT(b, c) ≈ w + m·b + k·b·c`` of the profile's decode grid (relative error
-reported in :attr:`StepCostModel.decode_fit_max_rel_error`). Every term except ``fixed`` is a sum over requests,
-so a request's own token costs do not depend on whom it shares a step with; only the NUMBER of steps does.
+reported in :attr:`fulcrum.ratio.step_cost.DecodeFit.max_rel_error`). Every term except ``fixed`` is a sum over
+requests, so a request's own token costs do not depend on whom it shares a step with; only the NUMBER of steps
+does.
 
 Why a probe is cheap (the incremental part). Under FCFS a request that joins the tail of the queue takes only
 the budget and the slots the earlier requests leave over, so it never changes at which step an earlier request
@@ -45,8 +48,10 @@ now; the leftover prefill budget during a new prompt's prefill is the one at its
 position moves linearly in time over the queue's horizon (a slow first step, e.g. a long prefill, puts it a few
 steps ahead); the KV-cache capacity is not modelled (the engine's concurrency limit is); decode tokens never
 starve (budget ≥ ``max_num_seqs``, as vLLM requires by default). A step mixing prompt chunks and decode tokens
-pays one fixed cost (one forward pass); ``fulcrum.simulator``'s engine charges a decode step plus the chunk's
-prefill time, intercept included for a prompt's first chunk, so the two differ by up to ``ttft(0)`` per such step.
+pays one fixed cost (one forward pass, ``pass_intercept="per_pass"``); the simulator's default
+(``"per_part"``) charges a decode step plus the chunk's prefill time, intercept included for a prompt's first
+chunk, so the two differ by up to ``ttft(0)`` per such step, plus the decode fit's error
+(``tests/unit/test_step_cost.py`` bounds both).
 
 Pure: no I/O, no clock (``now`` is passed in, seconds on the router's monotonic clock).
 """
@@ -57,20 +62,18 @@ import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
-from scipy.optimize import nnls
+from dataclasses import dataclass
 
 from fulcrum.errors import ProfileError
-from fulcrum.ratio.profile import PerformanceProfile, PrefillTable
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.step_cost import StepCost
 
 __all__ = [
     "MicroRequest",
     "split_micro_requests",
     "Part",
     "split_parts",
-    "StepCostModel",
+    "predictor_step_cost",
     "Probe",
     "InstancePredictor",
     "QueueSnapshot",
@@ -158,124 +161,21 @@ def split_parts(prompt_tokens: int, output_tokens: int, split_token: int) -> tup
     return (p, 0, s - p), (0, s, d - s + p)
 
 
-def _nearest_tp(available: Sequence[int], tp: int) -> int:
-    """``tp`` if measured, else the nearest measured TP (ties: the smaller one). ``available`` non-empty."""
-    if tp in available:
-        return tp
-    return min(available, key=lambda a: (abs(a - tp), a))
+def predictor_step_cost(profile: PerformanceProfile, tp: int) -> StepCost:
+    """The execution predictor's step cost of TP ``tp`` (module doc): the shared model with the decode step as its
+    linear fit and one fixed cost per forward pass, so that every other term is a sum over requests.
 
+    A table the profile lacks at this TP is taken from the nearest measured TP (ties: the smaller, slower one),
+    unscaled: DOPD's profile, for instance, has prefill only at TP=1 and decode only at TP=2.
+    :attr:`~fulcrum.ratio.step_cost.StepCost.prefill_tp` and ``decode_tp`` say which tables were used.
 
-def _fit_decode(batch: Sequence[float], context: Sequence[float], seconds: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
-    """NNLS fit of ``t = w + m·b + k·b·c`` to a decode grid, rows weighted by 1/t (relative error).
-
-    Returns (w s, m s/request, k s/(request·token), max relative error on the grid).
+    Raises:
+        ProfileError: ``tp < 1``.
     """
-    rows, ys = [], []
-    for bi, b in enumerate(batch):
-        for ci, c in enumerate(context):
-            t = seconds[bi][ci]
-            rows.append([1.0 / t, b / t, b * c / t])
-            ys.append(1.0)
-    coef, _ = nnls(np.asarray(rows), np.asarray(ys))
-    w, m, k = (float(x) for x in coef)
-    if w <= 0.0:  # a grid that the fit explains without an intercept: keep the fastest step as the floor
-        w = min(min(r) for r in seconds)
-    err = max(
-        abs(w + m * b + k * b * c - seconds[bi][ci]) / seconds[bi][ci]
-        for bi, b in enumerate(batch)
-        for ci, c in enumerate(context)
+    return StepCost.from_profile(
+        profile, tp, decode_model="linear", pass_intercept="per_pass", prefill_tp_rule="nearest",
+        decode_tp_rule="nearest",
     )
-    return w, m, k, float(err)
-
-
-@dataclass(frozen=True, slots=True)
-class StepCostModel:
-    """Cost in seconds of the engine steps of one model at one TP, from a performance profile (module doc).
-
-    Attributes:
-        tp: tensor-parallel size.
-        prefill_fixed_s: ttft(0) of the profile: fixed cost of a step that only prefills, s.
-        decode_fixed_s: w: fixed cost of a step that decodes (weights read once per step), s.
-        decode_per_seq_s: m: added per decoding request in the step, s.
-        decode_per_context_token_s: k: added per context token a decoding request attends to, s.
-        decode_fit_max_rel_error: largest relative error of ``w + m·b + k·b·c`` on the profile's decode grid.
-        prefill_table: the profile's prefill table at this TP (prompt chunk o..o+q costs
-            ``ttft(o + q) − ttft(o)``, so the chunks of one prompt add up to ``ttft(P) − ttft(0)``).
-        prefill_tp: the TP whose prefill table is used (``tp`` when the profile measured it).
-        decode_tp: the TP whose decode table is used (``tp`` when the profile measured it).
-    """
-
-    tp: int
-    prefill_fixed_s: float
-    decode_fixed_s: float
-    decode_per_seq_s: float
-    decode_per_context_token_s: float
-    decode_fit_max_rel_error: float
-    prefill_table: PrefillTable
-    prefill_tp: int = 0
-    decode_tp: int = 0
-    _ttft_cache: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def from_profile(cls, profile: PerformanceProfile, tp: int) -> "StepCostModel":
-        """Build the cost model of TP ``tp``.
-
-        A table the profile lacks at this TP is taken from the nearest measured TP (ties: the smaller, slower
-        one), unscaled — the simulator's rule for auxiliary prefill (``fulcrum.simulator.instances``): DOPD's
-        profile, for instance, has prefill only at TP=1 and decode only at TP=2. :attr:`prefill_tp` and
-        :attr:`decode_tp` say which tables were used.
-
-        Raises:
-            ProfileError: ``tp < 1``.
-        """
-        if tp < 1:
-            raise ProfileError(f"tensor-parallel size must be >= 1, got {tp}")
-        prefill_tp = _nearest_tp(profile.prefill_tps, tp)
-        decode_tp = _nearest_tp(profile.decode_tps, tp)
-        table = profile.prefill[prefill_tp]
-        dec = profile.decode[decode_tp]
-        w, m, k, err = _fit_decode(dec.batch, dec.context, dec.seconds)
-        return cls(
-            tp=tp,
-            prefill_fixed_s=float(table(0.0)),
-            decode_fixed_s=w,
-            decode_per_seq_s=m,
-            decode_per_context_token_s=k,
-            decode_fit_max_rel_error=err,
-            prefill_table=table,
-            prefill_tp=prefill_tp,
-            decode_tp=decode_tp,
-        )
-
-    def ttft(self, tokens: int) -> float:
-        """Prefill latency of a prompt of ``tokens`` tokens, s (the profile's table, memoised per token count)."""
-        cache = self._ttft_cache
-        v = cache.get(tokens)
-        if v is None:
-            if len(cache) >= 1 << 16:
-                cache.clear()
-            v = cache[tokens] = float(self.prefill_table(float(tokens)))
-        return v
-
-    def prefill_s(self, cached_tokens: int, tokens: int) -> float:
-        """Token cost of prefilling prompt tokens ``cached_tokens .. cached_tokens + tokens``, s (no fixed cost)."""
-        if tokens <= 0:
-            return 0.0
-        return self.ttft(cached_tokens + tokens) - self.ttft(cached_tokens)
-
-    def decode_s(self, context_tokens: int, steps: int) -> float:
-        """Token cost of ``steps`` decode steps of one request starting at ``context_tokens``, s (no fixed cost)."""
-        if steps <= 0:
-            return 0.0
-        return steps * self.decode_per_seq_s + self.decode_per_context_token_s * (
-            steps * context_tokens + steps * (steps - 1) / 2.0
-        )
-
-    def step_s(self, decoding: int, context_sum: int, prefill_s: float) -> float:
-        """Cost of one step with ``decoding`` requests over ``context_sum`` context tokens and ``prefill_s`` of
-        prompt-chunk cost, s."""
-        fixed = self.decode_fixed_s if decoding > 0 else self.prefill_fixed_s
-        return fixed + prefill_s + decoding * self.decode_per_seq_s + context_sum * self.decode_per_context_token_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +233,7 @@ class InstancePredictor:
     )
 
     def __init__(
-        self, costs: StepCostModel, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, *, max_entries: int = 100_000
+        self, costs: StepCost, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, *, max_entries: int = 100_000
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_entries < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_entries must be >= 1")
@@ -447,11 +347,11 @@ class InstancePredictor:
         removed = 0.0
         rem = e.end_step - max(sigma, e.decode_start)
         if rem > 0:
-            removed += costs.decode_s(m.cached_tokens + m.prefill_tokens + (m.decode_steps - rem), rem)
+            removed += costs.decode_request_s(m.cached_tokens + m.prefill_tokens + (m.decode_steps - rem), rem)
         if m.prefill_tokens > 0 and step < e.prefill_end:
             span = e.prefill_end - e.start_step
             left = 1.0 if span <= 0 else min(max((e.prefill_end - max(step, e.start_step)) / span, 0.0), 1.0)
-            removed += left * costs.prefill_s(m.cached_tokens, m.prefill_tokens)
+            removed += left * costs.prefill_chunk_s(m.cached_tokens, m.prefill_tokens)
         ends = self._ends
         i = bisect_left(ends, e.end_step)
         if i < len(ends) and ends[i] == e.end_step:
@@ -528,7 +428,7 @@ class QueueSnapshot:
             if overlap > 0:
                 fixed += self.upgrade * overlap
         costs = self.costs
-        added = fixed + costs.prefill_s(o, p) + costs.decode_s(o + p, g)
+        added = fixed + costs.prefill_chunk_s(o, p) + costs.decode_request_s(o + p, g)
         return start, prefill_end, decode_start, end, added
 
     def finish_s(self, p: int, o: int, g: int) -> float:
@@ -542,23 +442,23 @@ class ExecutionPredictor:
     Args:
         profile: the model's performance profile; None = no timing data, every lookup answers None (the
             split policy then takes its cold-start path). A TP the profile did not measure borrows the nearest
-            measured TP's tables (:meth:`StepCostModel.from_profile`).
+            measured TP's tables (:func:`predictor_step_cost`).
         max_entries: passed to each :class:`InstancePredictor`.
     """
 
     def __init__(self, profile: PerformanceProfile | None, *, max_entries: int = 100_000) -> None:
         self.profile = profile
         self.max_entries = max_entries
-        self._costs: dict[int, StepCostModel | None] = {}
+        self._costs: dict[int, StepCost | None] = {}
         self._instances: dict[str, InstancePredictor] = {}
 
-    def costs(self, tp: int) -> StepCostModel | None:
+    def costs(self, tp: int) -> StepCost | None:
         """The step cost model of TP ``tp``, or None when there is no profile (or ``tp`` < 1)."""
         if tp not in self._costs:
-            model: StepCostModel | None = None
+            model: StepCost | None = None
             if self.profile is not None:
                 try:
-                    model = StepCostModel.from_profile(self.profile, tp)
+                    model = predictor_step_cost(self.profile, tp)
                 except ProfileError:
                     model = None
             self._costs[tp] = model
@@ -616,15 +516,15 @@ class _SimReq:
 
 
 def simulate_virtual_batches(
-    micros: Sequence[MicroRequest], costs: StepCostModel, *, max_num_batched_tokens: int, max_num_seqs: int
+    micros: Sequence[MicroRequest], costs: StepCost, *, max_num_batched_tokens: int, max_num_seqs: int
 ) -> VirtualRun:
     """Reference virtual-batch simulation of a queue, pass by pass (Libra §4.1), all requests present at step 0.
 
     Each pass: the running requests in admission order each get one prompt chunk (as much of the remaining
     prompt as the budget leaves) or one decode token; then waiting requests are admitted FCFS while a slot
-    and budget remain, and get the same; the pass costs :meth:`StepCostModel.step_s`. Passes where nobody
-    prefills and nobody can be admitted are identical up to context growth and are taken in one stride up to
-    the next completion (exact: costs are linear in context). O(events) strides; for tests and calibration,
+    and budget remain, and get the same; the pass costs :meth:`~fulcrum.ratio.step_cost.StepCost.step_s`. Passes
+    where nobody prefills and nobody can be admitted are identical up to context growth and are taken in one
+    stride up to the next completion (:meth:`~fulcrum.ratio.step_cost.StepCost.decode_run_s`). O(events) strides; for tests and calibration,
     not for the per-request path.
 
     Raises:
@@ -640,52 +540,51 @@ def simulate_virtual_batches(
     ends = [0] * len(micros)
     step, seconds = 0, 0.0
     budget_cap, cap = max_num_batched_tokens, max_num_seqs
-    m_seq, k_ctx = costs.decode_per_seq_s, costs.decode_per_context_token_s
 
-    def serve(r: _SimReq, budget: int) -> tuple[int, float, int, int]:
-        """Give r its share of this pass: (tokens used, prefill cost, decoding 0/1, context attended)."""
+    def serve(r: _SimReq, budget: int, chunks: list[tuple[int, int]]) -> tuple[int, int, int]:
+        """Give r its share of this pass: (tokens used, decoding 0/1, context attended); a prompt chunk is
+        appended to ``chunks`` as (offset, tokens)."""
         if r.prefill_left > 0:
             q = min(r.prefill_left, budget)
             done = r.p - r.prefill_left
             r.prefill_left -= q
-            return q, costs.prefill_s(r.o + done, q), 0, 0
+            chunks.append((r.o + done, q))
+            return q, 0, 0
         ctx = r.context
         r.context += 1
         r.decode_left -= 1
-        return 1, 0.0, 1, ctx
+        return 1, 1, ctx
 
     while running or waiting:
         stride_ok = all(r.prefill_left == 0 for r in running) and (not waiting or len(running) >= cap)
         if stride_ok and running and len(running) <= budget_cap:
             k = min(r.decode_left for r in running)
             b = len(running)
-            ctx_sum = sum(r.context for r in running)
-            seconds += k * (costs.decode_fixed_s + b * m_seq) + k_ctx * (k * ctx_sum + b * k * (k - 1) / 2.0)
+            seconds += costs.decode_run_s(b, sum(r.context for r in running), k)
             for r in running:
                 r.context += k
                 r.decode_left -= k
             step += k
         else:
             budget = budget_cap
-            pre_s, decoding, ctx_sum = 0.0, 0, 0
+            chunks: list[tuple[int, int]] = []
+            decoding, ctx_sum = 0, 0
             for r in running:
                 if budget <= 0:
                     break
-                used, c, dec, ctx = serve(r, budget)
+                used, dec, ctx = serve(r, budget, chunks)
                 budget -= used
-                pre_s += c
                 decoding += dec
                 ctx_sum += ctx
             while waiting and len(running) < cap and budget > 0:
                 r = waiting.popleft()
                 running.append(r)
-                used, c, dec, ctx = serve(r, budget)
+                used, dec, ctx = serve(r, budget, chunks)
                 budget -= used
-                pre_s += c
                 decoding += dec
                 ctx_sum += ctx
             assert budget >= 0
-            seconds += costs.step_s(decoding, ctx_sum, pre_s)
+            seconds += costs.step_s(chunks, decoding, ctx_sum / decoding if decoding else 0.0)
             step += 1
         still: list[_SimReq] = []
         for r in running:

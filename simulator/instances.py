@@ -3,20 +3,22 @@
 Prefill instance (:class:`PrefillInstance`)
     Runs one prefill batch at a time, pulled from the cluster's shared prefill queue (DOPD §V-C: P instances
     pull, so the pool is elastic by construction). A batch of prompts of lengths ``isls`` takes
-    ``profile.prefill_batch_time(isls, tp)`` seconds; the first token of every member is produced at its end.
+    ``StepCost.prefill_batch_s(isls)`` seconds (:mod:`fulcrum.ratio.step_cost`, the one step-cost model); the
+    first token of every member is produced at its end.
 
 Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
     A vLLM-style engine with continuous batching and chunked prefill:
 
     - **Batch.** At most ``max_batch`` requests run (vLLM ``max_num_seqs``; default the profile's CUDA-graph
       cap cc_g, DOPD eq. 14). Every running request that has its KV cache decodes one token per step.
-    - **Step time.** ``profile.tpot(n, mean context, tp)`` for the ``n`` decoding requests, plus, when some
+    - **Step time** (:meth:`fulcrum.ratio.step_cost.StepCost.step_s`, its default ``per_part`` model).
+      ``decode_step_s(n, mean context)`` — the profile's ``tpot`` — for the ``n`` decoding requests, plus, when some
       requests are being prefilled on the instance (unified requests, DOPD's ultra-short "local" requests,
       recomputation after preemption), the prefill time of this step's chunk. The chunk holds at most
       ``prefill_chunk_tokens`` tokens taken FCFS (vLLM chunked prefill, Sarathi-style mixing of prefill
       and decode; as with vLLM's ``max_num_batched_tokens``, the budget is shared with the one token of each
       decoding request, keeping at least one prefill token per step). Prompt pieces that start at token 0
-      cost ``prefill_batch_time`` of their lengths (batched prefill); a continuation of a prompt from
+      cost ``prefill_batch_s`` of their lengths (batched prefill); a continuation of a prompt from
       token ``o`` to ``o + c`` costs the marginal ``ttft(o + c) − ttft(o)``, so the chunks of one prompt
       add up to exactly ``ttft(isl)`` and the quadratic attention term lands on the later chunks.
     - **First token.** A request prefilled here gets its first token at the end of the step that completes
@@ -37,7 +39,7 @@ Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
       span ends at the earliest of: the next finish, the step at which Σcontext overflows the KV cache, or
       ``max_span_steps`` steps; a new request that can be admitted cuts it short at the end of the step in
       progress. Σcontext is tracked incrementally as ``Σ(ctx_i − join_step_i) + n·step``. The step time is
-      ``tpot(n, c̄)`` at the mean context over the planned span, ``c̄ = c0 + (L − 1)/2`` for a span of L
+      ``decode_step_s(n, c̄)`` at the mean context over the planned span, ``c̄ = c0 + (L − 1)/2`` for a span of L
       steps starting at mean context c0: exact where the profile is linear in context (between grid
       lines), so a span matches one event per step (``max_span_steps=1``) to float precision there. A
       span cut short by a joining request keeps the step time it was planned with (a small overestimate).
@@ -47,9 +49,10 @@ Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
 
 Tables of a TP the profile lacks: the pool's own role must be measured at its TP (a P pool needs a prefill
 table, a D/unified pool a decode table — :class:`~fulcrum.errors.ProfileError` otherwise, raised by the
-cluster when it builds or applies a target); the auxiliary prefill on a decode-capable instance (local and
-recomputed prompts, the prefill side of unified instances) uses the prefill table of the nearest measured TP
-(ties: the smaller, slower one), unscaled, i.e. conservatively. DOPD's profile, for instance, has prefill only at TP=1 and decode
+cluster when it builds or applies a target; here: ``prefill_tp_rule``/``decode_tp_rule="exact"``); the
+auxiliary prefill on a decode-capable instance (local and recomputed prompts, the prefill side of unified
+instances) uses the prefill table of the nearest measured TP (ties: the smaller, slower one), unscaled, i.e.
+conservatively (``prefill_tp_rule="nearest"``). DOPD's profile, for instance, has prefill only at TP=1 and decode
 only at TP=2.
 """
 
@@ -58,11 +61,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
 from enum import IntEnum
 from typing import Protocol
 
 from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.step_cost import StepCost
 from fulcrum.simulator.kernel import Kernel, Priority
 
 __all__ = [
@@ -73,7 +76,6 @@ __all__ = [
     "Instance",
     "PrefillInstance",
     "EngineInstance",
-    "nearest_tp",
 ]
 
 
@@ -189,13 +191,6 @@ class InstanceHost(Protocol):
         """``r`` left ``inst`` at the step boundary ``t`` for a migration; its KV (``isl + generated``) moves."""
 
 
-def nearest_tp(available: Sequence[int], tp: int) -> int:
-    """``tp`` if measured, else the nearest measured TP (ties: the smaller one). ``available`` non-empty."""
-    if tp in available:
-        return tp
-    return min(available, key=lambda a: (abs(a - tp), a))
-
-
 class Instance:
     """Common life-cycle fields of an instance.
 
@@ -236,7 +231,8 @@ class Instance:
 class PrefillInstance(Instance):
     """A P instance: one prefill batch at a time (DOPD §V-C; Alg. 1 decides the batches).
 
-    The batch time is ``profile.prefill_batch_time(isls, tp)`` seconds. The KV transfer that follows does not
+    The batch time is ``StepCost.prefill_batch_s(isls)`` seconds at the instance's TP (which the profile must
+    have measured: :class:`~fulcrum.errors.ProfileError` otherwise). The KV transfer that follows does not
     occupy the instance (NIXL transfers are pulled by the decode side asynchronously).
     """
 
@@ -255,7 +251,7 @@ class PrefillInstance(Instance):
         super().__init__(iid, tp, provisioned_at, ready_at)
         self._host = host
         self._kernel = kernel
-        self._profile = profile
+        self._cost = StepCost.from_profile(profile, tp, prefill_tp_rule="exact")
         self.batch: list[SimRequest] | None = None
         self._event: int | None = None
         self._busy_done = 0.0
@@ -278,7 +274,7 @@ class PrefillInstance(Instance):
     def start(self, batch: list[SimRequest]) -> float:
         """Begin prefilling ``batch`` (non-empty) at ``kernel.now``. Returns the batch time, seconds."""
         assert self.batch is None and batch
-        duration = self._profile.prefill_batch_time([r.isl for r in batch], self.tp)
+        duration = self._cost.prefill_batch_s([r.isl for r in batch])
         self.batch = batch
         self._started = self._kernel.now
         for r in batch:
@@ -311,7 +307,7 @@ class EngineInstance(Instance):
         host: receives first tokens, finishes and the drained signal.
         kernel: the simulation's event loop.
         iid, role, tp: identity; ``tp`` must have a decode table in ``profile``.
-        profile: latencies and KV capacity.
+        profile: latencies (priced by :class:`~fulcrum.ratio.step_cost.StepCost`) and KV capacity.
         max_batch: most running requests (>= 1).
         chunk_tokens: prefill tokens per step (>= 1).
         max_span_steps: longest span in steps (None: unbounded; 1: one event per step, recomputing the step
@@ -336,8 +332,7 @@ class EngineInstance(Instance):
         self.role = role
         self._host = host
         self._kernel = kernel
-        self._profile = profile
-        self._ptp = nearest_tp(profile.prefill_tps, tp)
+        self._cost = StepCost.from_profile(profile, tp, decode_tp_rule="exact")
         self._max_batch = max_batch
         self._chunk = chunk_tokens
         self._max_span = max_span_steps
@@ -397,8 +392,8 @@ class EngineInstance(Instance):
         """Decode step time of the current batch at ``t``, seconds (one request at context 1 when idle)."""
         n = self.n_dec
         if n == 0:
-            return self._profile.tpot(1, 1, self.tp)
-        return self._profile.tpot(n, (self._sum_base + n * self._steps_done(t)) / n, self.tp)
+            return self._cost.decode_step_s(1, 1)
+        return self._cost.decode_step_s(n, (self._sum_base + n * self._steps_done(t)) / n)
 
     def request_migration(self, r: SimRequest) -> bool:
         """Ask ``r`` (decoding here) to leave at the end of the step in progress; the host's ``on_migrate_out``
@@ -575,19 +570,6 @@ class EngineInstance(Instance):
                 self._reserved += need
                 self.prefilling.append(r)
 
-    def _prefill_time(self, pieces: list[tuple[SimRequest, int]]) -> float:
-        fresh: list[int] = []
-        extra = 0.0
-        ttft = self._profile.ttft
-        for r, c in pieces:
-            if r.pf_done == 0:
-                fresh.append(c)
-            else:
-                extra += ttft(r.pf_done + c, self._ptp) - ttft(r.pf_done, self._ptp)
-        if fresh:
-            extra += self._profile.prefill_batch_time(fresh, self._ptp)
-        return extra
-
     def _plan(self, s: int, t: float) -> None:
         """Start the next span at step ``s``, time ``t``: set its step time and schedule its end."""
         self._s0 = s
@@ -602,9 +584,8 @@ class EngineInstance(Instance):
                 budget -= c
                 if budget <= 0:
                     break
-            dt = self._prefill_time(pieces)
-            if n:
-                dt += self._profile.tpot(n, (self._sum_base + n * s) / n, self.tp)
+            chunks = [(r.pf_done, c) for r, c in pieces]
+            dt = self._cost.step_s(chunks, n, (self._sum_base + n * s) / n if n else 0.0)
             self._pieces = pieces
             target = s + 1
         elif n:
@@ -619,7 +600,7 @@ class EngineInstance(Instance):
             if self._max_span is not None and target - s > self._max_span:
                 target = s + self._max_span
             # step j of the span runs at mean context c0 + j − 1: time it at the span's mean context
-            dt = self._profile.tpot(n, (self._sum_base + n * s) / n + (target - s - 1) / 2, self.tp)
+            dt = self._cost.decode_step_s(n, (self._sum_base + n * s) / n + (target - s - 1) / 2)
         else:
             self._event = None
             self._dt = 0.0

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from fulcrum.errors import ProfileError
+from fulcrum.ratio.step_cost import StepCost
 
 if TYPE_CHECKING:  # only for the annotation: the engine's environment need not import scipy
     from fulcrum.ratio.profile import PerformanceProfile
@@ -201,23 +202,18 @@ class StepLatencyTable:
     ) -> int:
         """Fill empty buckets with priors from a performance profile; returns how many were added.
 
-        The prior of a mixed step is the profile's decode step for ``d`` requests at context ``c`` plus the
-        profile's prefill latency of ``p`` tokens, ``TPOT(d, c) + TTFT(p)`` (each term only when present) — an
-        upper estimate, as both terms carry the fixed per-step cost (conservative: it leaves the SLO
-        margin). Buckets already holding a measurement or a prior are kept; grid points above the ``max_*``
+        The prior of a step is :meth:`fulcrum.ratio.step_cost.StepCost.step_s` with its defaults (the
+        simulator's and the sim-worker's model) for one prompt of ``p`` tokens started in the step beside ``d``
+        decodes at mean context ``c``: ``TTFT(p) + TPOT(d, c)`` (each term only when present) — an upper
+        estimate, as both terms carry the fixed per-step cost (conservative: it leaves the SLO margin). Both
+        tables must be measured at ``tp`` (``"exact"`` TP rule). Buckets already holding a measurement or a prior are kept; grid points above the ``max_*``
         limits are skipped (they would only be extrapolation). Source: DESIGN principle 4 (profiles are data);
         the profile's tables (DOPD Table I, Splitwise) stand in until the engine measures its own steps.
 
         Raises:
             ProfileError: the profile has no prefill or decode table for ``tp``.
         """
-        def ttft(p: int) -> float:
-            return profile.ttft(p, tp) if p > 0 else 0.0
-
-        def tpot(d: int, c: int) -> float:
-            return profile.tpot(d, max(c, 1), tp) if d > 0 else 0.0
-
-        ttft(1), tpot(1, 1)  # raise ProfileError at once for a missing TP
+        cost = StepCost.from_profile(profile, tp, prefill_tp_rule="exact", decode_tp_rule="exact")
         added = 0
         for d in (g for g in DECODE_GRID if g <= max_decodes):
             for c in (g for g in CONTEXT_GRID if g <= max_context_tokens):
@@ -229,7 +225,8 @@ class StepLatencyTable:
                     key = StepKey(p, c, d)
                     if key in self._entries:
                         continue
-                    self._entries[key] = StepEntry(key, ttft(p) + tpot(d, c), float(p), 0)
+                    prior = cost.step_s([(0, p)] if p > 0 else [], d, c)
+                    self._entries[key] = StepEntry(key, prior, float(p), 0)
                     added += 1
         self._slices = None
         return added

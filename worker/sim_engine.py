@@ -18,15 +18,17 @@ What one :meth:`SimEngine.step` does (the readable part of vLLM v1's ``Scheduler
    :func:`greedy_token` of its whole sequence — so a request's output is the same whether one engine or two
    (disaggregated, split after k tokens) compute it. It finishes at ``max_tokens`` generated tokens.
 
-Step time (documented choice; DESIGN principle 4, the profile is the only source of latency):
+Step time (documented choice; DESIGN principle 4, the profile is the only source of latency): the shared
+step-cost model :class:`fulcrum.ratio.step_cost.StepCost` with its defaults — the simulator's — so the emulator
+and ``fulcrum replay`` time the same step alike:
 
-- **prefill part**: chunks starting at offset 0 cost ``profile.prefill_batch_time([chunk lengths], tp)``
-  together (DOPD Alg. 1's batched prefill model); a chunk of n tokens continuing at offset o > 0 (chunked
-  prefill, a recompute after remote KV, the last prompt token after a KV pull) costs the increment
-  ``ttft(o + n) − ttft(o)``. So a prompt of P tokens costs exactly ``ttft(P)`` whether it is prefilled in one
-  step or chunked over several.
-- **decode part**: ``profile.tpot(d, mean context, tp)`` for the d requests that decode one token in the step
-  (context = tokens they attend to, prompt + generated).
+- **prefill part** (:meth:`~fulcrum.ratio.step_cost.StepCost.prefill_part_s`): chunks starting at offset 0 cost
+  ``prefill_batch_s([chunk lengths])`` together (DOPD Alg. 1's batched prefill model); a chunk of n tokens
+  continuing at offset o > 0 (chunked prefill, a recompute after remote KV, the last prompt token after a KV
+  pull) costs the increment ``ttft(o + n) − ttft(o)``. So a prompt of P tokens costs exactly ``ttft(P)`` whether
+  it is prefilled in one step or chunked over several.
+- **decode part** (:meth:`~fulcrum.ratio.step_cost.StepCost.decode_step_s`): ``tpot(d, mean context)`` for the
+  d requests that decode one token in the step (context = tokens they attend to, prompt + generated).
 - A mixed step costs the **sum** of the two parts. Real engines overlap some of it (one weight read serves
   both), so the sum is an upper bound; it makes prefill interference with decodes (DistServe's, DOPD §II-B)
   visible to the router and the planner, which is what the emulator is for.
@@ -34,7 +36,8 @@ Step time (documented choice; DESIGN principle 4, the profile is the only source
 
 TP: the prefill part uses the profile's prefill table at ``tp`` and the decode part its decode table at ``tp``;
 a profile without a table at that TP (DOPD Table I has prefill only at TP 1 and decode only at TP 2) uses the
-nearest measured TP instead (:func:`nearest_tp`, smaller on a tie) — :attr:`SimEngine.prefill_tp` /
+nearest measured TP instead (:func:`fulcrum.ratio.step_cost.nearest_tp`, smaller on a tie; the ``"nearest"`` TP
+rule of both tables) — :attr:`SimEngine.prefill_tp` /
 :attr:`SimEngine.decode_tp` say which, and the server logs it.
 
 KV transfer (the NIXL ``kv_transfer_params`` protocol, see the server): a request added with
@@ -53,13 +56,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.step_cost import StepCost
 
 __all__ = [
     "VOCAB_SIZE",
     "greedy_token",
     "encode_text",
     "chat_token_ids",
-    "nearest_tp",
     "SimEngineConfig",
     "TokenOutput",
     "StepOutput",
@@ -105,19 +108,6 @@ def chat_token_ids(messages: Sequence[object], add_generation_prompt: bool = Tru
     if add_generation_prompt:
         parts.append("<|assistant|>")
     return encode_text("".join(parts))
-
-
-def nearest_tp(measured: Sequence[int], tp: int) -> int:
-    """``tp`` when measured, else the measured TP closest to it (the smaller on a tie).
-
-    Raises:
-        ValueError: nothing measured.
-    """
-    if not measured:
-        raise ValueError("the profile measures no TP")
-    if tp in measured:
-        return tp
-    return min(measured, key=lambda m: (abs(m - tp), m))
 
 
 @dataclass(frozen=True)
@@ -240,8 +230,12 @@ class SimEngine:
     def __init__(self, profile: PerformanceProfile, config: SimEngineConfig) -> None:
         self.profile = profile
         self.config = config
-        self.prefill_tp = nearest_tp(profile.prefill_tps, config.tp)
-        self.decode_tp = nearest_tp(profile.decode_tps, config.tp)
+        self.cost = StepCost.from_profile(profile, config.tp)
+        """The step-cost model (both tables by the ``"nearest"`` TP rule)."""
+        self.prefill_tp = self.cost.prefill_tp
+        """The TP whose prefill table times prefill chunks."""
+        self.decode_tp = self.cost.decode_tp
+        """The TP whose decode table times decode steps."""
         self._free: list[int] = list(range(config.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._reqs: dict[str, _Req] = {}
         self._running: list[_Req] = []
@@ -421,8 +415,7 @@ class SimEngine:
 
     def _cost(self, sched: list[tuple[_Req, int, int]]) -> tuple[float, float, int, int]:
         """(prefill seconds, decode seconds, prefill tokens, decodes) of the scheduled work, unscaled."""
-        fresh: list[float] = []
-        cont = 0.0
+        chunks: list[tuple[int, int]] = []
         n_pre = 0
         n_dec = 0
         ctx = 0
@@ -432,12 +425,9 @@ class SimEngine:
                 ctx += off + 1
                 continue
             n_pre += n
-            if off == 0:
-                fresh.append(float(n))
-            else:
-                cont += self.profile.ttft(off + n, self.prefill_tp) - self.profile.ttft(off, self.prefill_tp)
-        prefill_s = (self.profile.prefill_batch_time(fresh, self.prefill_tp) if fresh else 0.0) + max(cont, 0.0)
-        decode_s = self.profile.tpot(n_dec, ctx / n_dec, self.decode_tp) if n_dec else 0.0
+            chunks.append((off, n))
+        prefill_s = self.cost.prefill_part_s(chunks, n_dec)
+        decode_s = self.cost.decode_step_s(n_dec, ctx / n_dec) if n_dec else 0.0
         return prefill_s, decode_s, n_pre, n_dec
 
     def _apply(self, sched: list[tuple[_Req, int, int]]) -> list[TokenOutput]:

@@ -42,6 +42,7 @@ from fulcrum.ratio.feasibility import SLOInfeasible, relaxed_slo, slo_feasibilit
 from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.queueing import batching_timeout, mean_wait, min_servers_for_ttft, wait_quantile
+from fulcrum.ratio.step_cost import StepCost
 from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 
@@ -197,17 +198,17 @@ def ultra_short_threshold(
     """Largest prompt (tokens) worth prefilling locally on a D-instance instead of remotely (DOPD §II-C, §V-E).
 
     Local prefill adds its marginal compute κ1·x + κ2·x² (the profile's eq.-5 fit at TP_d if measured, else at
-    TP_p scaled by TP_p/TP_d) to one decode step; remote prefill adds the KV transfer (overhead + bytes/bandwidth)
+    TP_p scaled by TP_p/TP_d: :meth:`fulcrum.ratio.step_cost.StepCost.prefill_fit_marginal_s`) to one decode step; remote prefill adds the KV transfer (overhead + bytes/bandwidth)
     to the request's TTFT. The threshold is the largest x where the local cost is no larger than the transfer
     and the stretched decode step still meets the TPOT SLO. 0 when no prompt qualifies.
     """
-    table_tp = tp_decode if tp_decode in profile.prefill else tp_prefill
-    _, k1, k2 = profile.prefill[table_tp].quadratic
-    scale = table_tp / tp_decode if table_tp != tp_decode else 1.0
-    k1, k2 = k1 * scale, k2 * scale
+    cost = StepCost.from_profile(
+        profile, tp_decode, prefill_tp=tp_decode if tp_decode in profile.prefill else tp_prefill,
+        scale_borrowed_prefill=True,
+    )
 
     def ok(x: int) -> bool:
-        marginal = k1 * x + k2 * x * x
+        marginal = cost.prefill_fit_marginal_s(x)
         transfer = settings.kv_transfer_overhead_s + profile.kv_transfer_seconds(x, settings.kv_link_gbps)
         return marginal <= transfer and t_d + marginal <= tpot_slo_s
 

@@ -23,13 +23,13 @@ from fulcrum.router.predictor import (
     ExecutionPredictor,
     InstancePredictor,
     MicroRequest,
-    StepCostModel,
+    predictor_step_cost,
     simulate_virtual_batches,
     split_micro_requests,
 )
 
 PROFILE = builtin_profile("splitwise-llama2-70b-h100")
-COSTS = StepCostModel.from_profile(PROFILE, 4)
+COSTS = predictor_step_cost(PROFILE, 4)
 SHAREGPT = Path("/work/shared/data/lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv.gz")
 
 
@@ -57,24 +57,24 @@ def test_micro_request_rejects_empty_or_negative_work():
 
 def test_step_costs_reproduce_the_profile_they_come_from():
     for tp in (2, 4, 8):
-        c = StepCostModel.from_profile(PROFILE, tp)
-        assert c.decode_fit_max_rel_error < 0.01  # the Splitwise grid is itself a linear fit
+        c = predictor_step_cost(PROFILE, tp)
+        assert c.decode_fit.max_rel_error < 0.01  # the Splitwise grid is itself a linear fit
         for b, ctx in ((1, 128), (16, 1024), (128, 4096)):
-            fitted = c.decode_fixed_s + b * c.decode_per_seq_s + b * ctx * c.decode_per_context_token_s
+            fitted = c.decode_step_s(b, ctx)
             assert fitted == pytest.approx(PROFILE.tpot(b, ctx, tp), rel=0.01)
         # a prompt prefilled alone in one step costs exactly the profile's TTFT, chunked or not
-        assert c.prefill_fixed_s + c.prefill_s(0, 2048) == pytest.approx(PROFILE.ttft(2048, tp))
-        assert c.prefill_s(0, 700) + c.prefill_s(700, 1348) == pytest.approx(c.prefill_s(0, 2048))
+        assert c.prefill_fixed_s + c.prefill_chunk_s(0, 2048) == pytest.approx(PROFILE.ttft(2048, tp))
+        assert c.prefill_chunk_s(0, 700) + c.prefill_chunk_s(700, 1348) == pytest.approx(c.prefill_chunk_s(0, 2048))
 
 
 def test_a_tp_the_profile_did_not_measure_borrows_the_nearest_tables():
     dopd = builtin_profile("dopd-llama70b-fp8-h100")  # prefill at TP=1 only, decode at TP=2 only
-    c = StepCostModel.from_profile(dopd, 2)
+    c = predictor_step_cost(dopd, 2)
     assert (c.prefill_tp, c.decode_tp) == (1, 2)
-    assert c.prefill_fixed_s + c.prefill_s(0, 1200) == pytest.approx(dopd.ttft(1200, 1))
-    assert StepCostModel.from_profile(PROFILE, 3).decode_tp == 2  # tie between 2 and 4: the smaller
+    assert c.prefill_fixed_s + c.prefill_chunk_s(0, 1200) == pytest.approx(dopd.ttft(1200, 1))
+    assert predictor_step_cost(PROFILE, 3).decode_tp == 2  # tie between 2 and 4: the smaller
     with pytest.raises(ProfileError):
-        StepCostModel.from_profile(PROFILE, 0)
+        predictor_step_cost(PROFILE, 0)
     assert ExecutionPredictor(dopd).instance("x", tp=2) is not None
     assert ExecutionPredictor(None).instance("x", tp=4) is None
 
@@ -85,7 +85,7 @@ def test_a_tp_the_profile_did_not_measure_borrows_the_nearest_tables():
 def test_one_request_on_an_idle_instance_costs_its_prefill_plus_its_decode_steps():
     ip = InstancePredictor(COSTS, 8192, 256)
     pr = ip.probe(MicroRequest(1024, 0, 99), now=10.0)
-    expected = PROFILE.ttft(1024, 4) + COSTS.decode_s(1024, 99) + 99 * COSTS.decode_fixed_s
+    expected = PROFILE.ttft(1024, 4) + COSTS.decode_request_s(1024, 99) + 99 * COSTS.decode_fixed_s
     assert pr.added_s == pytest.approx(expected)
     assert pr.finish_s == pytest.approx(10.0 + expected)
     assert (pr.decode_start, pr.end_step) == (1, 100)
@@ -152,7 +152,7 @@ def test_a_short_request_rides_along_a_long_decode_without_adding_steps():
     ip.commit("long", MicroRequest(500, 0, 1000), 0.0)
     pr = ip.probe(MicroRequest(200, 0, 10), 0.0)
     # its prompt shares a step and its ten tokens share ten steps: only its own token costs are added
-    assert pr.added_s == pytest.approx(COSTS.prefill_s(0, 200) + COSTS.decode_s(200, 10))
+    assert pr.added_s == pytest.approx(COSTS.prefill_chunk_s(0, 200) + COSTS.decode_request_s(200, 10))
     assert pr.added_s < 0.1 * COSTS.decode_fixed_s * 10
 
 
@@ -187,7 +187,7 @@ def test_finishing_early_takes_the_remaining_work_off_the_instance():
     # average step, so the position runs ~5 steps ahead here): within 10%.
     left = 101 - int(step)
     ctx = 1000 + (100 - left)
-    assert ip.busy_s(t) == pytest.approx(left * COSTS.decode_fixed_s + COSTS.decode_s(ctx, left), rel=0.1)
+    assert ip.busy_s(t) == pytest.approx(left * COSTS.decode_fixed_s + COSTS.decode_request_s(ctx, left), rel=0.1)
     assert ip.busy_s(t) < alone - t + 0.2  # nothing of the long request is left but its share of step 0
     ip.finish("unknown", t)  # ignored
 

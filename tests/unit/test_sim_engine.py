@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.worker.sim_engine import SimEngine, SimEngineConfig, StepOutput, greedy_token, nearest_tp
+from fulcrum.ratio.step_cost import nearest_tp
+from fulcrum.worker.sim_engine import SimEngine, SimEngineConfig, StepOutput, greedy_token
 
 PROFILE = builtin_profile("splitwise-llama2-70b-h100")
 

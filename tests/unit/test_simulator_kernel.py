@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from fulcrum.ratio.step_cost import nearest_tp
 from fulcrum.simulator import Kernel, PrefillQueue, Priority, percentile
-from fulcrum.simulator.instances import SimRequest, nearest_tp
+from fulcrum.simulator.instances import SimRequest
 from fulcrum.target import RoutingParams
 
 

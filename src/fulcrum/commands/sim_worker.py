@@ -88,9 +88,10 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fulcrum.ratio.profiles import resolve_profile
+    from fulcrum.ratio.step_cost import nearest_tp
     from fulcrum.router.registry import InstanceRecord
     from fulcrum.router.registry_etcd import EtcdRegistration
-    from fulcrum.worker.sim_engine import SimEngineConfig, nearest_tp
+    from fulcrum.worker.sim_engine import SimEngineConfig
     from fulcrum.worker.prefill_puller import PrefillPuller, Registrations
     from fulcrum.worker.sim_server import SimServerSettings, SimWorker, serve
 
