@@ -27,7 +27,7 @@ from fulcrum.ratio.planner import PlannerSettings, ultra_short_threshold
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
 from fulcrum.scaling.fulcrum import forecast_dict
-from fulcrum.scaling.planner import Decision
+from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 
 __all__ = ["DopdPlanner"]
@@ -101,6 +101,9 @@ class DopdPlanner:
             target=target,
             reason=f"Alg. 2: R_opt={r_opt:.2f}, n_p={n_p}, n_d={n_d} for r_next={r_next:.1f}",
             forecast=forecast_dict(fc),
-            inputs={"r_next": r_next, "i_next": i_next, "o_next": o_next, "ttft_next_s": ttft_next,
-                    "tpot_next_s": tpot_next, "cc_max": cc_max, "ratio": r_opt, "rate_rps": rate},
+            numbers=PlanNumbers(
+                mode="Disaggregated", ratio=float(r_opt), decode_concurrency=float(cc_max), gpus=target.gpus,
+                detail={"r_next": r_next, "i_next": i_next, "o_next": o_next, "ttft_next_s": ttft_next,
+                        "tpot_next_s": tpot_next, "cc_max": cc_max, "rate_rps": rate},
+            ),
         )

@@ -81,7 +81,7 @@ from fulcrum.errors import PlanningError
 from fulcrum.observation import Observation
 from fulcrum.ratio.capacity import slo_batch_limit
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.scaling.planner import Decision
+from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.target import ClusterTarget, PoolSize
 
 __all__ = [
@@ -406,7 +406,7 @@ class DynamoSlaPlanner:
                 target=self._keep(current),
                 reason="dynamo-sla: no valid metrics this interval (no requests or no TTFT/ITL); adjustment skipped",
                 forecast=forecast,
-                inputs={"num_req": num_req, "isl": isl, "osl": osl, "ttft_s": ttft, "itl_s": itl},
+                numbers=PlanNumbers(detail={"num_req": num_req, "isl": isl, "osl": osl, "ttft_s": ttft, "itl_s": itl}),
             )
         if self._settings.correction:
             self._update_corrections(obs, current, isl, osl, ttft, itl)
@@ -520,4 +520,5 @@ class DynamoSlaPlanner:
             prefill=PoolSize(n_p, self._tp_p), decode=PoolSize(n_d, self._tp_d), routing=current.routing
         )
         assert target.gpus <= self._max_gpus
-        return Decision(time_s=obs.time_s, target=target, reason=reason, forecast=forecast, inputs=inputs)
+        numbers = PlanNumbers(mode="Disaggregated", ratio=n_p / n_d if n_d else math.nan, gpus=target.gpus, detail=inputs)
+        return Decision(time_s=obs.time_s, target=target, reason=reason, forecast=forecast, numbers=numbers)

@@ -16,14 +16,8 @@ import pytest
 from fulcrum.api.llmserve import LLMServeSpec, load_llmserve, parse_llmserve
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.replay.driver import (
-    POLICIES,
-    ReplayOptions,
-    make_planner,
-    run_policy,
-    scale_arrivals,
-    warmup_seconds,
-)
+from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.scaling.registry import PLANNERS, make_planner
 from fulcrum.replay.result import PolicyRun
 from fulcrum.traces import load_trace
 from fulcrum.workload import Request
@@ -55,8 +49,8 @@ def window() -> tuple[Request, ...]:
 def window_runs(
     spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
 ) -> dict[str, PolicyRun]:
-    """Every policy of ``POLICIES`` replayed once on ``window``."""
-    return {name: run_policy(name, window, spec, profile) for name in POLICIES}
+    """Every planner of ``PLANNERS`` replayed once on ``window``."""
+    return {name: run_policy(name, window, spec, profile) for name in PLANNERS}
 
 
 def step_trace(seed: int = 7) -> list[Request]:
@@ -85,7 +79,7 @@ def test_two_replays_of_the_same_trace_give_identical_results(
 
 
 # ---------------------------------------------------------------------------------------------- every policy
-@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("name", list(PLANNERS))
 def test_every_policy_replays_the_window_and_records_every_request(
     name: str,
     window: tuple[Request, ...],

@@ -1,4 +1,6 @@
-"""The operator's control-loop step (fulcrum.controller.loop): the replay planner, blind intervals, external owner."""
+"""The control loop (fulcrum.scaling.loop) that both the operator and ``fulcrum replay`` run: the planner the spec
+names, blind intervals, the external replica owner, scale-ins drained; on the in-memory cluster where a whole
+interval (observe → plan → apply) is tested."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ import math
 import pytest
 
 from fulcrum.api.llmserve import parse_llmserve
-from fulcrum.controller.loop import ControlLoop, distribute, pool_changes, policy_name, replica_owner
+from fulcrum.cluster import Cluster, ObservationError
 from fulcrum.errors import SpecError
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.scaling.fulcrum import FulcrumPlanner
-from fulcrum.scaling.planner import Decision
-from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.scaling.in_memory import InMemoryCluster
+from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas, pool_changes
+from fulcrum.scaling.planner import Decision, PlanNumbers
+from fulcrum.target import ClusterTarget, Pool, PoolSize
 
 
 def spec(**scaling: object):
@@ -43,7 +47,7 @@ class RecordingPlanner:
     def step(self, o: Observation, current: ClusterTarget) -> Decision:
         self.steps.append(o)
         t = ClusterTarget(prefill=PoolSize(current.prefill.replicas + 1, 1), decode=current.decode)
-        return Decision(o.time_s, t, "more", inputs={"ratio": 2.0})
+        return Decision(o.time_s, t, "more", numbers=PlanNumbers(ratio=2.0))
 
 
 def test_the_loop_drives_the_same_planner_as_replay_to_the_same_targets(table_i) -> None:
@@ -66,8 +70,8 @@ def test_a_burst_is_reported_as_a_scale_out_with_the_pools_that_change(table_i) 
     out = loop.step(obs(10.0, 30.0))
     assert out.scale_out and not out.scale_in
     for pool, (old, new) in out.changes.items():
-        assert old == getattr(START, pool).replicas and new == getattr(out.target, pool).replicas
-    assert out.forecast["rate"]["mean"] >= 0 and out.inputs["ratio"] > 0
+        assert old == START.pool(pool).replicas and new == out.target.pool(pool).replicas
+    assert out.forecast["rate"]["mean"] >= 0 and out.numbers.ratio > 0
 
 
 def test_no_observation_keeps_the_target_and_never_steps_the_planner(table_i) -> None:
@@ -78,12 +82,12 @@ def test_no_observation_keeps_the_target_and_never_steps_the_planner(table_i) ->
     assert out.degraded == "Prometheus unreachable" and "not scaling blind" in out.reason
     assert p.steps == [] and loop.current == START
     out2 = loop.step(obs(10.0, 1.0))
-    assert out2.observed and out2.changes == {"prefill": (1, 2)} and len(p.steps) == 1
+    assert out2.observed and out2.changes == {Pool.PREFILL: (1, 2)} and len(p.steps) == 1
 
 
 def test_an_external_replica_owner_sets_the_total_and_the_plan_sets_the_split(table_i) -> None:
     s = spec(replicaOwner="External", replicas=6)
-    assert replica_owner(s) == ("External", 6)
+    assert external_replicas(s) == 6
     loop = ControlLoop(s, table_i, START, planner=RecordingPlanner())
     out = loop.step(obs(10.0, 50.0))
     t = out.target
@@ -102,11 +106,11 @@ def test_distribute_keeps_one_instance_per_pool_and_handles_unified() -> None:
     assert distribute(7, uni).unified == PoolSize(7, 4)
 
 
-def test_the_policy_defaults_to_fulcrum_and_an_owner_to_the_operator() -> None:
+def test_the_planner_defaults_to_fulcrum_and_the_count_to_the_operator() -> None:
     s = spec()
-    assert policy_name(s) == "fulcrum"
-    assert policy_name(spec(planner="dopd")) == "dopd"
-    assert replica_owner(s) == ("Operator", None)
+    assert ControlLoop(s, None, START, planner=RecordingPlanner()).spec.scaling.planner.value == "fulcrum"  # type: ignore[arg-type]
+    assert external_replicas(s) is None
+    assert external_replicas(spec(replicas=3)) is None  # replicas obeyed only under an External owner
     assert pool_changes(START, START) == {}
 
 
@@ -151,3 +155,78 @@ def test_a_planner_without_a_forecaster_wants_no_history_and_takes_none(table_i)
     assert loop.planner.steps == []  # type: ignore[attr-defined]
     seasonal = ControlLoop(spec(forecaster={"method": "seasonal_naive", "seasonLength": 144}), table_i, START)
     assert seasonal.history_wanted == 144  # a whole season, more than the fitting window
+
+
+def test_the_simulator_the_in_memory_cluster_and_the_kubernetes_adapter_are_clusters() -> None:
+    from fulcrum.controller.handlers import KubernetesCluster
+    from fulcrum.simulator import Simulation
+
+    for cls in (Simulation, InMemoryCluster, KubernetesCluster):
+        for method in ("observe", "apply", "ready", "draining"):
+            assert callable(getattr(cls, method)), (cls, method)
+    assert isinstance(InMemoryCluster(START), Cluster)
+
+
+def test_an_interval_on_the_in_memory_cluster_observes_plans_and_applies(table_i) -> None:
+    cluster = InMemoryCluster(START, startup_s=20.0)
+    loop = ControlLoop(spec(), table_i, START, planner=RecordingPlanner())
+    cluster.feed(obs(0.0, 1.0))
+    out = loop.run_interval(cluster)
+    assert out.observed and out.target.prefill.replicas == 2
+    assert cluster.applied[-1].target == out.target and cluster.applied[-1].reason == out.reason
+    assert cluster.ready() == ReadyCounts(1, 1, 0)  # the new instance starts for 20 s
+    assert out.observation is not None and out.observation.time_s == 10.0  # the cluster's clock, its readiness
+    cluster.feed(obs(0.0, 1.0), obs(0.0, 1.0))
+    loop.run_interval(cluster)
+    third = loop.run_interval(cluster)
+    assert third.observation is not None and third.observation.ready.prefill == 2  # ready 20 s after the scale-out
+
+
+def test_a_blind_interval_on_a_cluster_holds_the_pools_and_reapplies_them(table_i) -> None:
+    p = RecordingPlanner()
+    cluster = InMemoryCluster(START)
+    loop = ControlLoop(spec(), table_i, START, planner=p)
+    cluster.feed(ObservationError("Prometheus query failed: 503"))
+    out = loop.run_interval(cluster)
+    assert not out.observed and out.degraded == "Prometheus query failed: 503" and out.target == START
+    assert p.steps == [] and cluster.applied[-1].target == START
+    nothing_fed = loop.run_interval(cluster)  # no observation at all is blind too, never a zero load
+    assert not nothing_fed.observed and "no load fed" in (nothing_fed.degraded or "")
+    assert cluster.applied[-1].target == START and p.steps == []
+
+
+def test_a_scale_in_on_a_cluster_drains_before_the_instances_go(table_i) -> None:
+    class Shrink(RecordingPlanner):
+        def step(self, o: Observation, current: ClusterTarget) -> Decision:
+            return Decision(o.time_s, current.with_replicas(Pool.PREFILL, 1), "less")
+
+    big = START.with_replicas(Pool.PREFILL, 3)
+    cluster = InMemoryCluster(big, drain_s=15.0)
+    loop = ControlLoop(spec(), table_i, big, planner=Shrink())
+    cluster.feed(obs(0.0, 1.0), obs(0.0, 1.0))
+    out = loop.run_interval(cluster)
+    assert out.scale_in == {Pool.PREFILL: (3, 1)} and not out.scale_out
+    assert cluster.draining() == {Pool.PREFILL: 2} and cluster.ready().prefill == 1
+    assert len(cluster.instances(Pool.PREFILL)) == 3  # the victims still finish their requests
+    loop.run_interval(cluster)  # 10 s later: still within the 15-s drain
+    assert cluster.draining() == {Pool.PREFILL: 2}
+    cluster.advance(5.0)
+    assert cluster.draining() == {} and len(cluster.instances(Pool.PREFILL)) == 1
+
+
+def test_an_external_owner_on_a_cluster_applies_the_external_total_split_by_the_plan(table_i) -> None:
+    cluster = InMemoryCluster(START)
+    loop = ControlLoop(spec(replicaOwner="External", replicas=6), table_i, START, planner=RecordingPlanner())
+    cluster.feed(obs(0.0, 50.0))
+    loop.run_interval(cluster)
+    applied = cluster.applied[-1].target
+    assert (applied.prefill.replicas, applied.decode.replicas) == (4, 2)
+    assert cluster.ready() == ReadyCounts(4, 2, 0)
+
+
+def test_a_tp_change_on_the_in_memory_cluster_replaces_the_pool() -> None:
+    cluster = InMemoryCluster(START, startup_s=30.0)
+    cluster.apply(START.with_pool(Pool.DECODE, PoolSize(1, 4)), "TP 2→4")
+    assert cluster.draining() == {Pool.DECODE: 1} and cluster.ready().decode == 0
+    cluster.advance(30.0)
+    assert cluster.draining() == {} and cluster.ready().decode == 1
