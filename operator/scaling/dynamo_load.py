@@ -218,8 +218,8 @@ class DynamoLoadPlanner:
         assert target.gpus <= self._max_gpus and abs(dp) <= 1 and abs(dd) <= 1
         reason = "dynamo-load: " + "; ".join(
             [
-                self._describe("prefill", n_p, new_p, p_move, busy["prefill"], p_note),
-                self._describe("decode", n_d, new_d, d_move, busy["decode"], d_note),
+                self._describe("prefill", n_p, new_p, p_move, busy[Pool.PREFILL], p_note),
+                self._describe("decode", n_d, new_d, d_move, busy[Pool.DECODE], d_note),
                 *held,
             ]
         )

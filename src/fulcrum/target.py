@@ -107,7 +107,11 @@ class ClusterTarget:
 
     def with_pool(self, pool: Pool, size: PoolSize) -> ClusterTarget:
         """A copy with ``pool`` set to ``size`` (routing and the other pools kept)."""
-        return replace(self, **{pool.value: size})
+        if pool is Pool.PREFILL:
+            return replace(self, prefill=size)
+        if pool is Pool.DECODE:
+            return replace(self, decode=size)
+        return replace(self, unified=size)
 
     def with_replicas(self, pool: Pool, replicas: int) -> ClusterTarget:
         """A copy with ``pool``'s instance count set to ``replicas`` (its TP kept).
@@ -128,7 +132,9 @@ class ClusterTarget:
     @classmethod
     def of(cls, pools: Mapping[Pool, PoolSize], routing: RoutingParams | None = None) -> ClusterTarget:
         """A target from ``pool → size`` (pools left out are empty) and the routing parameters (default ones)."""
-        return cls(routing=routing or RoutingParams(), **{p.value: s for p, s in pools.items()})
+        empty = PoolSize()
+        return cls(prefill=pools.get(Pool.PREFILL, empty), decode=pools.get(Pool.DECODE, empty),
+                   unified=pools.get(Pool.UNIFIED, empty), routing=routing or RoutingParams())
 
 
 def role_bounds(instances: int, prefill_share: float | None, spread: float = 2.0) -> tuple[int, int, int, int]:

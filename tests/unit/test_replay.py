@@ -176,7 +176,7 @@ def test_run_policy_rejects_an_empty_trace_and_an_unknown_policy(
 ) -> None:
     with pytest.raises(ValueError, match="no requests"):
         run_policy("fulcrum", [], spec, profile)
-    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+    with pytest.raises(ValueError, match="unknown planner 'nope'"):
         run_policy("nope", window, spec, profile)
 
 

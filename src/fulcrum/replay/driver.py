@@ -107,7 +107,7 @@ def run_policy(
         profile: the performance profile timing the simulated instances.
 
     Raises:
-        ValueError: unknown policy or an empty trace.
+        ValueError: unknown planner name or an empty trace.
         PlanningError: the profile cannot hold the model under the spec's TP and GPU limits.
     """
     if not requests:
