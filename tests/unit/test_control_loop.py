@@ -230,3 +230,19 @@ def test_a_tp_change_on_the_in_memory_cluster_replaces_the_pool() -> None:
     assert cluster.draining() == {Pool.DECODE: 1} and cluster.ready().decode == 0
     cluster.advance(30.0)
     assert cluster.draining() == {} and cluster.ready().decode == 1
+
+
+def test_an_unreachable_tpot_target_is_in_the_plan_numbers_and_the_plan_stays_under_the_gpu_cap(table_i) -> None:
+    s = parse_llmserve({"spec": {"model": {"name": "m"}, "slo": {"ttftMs": 5000, "tpotMs": 80},
+                                 "scaling": {"intervalSeconds": 10, "podStartupSeconds": 0, "maxGPUs": 32}}}).spec
+    loop = ControlLoop(s, table_i, START)
+    cluster = InMemoryCluster(START)
+    # 12,000-token prompts, 1,000 output tokens: one request's decode step on Table I's TP=2 is ~80.2 ms
+    long = Observation(time_s=0.0, interval_s=10.0, arrivals=5, mean_isl=12000.0, mean_osl=1000.0)
+    cluster.feed(long, long)
+    loop.run_interval(cluster)
+    out = loop.run_interval(cluster)
+    found = out.numbers.slo_infeasible
+    assert found is not None and [f.metric for f in found] == ["tpot"] and found[0].best_s > 0.08
+    assert out.numbers.feasible is False and out.numbers.gpus is not None and out.numbers.gpus < 32
+    assert cluster.applied[-1].target.gpus <= 32
