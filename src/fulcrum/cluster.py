@@ -6,7 +6,7 @@ The loop observes the last interval's load, plans, and applies a :class:`~fulcru
 
 - the simulator (:class:`fulcrum.simulator.Simulation`) in ``fulcrum replay``: instances with start-up delay,
   prefill, transfer and decode timed by the profile;
-- the Kubernetes adapter (``fulcrum.controller.cluster.KubernetesCluster``): Prometheus for the observation,
+- the Kubernetes adapter (``fulcrum.controller.handlers.KubernetesCluster``): Prometheus for the observation,
   Deployments for the pools, the router ConfigMap's ``draining`` list and pod-deletion cost for a scale-in;
 - :class:`fulcrum.scaling.in_memory.InMemoryCluster`: no time, no requests; observations are handed to it and the
   pools it is told to hold are ready after a given number of intervals (tests, dry runs).
