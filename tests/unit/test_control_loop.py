@@ -246,3 +246,14 @@ def test_an_unreachable_tpot_target_is_in_the_plan_numbers_and_the_plan_stays_un
     assert found is not None and [f.metric for f in found] == ["tpot"] and found[0].best_s > 0.08
     assert out.numbers.feasible is False and out.numbers.gpus is not None and out.numbers.gpus < 32
     assert cluster.applied[-1].target.gpus <= 32
+
+
+def test_the_registry_builds_every_planner_the_crd_offers_and_rejects_others(table_i) -> None:
+    from fulcrum.api.llmserve import PlannerName
+    from fulcrum.scaling.registry import PLANNERS, make_planner
+
+    assert list(PLANNERS) == [p.value for p in PlannerName]
+    for name in PlannerName:
+        assert make_planner(name, spec(), table_i).name == name.value
+    with pytest.raises(ValueError, match="unknown planner 'magic'; choose one of fulcrum, dopd"):
+        make_planner("magic", spec(), table_i)

@@ -177,8 +177,7 @@ def run_planner(
         timeline.append(TimelinePoint(
             time_s=t, rate_rps=obs.rate_rps, prefill=current.prefill.replicas, decode=current.decode.replicas,
             unified=current.unified.replicas, gpus=current.gpus,
-            ready_gpus=obs.ready.prefill * current.prefill.tp + obs.ready.decode * current.decode.tp
-            + obs.ready.unified * current.unified.tp,
+            ready_gpus=sum(obs.ready.of(p) * size.tp for p, size in current.pools()),
         ))
         if bar is not None:
             bar.update(1)
