@@ -37,6 +37,7 @@ class DopdPlanner:
     """DOPD Alg. 2 (see module doc). Implements :class:`fulcrum.scaling.planner.Planner`."""
 
     name = "dopd"
+    horizon_steps = 1  # Alg. 2 plans for the next interval's point forecast
 
     def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile, *, settings: PlannerSettings | None = None) -> None:
         self.spec = spec

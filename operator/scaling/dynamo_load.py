@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fulcrum.api.llmserve import LLMServeSpec
+from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.dynamo_sla import clamp_to_gpu_budget, decode_best_batch, pick_tp
@@ -161,10 +162,13 @@ class DynamoLoadPlanner:
     Attributes:
         name: ``"dynamo-load"``.
         tick_s: ``settings.tick_s`` (5 s).
+        forecaster: None; horizon_steps: 1 (it does not forecast).
     """
 
     def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile, settings: DynamoLoadSettings | None = None) -> None:
         self.name = "dynamo-load"
+        self.forecaster: WorkloadForecaster | None = None  # load-based: reacts to what it sees, no forecast
+        self.horizon_steps = 1
         self._settings = settings or DynamoLoadSettings()
         self.tick_s = float(self._settings.tick_s)
         self._spec = spec

@@ -78,6 +78,7 @@ from typing import Any, Literal, Protocol
 
 from fulcrum.api.llmserve import LLMServeSpec
 from fulcrum.errors import PlanningError
+from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.capacity import slo_batch_limit
 from fulcrum.ratio.profile import PerformanceProfile
@@ -341,6 +342,8 @@ class DynamoSlaPlanner:
     Attributes:
         name: ``"dynamo-sla"``.
         tick_s: the adjustment interval, ``spec.scaling.interval_seconds`` (Dynamo's default is 180 s).
+        forecaster: None (its load predictors are Dynamo's, not a :class:`WorkloadForecaster`).
+        horizon_steps: 1 (the predictors forecast the next interval).
     """
 
     def __init__(
@@ -352,6 +355,8 @@ class DynamoSlaPlanner:
     ) -> None:
         self.name = "dynamo-sla"
         self.tick_s = float(spec.scaling.interval_seconds)
+        self.forecaster: WorkloadForecaster | None = None  # Dynamo's own load predictors, fitted on what it sees
+        self.horizon_steps = 1  # they predict the next interval
         self._spec = spec
         self._profile = profile
         self._settings = settings or DynamoSlaSettings()

@@ -136,10 +136,8 @@ class ControlLoop:
 
     @property
     def forecaster(self) -> WorkloadForecaster | None:
-        """The planner's load forecaster (its ``forecaster`` attribute: FulcrumPlanner, DopdPlanner), or None for a
-        planner without one (the ``Planner`` Protocol does not require one)."""
-        fc = getattr(self.planner, "forecaster", None)
-        return fc if isinstance(fc, WorkloadForecaster) else None
+        """The planner's load forecaster (FulcrumPlanner, DopdPlanner), or None for a planner without one."""
+        return self.planner.forecaster
 
     @property
     def history_wanted(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.target import ClusterTarget
@@ -79,10 +80,24 @@ class Planner(Protocol):
 
     Implementations are deterministic given their inputs, perform no I/O and never raise on odd
     observations (no arrivals, NaN attainment, zeros).
+
+    Attributes:
+        name: the registry name (``fulcrum``, ``dopd``, …).
+        tick_s: seconds between steps.
+        forecaster: the load forecaster the planner keeps (a new control loop feeds it the intervals Prometheus
+            kept, ``ControlLoop.warm_start``), or None for a planner without one.
+        horizon_steps: how many intervals ahead the forecast in ``Decision.forecast`` is for (1 when it is for
+            the next interval or there is none); the replay scores it against the load observed then.
     """
 
     name: str
     tick_s: float
+
+    @property
+    def forecaster(self) -> WorkloadForecaster | None: ...
+
+    @property
+    def horizon_steps(self) -> int: ...
 
     def initial(self) -> ClusterTarget: ...
 

@@ -37,6 +37,8 @@ class RecordingPlanner:
 
     name = "recording"
     tick_s = 10.0
+    forecaster = None
+    horizon_steps = 1
 
     def __init__(self) -> None:
         self.steps: list[Observation] = []

@@ -142,7 +142,7 @@ def run_planner(
     tick = planner.tick_s
     end = requests[-1].arrival_s
     n_ticks = int(math.ceil(end / tick)) + 1
-    horizon = int(getattr(planner, "horizon_steps", 1))
+    horizon = planner.horizon_steps
     timeline: list[TimelinePoint] = []
     forecasts: list[ForecastPoint] = []
     pending: dict[int, list[tuple[float, str, dict[str, float]]]] = {}
