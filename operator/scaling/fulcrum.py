@@ -329,7 +329,7 @@ class FulcrumPlanner:
 def _needs(p: Plan) -> dict[Pool, float]:
     """Continuous instance needs per pool of a plan (for the N/(N−1) check)."""
     planned = p.target()
-    return {n: float(p.inputs.get(f"{n.value}_need", planned.pool(n).replicas)) for n in Pool}
+    return {n: float(p.need.get(n, planned.pool(n).replicas)) for n in Pool}
 
 
 def _at_least(want: PoolSize, have: PoolSize) -> PoolSize:
