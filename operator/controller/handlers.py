@@ -31,6 +31,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -188,6 +189,10 @@ class Controller:
         self.now = now
         self.fetch = fetch
         self.runtimes: dict[str, _Runtime] = {}
+        # The intervals' own threads: an interval blocks its thread while its apply runs on the event loop, and
+        # that apply uses the default executor; were intervals in the default executor too, enough LLMServes
+        # at once would leave the applies no thread (a deadlock).
+        self._interval_threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fulcrum-interval")
 
     # ----------------------------------------------------------------------------------------- parsing
     def _parse(self, body: Mapping[str, Any]) -> LLMServe:
@@ -400,7 +405,7 @@ class Controller:
             await self._warm_start(key, rt, rt.observer, ready)
         rt.loop_previous = rt.loop.current
         cluster = KubernetesCluster(self, rt, body, asyncio.get_running_loop())
-        outcome = await asyncio.to_thread(rt.loop.run_interval, cluster)
+        outcome = await asyncio.get_running_loop().run_in_executor(self._interval_threads, rt.loop.run_interval, cluster)
         await self._events(body, rt, outcome)
         degraded = outcome.degraded
         drain_msgs, rt.drain_notes[:] = list(rt.drain_notes), []
@@ -597,9 +602,10 @@ class KubernetesCluster:
     """:class:`fulcrum.cluster.Cluster` over the Kubernetes API for one LLMServe, for one interval.
 
     Its methods block (API calls, Prometheus queries): :meth:`Controller.interval` runs
-    :meth:`~fulcrum.scaling.loop.ControlLoop.run_interval` on it in a worker thread; :meth:`apply` hands the
-    apply back to the operator's event loop (``loop``) and waits for it, so applies stay serialised with the
-    drains under the LLMServe's apply lock.
+    :meth:`~fulcrum.scaling.loop.ControlLoop.run_interval` on it in a thread of its own executor; :meth:`apply`
+    hands the apply back to the operator's event loop (``loop``) and waits for it, so applies stay serialised with
+    the drains under the LLMServe's apply lock. Never call its methods on the event loop's thread (``apply`` would
+    wait for the loop it blocks).
 
     Args:
         controller: the operator's controller (API client, settings, clock).
