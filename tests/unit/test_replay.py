@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fulcrum.api.llmserve import LLMServeSpec, load_llmserve, parse_llmserve
+from fulcrum.api.llmserve import LLMServeSpec, ReplicaOwner, load_llmserve, parse_llmserve
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
@@ -219,3 +219,13 @@ def test_static_best_is_the_cheapest_static_deployment_reaching_the_target(
     # unreachable target: the highest attainment found, flagged as not reached
     worst = static_best(window, spec, profile, 1.01, ReplayOptions(warmup_s=0.0))
     assert not worst.reached and worst.run.summary.slo_attainment == max(a for _, _, a in worst.probes)
+
+
+def test_a_replay_of_an_externally_owned_spec_keeps_the_external_total_like_the_operator(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> None:
+    external = spec.model_copy(update={"scaling": spec.scaling.model_copy(update={
+        "replica_owner": ReplicaOwner.EXTERNAL, "replicas": 4})})
+    run = run_policy("fulcrum", window, external, profile)
+    assert run.timeline and all(p.prefill + p.decode == 4 and p.prefill >= 1 and p.decode >= 1 for p in run.timeline)
+    assert all("external replica owner: 4 instances" in d["reason"] for d in run.decisions)

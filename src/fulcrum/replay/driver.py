@@ -22,7 +22,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.replay.distribution import LatencyDistribution
 from fulcrum.replay.result import ForecastPoint, InfeasibleSLO, PolicyRun, PolicySummary, TimelinePoint
-from fulcrum.scaling.loop import ControlLoop
+from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas
 from fulcrum.scaling.planner import Planner
 from fulcrum.scaling.registry import make_planner
 from fulcrum.simulator import SimConfig, Simulation
@@ -137,6 +137,9 @@ def run_planner(
     wall0 = time.perf_counter()
     sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds)
     current = planner.initial()
+    total = external_replicas(spec)
+    if total is not None:  # as the operator starts an externally owned LLMServe
+        current = distribute(total, current)
     sim = Simulation(requests, profile, spec.slo, current, sim_cfg)
     loop = ControlLoop(spec, profile, current, planner=planner)
     tick = planner.tick_s
