@@ -29,12 +29,12 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -68,6 +68,8 @@ __all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "Ku
            "fetch_text", "in_cluster_server"]
 
 GROUP, VERSION, PLURAL = "fulcrum.dev", "v1alpha1", "llmserves"
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 log = logging.getLogger("fulcrum.operator")
 
 
@@ -189,10 +191,6 @@ class Controller:
         self.now = now
         self.fetch = fetch
         self.runtimes: dict[str, _Runtime] = {}
-        # The intervals' own threads: an interval blocks its thread while its apply runs on the event loop, and
-        # that apply uses the default executor; were intervals in the default executor too, enough LLMServes
-        # at once would leave the applies no thread (a deadlock).
-        self._interval_threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fulcrum-interval")
 
     # ----------------------------------------------------------------------------------------- parsing
     def _parse(self, body: Mapping[str, Any]) -> LLMServe:
@@ -405,7 +403,7 @@ class Controller:
             await self._warm_start(key, rt, rt.observer, ready)
         rt.loop_previous = rt.loop.current
         cluster = KubernetesCluster(self, rt, body, asyncio.get_running_loop())
-        outcome = await asyncio.get_running_loop().run_in_executor(self._interval_threads, rt.loop.run_interval, cluster)
+        outcome = await _in_own_thread(rt.loop.run_interval, cluster, name=f"interval {key}")
         await self._events(body, rt, outcome)
         degraded = outcome.degraded
         drain_msgs, rt.drain_notes[:] = list(rt.drain_notes), []
@@ -602,10 +600,10 @@ class KubernetesCluster:
     """:class:`fulcrum.cluster.Cluster` over the Kubernetes API for one LLMServe, for one interval.
 
     Its methods block (API calls, Prometheus queries): :meth:`Controller.interval` runs
-    :meth:`~fulcrum.scaling.loop.ControlLoop.run_interval` on it in a thread of its own executor; :meth:`apply`
-    hands the apply back to the operator's event loop (``loop``) and waits for it, so applies stay serialised with
-    the drains under the LLMServe's apply lock. Never call its methods on the event loop's thread (``apply`` would
-    wait for the loop it blocks).
+    :meth:`~fulcrum.scaling.loop.ControlLoop.run_interval` on it in a thread of its own (:func:`_in_own_thread`);
+    :meth:`apply` hands the apply back to the operator's event loop (``loop``) and waits for it, so applies stay
+    serialised with the drains under the LLMServe's apply lock. Never call its methods on the event loop's thread
+    (``apply`` would wait for the loop it blocks).
 
     Args:
         controller: the operator's controller (API client, settings, clock).
@@ -733,6 +731,39 @@ class _KubeDrainIO:
 
     async def event(self, type_: str, reason: str, message: str) -> None:
         await self.c.event(self.body, type_, reason, message)
+
+
+async def _in_own_thread(fn: Callable[[_A], _R], arg: _A, *, name: str) -> _R:
+    """``fn(arg)`` in a new daemon thread; its result or exception here.
+
+    Not the default executor: an interval's thread waits for its apply on the event loop, and the apply needs the
+    default executor for its API calls; intervals of enough LLMServes there at once would leave the applies no
+    thread (a deadlock). A daemon thread: one left waiting for a loop that has stopped does not hold up the
+    operator's exit. Cancelling the await leaves the thread to finish on its own (its result is dropped).
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[_R] = loop.create_future()
+
+    def settle(result: _R | None, err: BaseException | None) -> None:
+        if fut.done():
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, err = fn(arg), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, err = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, err)
+        except RuntimeError:  # the loop has closed: nobody awaits any more
+            pass
+
+    threading.Thread(target=run, name=f"fulcrum {name}", daemon=True).start()
+    return await fut
 
 
 def _consume_failure(task: asyncio.Future[None]) -> None:

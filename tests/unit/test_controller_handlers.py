@@ -699,3 +699,22 @@ async def test_the_kubernetes_adapter_is_a_cluster_over_the_deployments_and_prom
     rt.observer = None
     with pytest.raises(ObservationError, match="no Prometheus configured"):
         blind.observe(10.0)
+
+
+async def test_an_api_failing_during_an_intervals_apply_raises_from_the_interval_and_the_next_one_applies(
+        api: FakeKubeApi, kube: KubeClient) -> None:
+    from fulcrum.controller.apply import KubeApiError
+
+    seed(api)
+    clock = Clock()
+    c = make_controller(kube, FakePrometheus(rate=20.0), clock=clock)
+    await c.reconcile(live(api))
+    before = api.get("deployments", NS, "llama-prefill")["spec"]["replicas"]  # type: ignore[index]
+    api.fail("PATCH", "/deployments/llama-prefill", 500, times=5)  # all five attempts of the client
+    clock.t += 10
+    with pytest.raises(KubeApiError):
+        await c.interval(live(api))  # raised in the interval's thread, re-raised here (the daemon logs it)
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] == before  # type: ignore[index]
+    clock.t += 10
+    assert await c.interval(live(api)) is True
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] > before  # type: ignore[index]
