@@ -83,10 +83,12 @@ def record_observations(
 ) -> list[Observation]:
     """The observation of every tick when ``trace`` is replayed under the ``fulcrum`` planner.
 
-    The loop of :func:`fulcrum.replay.driver.run_policy`: ``run_until`` the tick, ``observe(tick)``, ``step``,
-    ``apply``. Returns one :class:`~fulcrum.observation.Observation` per tick (``ceil(span / tick) + 1``).
+    The loop of :func:`fulcrum.replay.driver.run_policy`: ``run_until`` the tick, then
+    :meth:`~fulcrum.scaling.loop.ControlLoop.run_interval` on the simulator (observe, step, apply). Returns one
+    :class:`~fulcrum.observation.Observation` per tick (``ceil(span / tick) + 1``).
     """
     from fulcrum.scaling.fulcrum import FulcrumPlanner
+    from fulcrum.scaling.loop import ControlLoop
     from fulcrum.simulator import SimConfig, Simulation
     from fulcrum.traces import load_trace
 
@@ -94,16 +96,14 @@ def record_observations(
     planner = FulcrumPlanner(spec, profile)
     current = planner.initial()
     sim = Simulation(requests, profile, spec.slo, current, SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds))
+    loop = ControlLoop(spec, profile, current, planner=planner)
     tick = planner.tick_s
     out: list[Observation] = []
     for k in range(1, int(math.ceil(requests[-1].arrival_s / tick)) + 2):
         sim.run_until(k * tick)
-        obs = sim.observe(tick)
+        obs = loop.run_interval(sim).observation
+        assert obs is not None  # the simulator always observes
         out.append(obs)
-        decision = planner.step(obs, current)
-        if decision.target != current:
-            sim.apply(decision.target)
-        current = decision.target
     return out
 
 

@@ -8,13 +8,14 @@ per-request records (``records``). What does not: planning (``fulcrum.scaling``,
 parsing (``fulcrum.traces``), reports (``fulcrum.replay``), and any I/O, clock or randomness — a run is a
 pure function of its inputs, so two runs give identical records.
 
-Usage::
+A :class:`Simulation` is a :class:`fulcrum.cluster.Cluster` (``observe``, ``apply``, ``ready``, ``draining``);
+``fulcrum replay`` runs the operator's control loop on it (:mod:`fulcrum.replay.driver`). Usage::
 
     sim = Simulation(requests, profile, slo, initial_target, SimConfig(pod_startup_s=120))
+    loop = ControlLoop(spec, profile, initial_target)  # fulcrum.scaling.loop
     for k in range(1, n_ticks + 1):
         sim.run_until(k * 60.0)
-        obs = sim.observe(60.0)
-        sim.apply(planner.step(obs, current).target)
+        loop.run_interval(sim)  # observe → plan → apply
     result = sim.finish()
     result.summary(slo)
 """

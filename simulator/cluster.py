@@ -66,7 +66,7 @@ from fulcrum.simulator.records import (
     RequestRecord,
     RoleView,
 )
-from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
 __all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler", "RoleBalancer", "serving_unified"]
@@ -80,7 +80,7 @@ RoleBalancer = Callable[[float, Sequence[RoleView]], Sequence[tuple[int, str]]]
 The pure planner is ``fulcrum.rebalancing.role_reassignment.plan_role_change`` (BanaServe Alg. 1 with a
 role flip); ``fulcrum.replay.roles`` adapts it."""
 
-_ROLES = ("prefill", "decode", "unified")
+_ROLES = tuple(p.value for p in Pool)
 
 
 def serving_unified(target: ClusterTarget, was_unified: bool) -> bool:
@@ -376,7 +376,7 @@ class Simulation:
         self._serving_unified = serving_unified(initial, False)
         self._check_tps(initial)
         for role in _ROLES:
-            size: PoolSize = getattr(initial, role)
+            size = initial.pool(Pool(role))
             for _ in range(size.replicas):
                 inst = self._new_instance(role, size.tp, ready_at=0.0)
                 inst.state = InstanceState.READY
@@ -417,18 +417,21 @@ class Simulation:
         """
         self._kernel.run_until(t)
 
-    def apply(self, target: ClusterTarget) -> None:
-        """Resize the pools towards ``target`` at ``now`` (see the module docstring for the rules).
+    def apply(self, target: ClusterTarget, reason: str = "") -> None:
+        """Resize the pools towards ``target`` at ``now`` (see the module docstring for the rules); the target in
+        force is a no-op. Part of :class:`fulcrum.cluster.Cluster` (``reason`` is not recorded here).
 
         Raises:
             ProfileError: a pool's TP is not measured in the profile.
         """
+        if target == self._target:
+            return
         self._check_tps(target)
         was_unified = self._unified_mode
         self._target = target
         self._serving_unified = serving_unified(target, was_unified)
-        for role in _ROLES:
-            self._resize(role, getattr(target, role))
+        for pool in Pool:
+            self._resize(pool.value, target.pool(pool))
         if self._unified_mode and not was_unified:
             for r in self._pq.drain_all():
                 self._route_new(r)
@@ -447,6 +450,16 @@ class Simulation:
             ValueError: ``window_s`` is not positive.
         """
         return self._metrics.observe(self._kernel.now, window_s, self._snapshot())
+
+    def ready(self) -> ReadyCounts:
+        """Instances ready to serve now, per pool (:class:`fulcrum.cluster.Cluster`)."""
+        return self._snapshot().ready
+
+    def draining(self) -> dict[Pool, int]:
+        """Instances draining now (serving their in-flight requests only), per pool that has any
+        (:class:`fulcrum.cluster.Cluster`)."""
+        n = {p: sum(1 for i in self._pools[p.value] if i.state == InstanceState.DRAINING) for p in Pool}
+        return {p: k for p, k in n.items() if k}
 
     def instances(self) -> list[InstanceStatus]:
         """Every instance not yet removed, in creation order, as of ``now``."""
@@ -512,7 +525,7 @@ class Simulation:
                 f"profile {p.name!r} has no prefill table for TP={target.prefill.tp} (has {p.prefill_tps}); prefill pool"
             )
         for role in ("decode", "unified"):
-            size: PoolSize = getattr(target, role)
+            size = target.pool(Pool(role))
             if size.replicas and size.tp not in p.decode:
                 raise ProfileError(
                     f"profile {p.name!r} has no decode table for TP={size.tp} (has {p.decode_tps}); {role} pool"

@@ -8,8 +8,10 @@ faked at the HTTP layer); :func:`register` binds them to kopf:
   applied), build every object (``resources.build_objects``) for the target in force — read back from
   ``status.pools`` after an operator restart, so a restart converges instead of resetting the pools — and
   server-side apply it (``apply.py``), then write the status.
-- **daemon** (one per LLMServe) → :meth:`Controller.interval` every interval: observe (Prometheus) → forecast →
-  plan (``loop.py``: FulcrumPlanner or the policy the spec names) → apply scale-outs at once, drain scale-ins
+- **daemon** (one per LLMServe) → :meth:`Controller.interval` every interval:
+  :meth:`fulcrum.scaling.loop.ControlLoop.run_interval` — the loop ``fulcrum replay`` runs — on
+  :class:`KubernetesCluster` (the :class:`fulcrum.cluster.Cluster` over this API): observe (Prometheus) →
+  forecast → plan (the planner ``spec.scaling.planner`` names) → apply scale-outs at once, drain scale-ins
   (``drain.py``) → Events for every scale decision with its reason → status and metrics. Prometheus down or
   empty → Degraded and the target held (never scale in blind).
 - **delete** → :meth:`Controller.deleted`: the children carry ownerReferences, so Kubernetes' garbage collector
@@ -27,29 +29,31 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe, parse_llmserve
 from fulcrum.cancellation import cancel_and_wait
+from fulcrum.cluster import ObservationError
 from fulcrum.errors import FulcrumError, ProfileError, SpecError
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.ratio.feasibility import condition_reason
 from fulcrum.ratio.profile import PerformanceProfile, load_profile, profile_from_dict
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.scaling.loop import ControlLoop, LoopOutcome, distribute, external_replicas
+from fulcrum.target import ClusterTarget, Pool
 
 from fulcrum.controller.apply import Applier, ApplyReport, DRAIN_FIELD_MANAGER, KubeApiError, KubeClient
 from fulcrum.controller.drain import (DELETION_COST_ANNOTATION, DrainResult, PodLoad, drain_pool, draining_from_metrics,
                                      load_from_metrics)
-from fulcrum.controller.loop import POOLS, ControlLoop, LoopOutcome, distribute, replica_owner
 from fulcrum.controller.metrics import OperatorMetrics
-from fulcrum.controller.observe import ObservationError, PrometheusObserver, QueryClient, Selectors
+from fulcrum.controller.observe import PrometheusObserver, QueryClient, Selectors
 from fulcrum.controller.resources import (
     LABEL_COMPONENT,
     LABEL_LLMSERVE,
@@ -62,10 +66,12 @@ from fulcrum.controller.resources import (
 )
 from fulcrum.controller.status import build_status, get_condition, slo_infeasibility, target_from_status
 
-__all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "register", "fetch_text",
-           "in_cluster_server"]
+__all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "KubernetesCluster", "register",
+           "fetch_text", "in_cluster_server"]
 
 GROUP, VERSION, PLURAL = "fulcrum.dev", "v1alpha1", "llmserves"
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 log = logging.getLogger("fulcrum.operator")
 
 
@@ -120,7 +126,7 @@ class _Runtime:
     loop_previous: ClusterTarget = field(default_factory=ClusterTarget)
     invalid_spec_event: int | None = None
     warmed: bool = False
-    drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    drains: dict[Pool, asyncio.Task[None]] = field(default_factory=dict)
     """Drains in flight, by pool (background tasks: the control loop goes on meanwhile). Shared by the
     runtimes of one LLMServe across spec generations, like ``apply_lock`` and ``drain_notes``."""
     apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -235,10 +241,10 @@ class Controller:
         else:
             # an operator restart: the target in force as last written to status (converge, do not reset)
             current = target_from_status(body.get("status")) or initial_target(serve, profile)
-            if not any(getattr(current, p).replicas for p in POOLS):
+            if not any(size.replicas for _, size in current.pools()):
                 current = initial_target(serve, profile)
-        owner, total = replica_owner(serve.spec)
-        if owner == "External" and total is not None:
+        total = external_replicas(serve.spec)
+        if total is not None:
             current = distribute(total, current)
         loop = ControlLoop(serve.spec, profile, current)
         observer = None
@@ -270,7 +276,7 @@ class Controller:
         and follow ``target``. Serialised per LLMServe (``apply_lock``); ``rt.applied`` is what was applied."""
         async with rt.apply_lock:
             for pool in _shrinking(rt, target) | set(rt.drains):
-                target = _with_replicas(target, pool, getattr(rt.applied, pool).replicas)
+                target = target.with_replicas(pool, rt.applied.pool(pool).replicas)
             return await self._apply_locked(rt, body, target)
 
     async def _apply_locked(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget) -> ApplyReport:
@@ -288,16 +294,21 @@ class Controller:
             await self.event(body, "Warning", "ReplicasReverted", msg)
         return report
 
-    async def _ready_counts(self, serve: LLMServe) -> ReadyCounts:
-        def read() -> ReadyCounts:
-            counts: dict[str, int] = {}
-            for pool in POOLS:
-                dep = self.kube.get("apps/v1", "Deployment", serve.metadata.namespace,
-                                    pool_deployment_name(serve.metadata.name, pool))
-                counts[pool] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
-            return ReadyCounts(**counts)
+    def read_ready(self, serve: LLMServe) -> ReadyCounts:
+        """Ready instances per pool: the pool Deployments' ``status.readyReplicas`` (blocking API reads).
 
-        return await asyncio.to_thread(read)
+        Raises:
+            KubeApiError: the API failed after retries.
+        """
+        counts: dict[str, int] = {}
+        for pool in Pool:
+            dep = self.kube.get("apps/v1", "Deployment", serve.metadata.namespace,
+                                pool_deployment_name(serve.metadata.name, pool))
+            counts[pool.value] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
+        return ReadyCounts(**counts)
+
+    async def _ready_counts(self, serve: LLMServe) -> ReadyCounts:
+        return await asyncio.to_thread(self.read_ready, serve)
 
     async def event(self, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """Post a core/v1 Event on the LLMServe; failures are logged, never raised."""
@@ -389,31 +400,36 @@ class Controller:
             await self._invalid(body, err)
             return True
         ready = await self._ready_counts(serve)
-        obs: Observation | None = None
-        why: str | None = None
-        if rt.observer is None:
-            why = "no Prometheus configured (--prometheus-url)"
-        else:
-            if not rt.warmed:
-                rt.warmed = True
-                await self._warm_start(key, rt, rt.observer, ready)
-            try:
-                obs = await asyncio.to_thread(rt.observer.observe, self.clock(), rt.loop.interval_s, ready)
-            except ObservationError as e:
-                why = str(e)
+        if rt.observer is not None and not rt.warmed:
+            rt.warmed = True
+            await self._warm_start(key, rt, rt.observer, ready)
         rt.loop_previous = rt.loop.current
-        outcome = rt.loop.step(obs, error=why)
+        cluster = KubernetesCluster(self, rt, body, asyncio.get_running_loop())
+        outcome = await _in_own_thread(rt.loop.run_interval, cluster, name=f"interval {key}")
+        await self._events(body, rt, outcome)
         degraded = outcome.degraded
-        if degraded and rt.degraded is None:
-            await self.event(body, "Warning", "ObservationUnavailable", f"holding the current pools: {degraded}")
-        await self._slo_event(body, rt, outcome)
-        drain_msgs = await self._act(body, rt, outcome)
+        drain_msgs, rt.drain_notes[:] = list(rt.drain_notes), []
         if drain_msgs:
             degraded = "; ".join(([degraded] if degraded else []) + drain_msgs)
         rt.degraded = degraded
         self.metrics.record_interval(key, outcome, ready)
         log.info("%s: %s", key, outcome.reason)
         return await self._write_status(body, self._status(rt, body, ready, degraded=degraded, outcome=outcome))
+
+    async def _events(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> None:
+        """The Events of one interval, after its target was applied: ObservationUnavailable (first blind
+        interval), SLOInfeasible/SLOFeasible (:meth:`_slo_event`), ScaledOut per growing pool,
+        TensorParallelChanged per pool whose TP changed (its pods roll)."""
+        if outcome.degraded and rt.degraded is None:
+            await self.event(body, "Warning", "ObservationUnavailable", f"holding the current pools: {outcome.degraded}")
+        await self._slo_event(body, rt, outcome)
+        for pool, (old, new) in outcome.scale_out.items():
+            await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
+        for pool in Pool:
+            was, now = rt.loop_previous.pool(pool), outcome.target.pool(pool)
+            if was.tp != now.tp and (was.replicas or now.replicas):
+                await self.event(body, "Normal", "TensorParallelChanged",
+                                 f"{pool}: TP {was.tp}→{now.tp} ({now.replicas} instances, pods roll): {outcome.reason}")
 
     async def _slo_event(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> None:
         """A Warning Event ``SLOInfeasible`` when the plan finds an SLO target out of the profile's reach at the
@@ -457,49 +473,38 @@ class Controller:
         fed = rt.loop.warm_start(history)
         log.info("%s: forecaster warm-started on %d of the last %d intervals", key, fed, wanted)
 
-    async def _act(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> list[str]:
-        """Apply scale-outs (and everything else) at once; start a background drain for every pool that shrinks.
+    async def _act(self, body: Mapping[str, Any], rt: _Runtime, target: ClusterTarget, reason: str) -> None:
+        """Apply scale-outs (and everything else) at once; start a background drain for every pool that shrinks
+        (:meth:`KubernetesCluster.apply`).
 
         A pool is scaled in only by its drain (``drain.py``), which runs as a task while the control loop goes
         on: a burst during a drain is planned for at the next interval, not after the drain timeout. A plan
         that wants a draining pool back at its size (or larger) stops the drain (its pods are unmarked) and
-        applies at once; a plan that wants it smaller still waits for the drain, then drains again.
-
-        Returns:
-            one line per drain that timed out or failed since the last interval (the Degraded message).
+        applies at once; a plan that wants it smaller still waits for the drain, then drains again. Drain
+        timeouts and failures are left in ``rt.drain_notes`` (the next status's Degraded message).
         """
-        target = outcome.target
         for pool, task in list(rt.drains.items()):
-            want, have = getattr(target, pool).replicas, getattr(rt.applied, pool).replicas
+            want, have = target.pool(pool).replicas, rt.applied.pool(pool).replicas
             if want >= have:
                 await cancel_and_wait([task], recancel_after_s=30.0)  # drain_pool unmarks its pods when cancelled
                 rt.drains.pop(pool, None)
                 await self.event(body, "Normal", "DrainCancelled",
-                                 f"{pool}: the plan wants {want} instances again; drain stopped: {outcome.reason}")
+                                 f"{pool}: the plan wants {want} instances again; drain stopped: {reason}")
         shrinking = _shrinking(rt, target)
         await self._apply(rt, body, target)  # holds the shrinking pools at their replicas: their drains lower them
-        for pool, (old, new) in outcome.scale_out.items():
-            await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
-        for pool in POOLS:
-            was, now = getattr(rt.loop_previous, pool), getattr(outcome.target, pool)
-            if was.tp != now.tp and (was.replicas or now.replicas):
-                await self.event(body, "Normal", "TensorParallelChanged",
-                                 f"{pool}: TP {was.tp}→{now.tp} ({now.replicas} instances, pods roll): {outcome.reason}")
         key = _key(body)
         for pool in sorted(shrinking - set(rt.drains)):
-            old, new = getattr(rt.applied, pool).replicas, getattr(target, pool).replicas
-            rt.drains[pool] = asyncio.create_task(self._drain(key, body, rt, pool, old, new, outcome.reason),
+            old, new = rt.applied.pool(pool).replicas, target.pool(pool).replicas
+            rt.drains[pool] = asyncio.create_task(self._drain(key, body, rt, pool, old, new, reason),
                                                   name=f"drain {key} {pool}")
-        notes, rt.drain_notes[:] = list(rt.drain_notes), []
-        return notes
 
-    async def _drain(self, key: str, body: Mapping[str, Any], rt: _Runtime, pool: str, old: int, new: int,
+    async def _drain(self, key: str, body: Mapping[str, Any], rt: _Runtime, pool: Pool, old: int, new: int,
                      reason: str) -> None:
         """One pool's drain, in the background (:meth:`_act`): ``drain_pool``, then the ScaledIn Event; a
         timeout or a failure is left in ``drain_notes`` for the next interval's status."""
         io = _KubeDrainIO(self, rt, body, key)
         t0 = self.monotonic()
-        started = self.metrics.drain_started.labels(key, pool)
+        started = self.metrics.drain_started.labels(key, pool.value)
         started.set(self.clock())  # a drain that hangs shows here (FulcrumDrainStuck) before it ends
         try:
             result: DrainResult = await drain_pool(
@@ -588,18 +593,61 @@ class Controller:
         return orphans
 
 
-def _shrinking(rt: _Runtime, target: ClusterTarget) -> set[str]:
+def _shrinking(rt: _Runtime, target: ClusterTarget) -> set[Pool]:
     """The pools of the spec's mode to which ``target`` gives fewer replicas than were applied (a scale-in)."""
-    return {p for p in MODE_POOLS[rt.serve.spec.mode] if getattr(target, p).replicas < getattr(rt.applied, p).replicas}
+    return {p for p in MODE_POOLS[rt.serve.spec.mode] if target.pool(p).replicas < rt.applied.pool(p).replicas}
 
 
-def _with_replicas(t: ClusterTarget, pool: str, n: int) -> ClusterTarget:
-    size: PoolSize = getattr(t, pool)
-    if pool == "prefill":
-        return replace(t, prefill=PoolSize(n, size.tp))
-    if pool == "decode":
-        return replace(t, decode=PoolSize(n, size.tp))
-    return replace(t, unified=PoolSize(n, size.tp))
+class KubernetesCluster:
+    """:class:`fulcrum.cluster.Cluster` over the Kubernetes API for one LLMServe, for one interval.
+
+    Its methods block (API calls, Prometheus queries): :meth:`Controller.interval` runs
+    :meth:`~fulcrum.scaling.loop.ControlLoop.run_interval` on it in a thread of its own (:func:`_in_own_thread`);
+    :meth:`apply` hands the apply back to the operator's event loop (``loop``) and waits for it, so applies stay
+    serialised with the drains under the LLMServe's apply lock. Never call its methods on the event loop's thread
+    (``apply`` would wait for the loop it blocks).
+
+    Args:
+        controller: the operator's controller (API client, settings, clock).
+        rt: the LLMServe's runtime (its observer, loop, applied target, drains).
+        body: the LLMServe object as the daemon last read it.
+        loop: the operator's event loop.
+    """
+
+    def __init__(self, controller: Controller, rt: _Runtime, body: Mapping[str, Any],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.c = controller
+        self.rt = rt
+        self.body = body
+        self.loop = loop
+
+    def observe(self, interval_s: float) -> Observation:
+        """The router's and the engines' metrics over the last ``interval_s`` seconds (Prometheus).
+
+        Raises:
+            ObservationError: no Prometheus configured, or it failed or had no router series.
+        """
+        if self.rt.observer is None:
+            raise ObservationError("no Prometheus configured (--prometheus-url)")
+        return self.rt.observer.observe(self.c.clock(), interval_s, self.ready())
+
+    def apply(self, target: ClusterTarget, reason: str = "") -> None:
+        """Apply every object for ``target``: scale-outs at once, a background drain per shrinking pool
+        (:meth:`Controller._act`; ``reason`` goes into its Events).
+
+        Raises:
+            KubeApiError: the API failed after retries.
+        """
+        asyncio.run_coroutine_threadsafe(self.c._act(self.body, self.rt, target, reason), self.loop).result()
+
+    def ready(self) -> ReadyCounts:
+        """The pool Deployments' ``status.readyReplicas``."""
+        return self.c.read_ready(self.rt.serve)
+
+    def draining(self) -> dict[Pool, int]:
+        """Instances being drained per pool: what a drain in flight will remove (applied − wanted replicas)."""
+        out = {p: self.rt.applied.pool(p).replicas - self.rt.loop.current.pool(p).replicas for p in self.rt.drains}
+        return {p: n for p, n in out.items() if n > 0}
 
 
 class _KubeDrainIO:
@@ -701,10 +749,43 @@ class _KubeDrainIO:
     async def scale(self, pool: str, replicas: int) -> None:
         rt = self.rt
         async with rt.apply_lock:
-            await self.c._apply_locked(rt, self.body, _with_replicas(rt.applied, pool, replicas))
+            await self.c._apply_locked(rt, self.body, rt.applied.with_replicas(Pool(pool), replicas))
 
     async def event(self, type_: str, reason: str, message: str) -> None:
         await self.c.event(self.body, type_, reason, message)
+
+
+async def _in_own_thread(fn: Callable[[_A], _R], arg: _A, *, name: str) -> _R:
+    """``fn(arg)`` in a new daemon thread; its result or exception here.
+
+    Not the default executor: an interval's thread waits for its apply on the event loop, and the apply needs the
+    default executor for its API calls; intervals of enough LLMServes there at once would leave the applies no
+    thread (a deadlock). A daemon thread: one left waiting for a loop that has stopped does not hold up the
+    operator's exit. Cancelling the await leaves the thread to finish on its own (its result is dropped).
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[_R] = loop.create_future()
+
+    def settle(result: _R | None, err: BaseException | None) -> None:
+        if fut.done():
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, err = fn(arg), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, err = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, err)
+        except RuntimeError:  # the loop has closed: nobody awaits any more
+            pass
+
+    threading.Thread(target=run, name=f"fulcrum {name}", daemon=True).start()
+    return await fut
 
 
 def _consume_failure(task: asyncio.Future[None]) -> None:

@@ -12,9 +12,9 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from fulcrum.observation import Observation, ReadyCounts
-from fulcrum.target import ClusterTarget
+from fulcrum.scaling.loop import LoopOutcome
+from fulcrum.target import ClusterTarget, Pool
 
-from fulcrum.controller.loop import POOLS, LoopOutcome
 
 __all__ = ["OperatorMetrics"]
 
@@ -78,12 +78,12 @@ class OperatorMetrics:
             v = fc.get(series, {}).get("mean")
             if isinstance(v, (int, float)) and math.isfinite(v):
                 gauge.labels(key).set(v)
-        ratio = outcome.inputs.get("ratio")
-        if isinstance(ratio, (int, float)) and math.isfinite(ratio):
+        ratio = outcome.numbers.ratio
+        if math.isfinite(ratio):
             self.planned_ratio.labels(key).set(ratio)
         self._last_forecast[key] = {s: float(fc[s]["mean"]) for s in ("rate", "isl", "osl") if s in fc}
         for pool, (old, new) in outcome.changes.items():
-            self.scale_events.labels(key, pool, "out" if new > old else "in").inc()
+            self.scale_events.labels(key, pool.value, "out" if new > old else "in").inc()
 
     def _record_errors(self, key: str, obs: Observation) -> None:
         last = self._last_forecast.get(key)
@@ -97,12 +97,11 @@ class OperatorMetrics:
 
     def record_target(self, key: str, target: ClusterTarget, ready: ReadyCounts) -> None:
         """Planned and ready instances per pool."""
-        for pool in POOLS:
-            size = getattr(target, pool)
-            self.planned_instances.labels(key, pool).set(size.replicas)
-            self.ready_instances.labels(key, pool).set(getattr(ready, pool))
-            self.planned_gpus.labels(key, pool).set(size.gpus)
-            self.ready_gpus.labels(key, pool).set(getattr(ready, pool) * size.tp)
+        for pool, size in target.pools():
+            self.planned_instances.labels(key, pool.value).set(size.replicas)
+            self.ready_instances.labels(key, pool.value).set(ready.of(pool))
+            self.planned_gpus.labels(key, pool.value).set(size.gpus)
+            self.ready_gpus.labels(key, pool.value).set(ready.of(pool) * size.tp)
 
     def forget(self, key: str) -> None:
         """Drop the per-LLMServe series of a deleted LLMServe."""
@@ -112,9 +111,9 @@ class OperatorMetrics:
                 g.remove(key)
             except KeyError:
                 pass
-        for pool in POOLS:
+        for pool in Pool:
             for g in (self.planned_instances, self.ready_instances, self.planned_gpus, self.ready_gpus):
                 try:
-                    g.remove(key, pool)
+                    g.remove(key, pool.value)
                 except KeyError:
                     pass

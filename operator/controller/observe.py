@@ -14,7 +14,7 @@ quantiles and the share under an SLO computed here with Prometheus' own interpol
 so any SLO works, not only one that falls on a bucket boundary.
 
 Errors: Prometheus unreachable, answering an error, or holding no router series at all raises
-:class:`ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
+:class:`fulcrum.cluster.ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
 
 History (:meth:`PrometheusObserver.history`): the same queries as range queries (``query_range``, step = the
 interval), one Observation per past interval, so a forecaster that starts with the operator (a restart, a new
@@ -30,11 +30,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from fulcrum.errors import FulcrumError
+from fulcrum.cluster import ObservationError
 from fulcrum.observation import QUANTILE_LEVELS, Observation, ReadyCounts
 
 __all__ = [
-    "ObservationError",
     "QueryClient",
     "Selectors",
     "PrometheusObserver",
@@ -117,10 +116,6 @@ ALL_QUERIES: dict[str, str] = {
     "decode_queue": Q_DECODE_QUEUE,
     "kv_usage": Q_KV_USAGE,
 }
-
-
-class ObservationError(FulcrumError):
-    """No trustworthy observation this interval: Prometheus unreachable, failing, or without router series."""
 
 
 class QueryClient(Protocol):

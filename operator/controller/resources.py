@@ -53,10 +53,9 @@ from fulcrum.router.config import RouterConfigError, parse_config
 from fulcrum.router.policies.registry import make_policy
 from fulcrum.router.prefill_queue import QueueLayout
 from fulcrum.scaling.fulcrum import FulcrumPlanner
-from fulcrum.target import ClusterTarget, PoolSize, RoutingParams, role_bounds
+from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams, role_bounds
 
 __all__ = [
-    "POOLS",
     "POOL_ROLES",
     "MODE_POOLS",
     "HTTP_PORT",
@@ -89,16 +88,13 @@ __all__ = [
     "build_objects",
 ]
 
-POOLS: tuple[str, ...] = ("prefill", "decode", "unified")
-"""Pool names, in the order objects are built."""
-
-POOL_ROLES: Mapping[str, str] = {"prefill": "prefill", "decode": "decode", "unified": "both"}
+POOL_ROLES: Mapping[Pool, str] = {Pool.PREFILL: "prefill", Pool.DECODE: "decode", Pool.UNIFIED: "both"}
 """Pool → the ``--role`` of its workers and the ``fulcrum.dev/role`` label (``both`` = vLLM ``kv_both``)."""
 
-MODE_POOLS: Mapping[Mode, tuple[str, ...]] = {
-    Mode.DISAGGREGATED: ("prefill", "decode"),
-    Mode.UNIFIED: ("unified",),
-    Mode.AUTO: POOLS,
+MODE_POOLS: Mapping[Mode, tuple[Pool, ...]] = {
+    Mode.DISAGGREGATED: Pool.disaggregated(),
+    Mode.UNIFIED: (Pool.UNIFIED,),
+    Mode.AUTO: tuple(Pool),
 }
 """Pools each mode deploys. Auto deploys all three: the planner moves instances between them each interval."""
 
@@ -146,11 +142,11 @@ def pool_deployment_name(name: str, pool: str) -> str:
     """``<name>-<pool>``: the Deployment and Service of a pool.
 
     Raises:
-        ValueError: ``pool`` is not one of :data:`POOLS`.
+        ValueError: ``pool`` is not a :class:`~fulcrum.target.Pool` value.
     """
-    if pool not in POOLS:
-        raise ValueError(f"unknown pool {pool!r}; one of {', '.join(POOLS)}")
-    return f"{name}-{pool}"
+    if pool not in set(Pool):
+        raise ValueError(f"unknown pool {pool!r}; one of {', '.join(p.value for p in Pool)}")
+    return f"{name}-{Pool(pool).value}"
 
 
 def router_name(name: str) -> str:
@@ -175,7 +171,7 @@ def pool_labels(name: str, pool: str, tp: int) -> dict[str, str]:
         **common_labels(name),
         LABEL_COMPONENT: "worker",
         LABEL_POOL: pool,
-        LABEL_ROLE: POOL_ROLES[pool],
+        LABEL_ROLE: POOL_ROLES[Pool(pool)],
         LABEL_TP: str(tp),
     }
 
@@ -274,13 +270,9 @@ def initial_target(serve: LLMServe, profile: PerformanceProfile | None = None) -
             target = ClusterTarget(prefill=PoolSize(max(sc.initial_prefill, 1), tp_p),
                                    decode=PoolSize(max(sc.initial_decode, 1), tp_d), unified=PoolSize(0, tp_u))
     if sc.replica_owner is ReplicaOwner.EXTERNAL and sc.replicas is not None:
-        counts = _split_total(sc.replicas, {p: getattr(target, p).replicas for p in POOLS})
-        target = ClusterTarget(
-            prefill=PoolSize(counts["prefill"], target.prefill.tp),
-            decode=PoolSize(counts["decode"], target.decode.tp),
-            unified=PoolSize(counts["unified"], target.unified.tp),
-            routing=target.routing,
-        )
+        counts = _split_total(sc.replicas, {p.value: size.replicas for p, size in target.pools()})
+        target = ClusterTarget.of({p: PoolSize(counts[p.value], size.tp) for p, size in target.pools()},
+                                  target.routing)
     return target
 
 
@@ -304,7 +296,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
     etcd = ["--etcd", spec.connectors.etcd] if spec.connectors.etcd else []
     # prefill-capable pools pull the LLMServe's prefill jobs from NATS when the router queues them (DOPD §V-C)
     nats = (["--nats", spec.connectors.nats]
-            if spec.router.prefill_queue == "nats" and POOL_ROLES[pool] in ("prefill", "both") else [])
+            if spec.router.prefill_queue == "nats" and POOL_ROLES[Pool(pool)] in ("prefill", "both") else [])
     common_tail = [
         *etcd,
         *nats,
@@ -320,7 +312,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
             "--model", served,
             "--host", "0.0.0.0",
             "--port", str(HTTP_PORT),
-            "--role", POOL_ROLES[pool],
+            "--role", POOL_ROLES[Pool(pool)],
             "--pool", pool,
             "--block-size", str(spec.engine.block_size),
             *common_tail,
@@ -333,7 +325,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
         "--tp", str(tp),
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
-        "--role", POOL_ROLES[pool],
+        "--role", POOL_ROLES[Pool(pool)],
         "--pool", pool,
         "--gpu-type", spec.gpu.type,
         "--max-model-len", str(spec.engine.max_model_len),
@@ -767,7 +759,7 @@ def build_objects(
         raise ValueError("build_objects needs the Fulcrum image (router and sim-worker pods)")
     objects: list[dict[str, Any]] = []
     for pool in MODE_POOLS[serve.spec.mode]:
-        objects += _pool_objects(serve, pool, getattr(target, pool), uid=uid, image=image)
+        objects += _pool_objects(serve, pool.value, target.pool(pool), uid=uid, image=image)
     objects += _router_objects(serve, target, uid=uid, image=image, draining=draining, profile=profile)
     for obj in objects:
         obj["metadata"].setdefault("annotations", {})[ANNOTATION_DESIRED_HASH] = object_hash(obj)

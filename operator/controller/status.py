@@ -36,9 +36,9 @@ from typing import Any
 
 from fulcrum.observation import ReadyCounts
 from fulcrum.ratio.feasibility import SLOInfeasible, condition_reason
-from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+from fulcrum.scaling.loop import LoopOutcome
+from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 
-from fulcrum.controller.loop import POOLS, LoopOutcome
 
 __all__ = [
     "CONDITION_TYPES",
@@ -103,11 +103,11 @@ def target_from_status(status: Mapping[str, Any] | None) -> ClusterTarget | None
     pools = (status or {}).get("pools")
     if not isinstance(pools, Mapping):
         return None
-    sizes: dict[str, PoolSize] = {}
+    sizes: dict[Pool, PoolSize] = {}
     try:
-        for name in POOLS:
-            p = pools.get(name) or {}
-            sizes[name] = PoolSize(int(p.get("desired", 0)), int(p.get("tp", 1)))
+        for pool in Pool:
+            p = pools.get(pool.value) or {}
+            sizes[pool] = PoolSize(int(p.get("desired", 0)), int(p.get("tp", 1)))
     except (TypeError, ValueError):
         return None
     routing = RoutingParams()
@@ -124,7 +124,7 @@ def target_from_status(status: Mapping[str, Any] | None) -> ClusterTarget | None
             )
         except (TypeError, ValueError):
             routing = RoutingParams()
-    return ClusterTarget(prefill=sizes["prefill"], decode=sizes["decode"], unified=sizes["unified"], routing=routing)
+    return ClusterTarget.of(sizes, routing)
 
 
 def routing_status(routing: RoutingParams) -> dict[str, Any]:
@@ -137,8 +137,7 @@ def routing_status(routing: RoutingParams) -> dict[str, Any]:
 
 def pools_status(target: ClusterTarget, ready: ReadyCounts) -> dict[str, dict[str, int]]:
     """``status.pools``: per pool ``{ready, desired, tp}``."""
-    return {name: {"ready": int(getattr(ready, name)), "desired": int(getattr(target, name).replicas),
-                   "tp": int(getattr(target, name).tp)} for name in POOLS}
+    return {p.value: {"ready": ready.of(p), "desired": size.replicas, "tp": size.tp} for p, size in target.pools()}
 
 
 def _num(x: Any) -> float | None:
@@ -164,11 +163,8 @@ def _forecast_status(outcome: LoopOutcome) -> dict[str, Any] | None:
 
 def slo_infeasibility(outcome: LoopOutcome) -> tuple[SLOInfeasible, ...] | None:
     """The SLO targets the plan found out of reach (empty: both can be met), or None when the planner does not
-    judge feasibility (no ``slo_infeasible`` in its inputs: the reference policies)."""
-    found = outcome.inputs.get("slo_infeasible")
-    if not isinstance(found, (tuple, list)):
-        return None
-    return tuple(f for f in found if isinstance(f, SLOInfeasible))
+    judge feasibility (the reference planners)."""
+    return outcome.numbers.slo_infeasible
 
 
 def _slo_condition(conds: list[dict[str, Any]], found: tuple[SLOInfeasible, ...], now: datetime) -> list[dict[str, Any]]:
@@ -178,17 +174,17 @@ def _slo_condition(conds: list[dict[str, Any]], found: tuple[SLOInfeasible, ...]
 
 
 def _plan_status(outcome: LoopOutcome, now: datetime) -> dict[str, Any]:
-    inp = outcome.inputs
+    n = outcome.numbers
     plan: dict[str, Any] = {"reason": outcome.reason[:1000], "time": rfc3339(now)}
-    for key, src in (("ratio", "ratio"), ("decodeConcurrency", "decode_concurrency"),
-                     ("expectedTtftSeconds", "expected_ttft_s"), ("gpus", "gpus")):
-        v = _num(inp.get(src))
+    for key, value in (("ratio", n.ratio), ("decodeConcurrency", n.decode_concurrency),
+                       ("expectedTtftSeconds", n.expected_ttft_s), ("gpus", n.gpus)):
+        v = _num(value)
         if v is not None:
             plan[key] = round(v, 4)
-    if isinstance(inp.get("mode"), str):
-        plan["mode"] = inp["mode"]
-    if isinstance(inp.get("feasible"), bool):
-        plan["feasible"] = inp["feasible"]
+    if n.mode is not None:
+        plan["mode"] = n.mode
+    if n.feasible is not None:
+        plan["feasible"] = n.feasible
     found = slo_infeasibility(outcome)
     if found:
         plan["sloInfeasible"] = [
@@ -239,11 +235,11 @@ def build_status(
         if generation is not None:
             status["observedGeneration"] = int(generation)
         return status
-    desired = {p: getattr(target, p).replicas for p in POOLS}
-    short = [p for p in POOLS if getattr(ready, p) < desired[p]]
+    desired = {p: target.pool(p).replicas for p in Pool}
+    short = [p.value for p in Pool if ready.of(p) < desired[p]]
     total_desired = sum(desired.values())
     is_ready = total_desired > 0 and not short
-    msg_pools = ", ".join(f"{p} {getattr(ready, p)}/{desired[p]}" for p in POOLS if desired[p] or getattr(ready, p))
+    msg_pools = ", ".join(f"{p} {ready.of(p)}/{desired[p]}" for p in Pool if desired[p] or ready.of(p))
     conds = set_condition(conds, "Ready", is_ready, "PoolsReady" if is_ready else "PoolsNotReady",
                           f"ready/desired: {msg_pools or 'no instances'}", now)
     progressing = bool(short) or bool(draining)
@@ -283,7 +279,7 @@ def build_status(
     status["pools"] = pools_status(target, ready)
     status["routing"] = routing_status(target.routing)
     # the scale subresource's statusReplicasPath: instances ready now, all pools (what an HPA reads as current)
-    status["replicas"] = int(sum(getattr(ready, p) for p in POOLS))
+    status["replicas"] = ready.total
     status["selector"] = selector
     status["draining"] = list(draining)
     if generation is not None:

@@ -147,6 +147,12 @@ class WorkloadForecaster:
         self._isl_shape: deque[float] = deque(maxlen=self.spec.window)  # E[ISL²]/E[ISL]² per interval
         self._cv2: deque[float] = deque(maxlen=self.spec.window)
 
+    @property
+    def ready(self) -> bool:
+        """Whether enough intervals were observed for the method (``WorkloadForecast.ready`` of the next
+        forecast), without forecasting."""
+        return self._rate_points >= self._required
+
     def observe(self, obs: Observation) -> None:
         """Add the observation of the interval that just ended (DOPD Alg. 2 line 7). Never raises on values.
 
@@ -198,5 +204,5 @@ class WorkloadForecaster:
             osl_quantiles=self.osl_distribution.forecast(osl.mean) if self._osl_points else (),
             isl_sq_mean=shape * isl.mean**2,
             arrival_cv2=sum(self._cv2) / len(self._cv2) if self._cv2 else 1.0,
-            ready=self._rate_points >= self._required,
+            ready=self.ready,
         )

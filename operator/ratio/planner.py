@@ -44,7 +44,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.queueing import batching_timeout, mean_wait, min_servers_for_ttft, wait_quantile
 from fulcrum.ratio.step_cost import StepCost
 from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
-from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 
 __all__ = [
     "PlannerSettings",
@@ -135,6 +135,8 @@ class Plan:
         gpus: GPUs the plan uses.
         feasible: False when the budget or the hardware cannot meet the SLOs for this load.
         notes: why a plan is infeasible or was adjusted, one line each.
+        need: the continuous instance need per pool of the mode (e.g. 2.4 instances) before rounding and the
+            budget, for the scaling policy's N/(N−1) scale-in check; pools left out are needed as planned.
         inputs: every number the plan came from, for status, events and reports.
         slo_infeasible: the SLO targets no instance count meets at these lengths (TTFT first), each with the
             best value the profile achieves; the plan is sized for those best values (module doc). Empty when
@@ -155,6 +157,7 @@ class Plan:
     gpus: int
     feasible: bool = True
     notes: tuple[str, ...] = ()
+    need: dict[Pool, float] = field(default_factory=dict)
     inputs: dict[str, Any] = field(default_factory=dict)
     slo_infeasible: tuple[SLOInfeasible, ...] = ()
 
@@ -379,6 +382,7 @@ def plan_disaggregated(
         gpus=n_p * tp_p + n_d * cap.tp,
         feasible=feasible,
         notes=tuple(notes),
+        need={Pool.PREFILL: n_p_need, Pool.DECODE: n_d_need},
         inputs=inputs,
         slo_infeasible=infeasible,
     )
@@ -521,6 +525,7 @@ def plan_unified(
         gpus=n * tp,
         feasible=not notes,
         notes=tuple(notes),
+        need={Pool.UNIFIED: float(need)},
         inputs=inputs,
         slo_infeasible=infeasible,
     )

@@ -27,7 +27,7 @@ from fulcrum.ratio.planner import PlannerSettings, ultra_short_threshold
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
 from fulcrum.scaling.fulcrum import forecast_dict
-from fulcrum.scaling.planner import Decision
+from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 
 __all__ = ["DopdPlanner"]
@@ -37,6 +37,7 @@ class DopdPlanner:
     """DOPD Alg. 2 (see module doc). Implements :class:`fulcrum.scaling.planner.Planner`."""
 
     name = "dopd"
+    horizon_steps = 1  # Alg. 2 plans for the next interval's point forecast
 
     def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile, *, settings: PlannerSettings | None = None) -> None:
         self.spec = spec
@@ -101,6 +102,9 @@ class DopdPlanner:
             target=target,
             reason=f"Alg. 2: R_opt={r_opt:.2f}, n_p={n_p}, n_d={n_d} for r_next={r_next:.1f}",
             forecast=forecast_dict(fc),
-            inputs={"r_next": r_next, "i_next": i_next, "o_next": o_next, "ttft_next_s": ttft_next,
-                    "tpot_next_s": tpot_next, "cc_max": cc_max, "ratio": r_opt, "rate_rps": rate},
+            numbers=PlanNumbers(
+                mode="Disaggregated", ratio=float(r_opt), decode_concurrency=float(cc_max), gpus=target.gpus,
+                detail={"r_next": r_next, "i_next": i_next, "o_next": o_next, "ttft_next_s": ttft_next,
+                        "tpot_next_s": tpot_next, "cc_max": cc_max, "rate_rps": rate},
+            ),
         )

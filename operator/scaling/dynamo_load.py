@@ -54,11 +54,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fulcrum.api.llmserve import LLMServeSpec
+from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.dynamo_sla import clamp_to_gpu_budget, decode_best_batch, pick_tp
-from fulcrum.scaling.planner import Decision
-from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.scaling.planner import Decision, PlanNumbers
+from fulcrum.target import ClusterTarget, Pool, PoolSize
 
 __all__ = ["DynamoLoadSettings", "DynamoLoadPlanner", "PoolMove", "load_move"]
 
@@ -161,10 +162,13 @@ class DynamoLoadPlanner:
     Attributes:
         name: ``"dynamo-load"``.
         tick_s: ``settings.tick_s`` (5 s).
+        forecaster: None; horizon_steps: 1 (it does not forecast).
     """
 
     def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile, settings: DynamoLoadSettings | None = None) -> None:
         self.name = "dynamo-load"
+        self.forecaster: WorkloadForecaster | None = None  # load-based: reacts to what it sees, no forecast
+        self.horizon_steps = 1
         self._settings = settings or DynamoLoadSettings()
         self.tick_s = float(self._settings.tick_s)
         self._spec = spec
@@ -177,7 +181,7 @@ class DynamoLoadPlanner:
         clamp_to_gpu_budget(1, 1, self._tp_p, self._tp_d, 0, self._max_gpus, self._settings.min_endpoint)
         self._isl = 0.0  # last mean ISL seen, tokens (Dynamo: cluster-averaged last_isl)
         self._osl = 0.0
-        self._pending: dict[str, tuple[int, float]] = {}  # pool → (replicas asked for, since time_s)
+        self._pending: dict[Pool, tuple[int, float]] = {}  # pool → (replicas asked for, since time_s)
 
     def initial(self) -> ClusterTarget:
         """The starting pools: ``spec.scaling.initial_prefill/initial_decode`` (≥ ``min_endpoint``) in budget."""
@@ -198,18 +202,18 @@ class DynamoLoadPlanner:
         if current.prefill.tp != self._tp_p or current.decode.tp != self._tp_d or self._out_of_budget(n_p, n_d):
             return self._reconcile(obs, current)
 
-        busy = {pool: self._in_progress(pool, obs, current) for pool in ("prefill", "decode")}
+        busy = {pool: self._in_progress(pool, obs, current) for pool in Pool.disaggregated()}
         p_target, p_note = self._prefill_target()
         d_target, d_note = self._decode_target()
         sens, floor = self._settings.scale_down_sensitivity, self._settings.min_endpoint
         p_move = load_move(self._prefill_load(obs, n_p), p_target, n_p, sens, floor)
         d_move = load_move(self._decode_load(obs, n_d), d_target, n_d, sens, floor)
-        dp = 0 if busy["prefill"] else p_move.delta
-        dd = 0 if busy["decode"] else d_move.delta
+        dp = 0 if busy[Pool.PREFILL] else p_move.delta
+        dd = 0 if busy[Pool.DECODE] else d_move.delta
 
         dp, dd, held = self._fit_budget(n_p, n_d, dp, dd)
         new_p, new_d = n_p + dp, n_d + dd
-        for pool, delta, new in (("prefill", dp, new_p), ("decode", dd, new_d)):
+        for pool, delta, new in ((Pool.PREFILL, dp, new_p), (Pool.DECODE, dd, new_d)):
             if delta != 0:
                 self._pending[pool] = (new, obs.time_s)
         target = ClusterTarget(
@@ -218,8 +222,8 @@ class DynamoLoadPlanner:
         assert target.gpus <= self._max_gpus and abs(dp) <= 1 and abs(dd) <= 1
         reason = "dynamo-load: " + "; ".join(
             [
-                self._describe("prefill", n_p, new_p, p_move, busy["prefill"], p_note),
-                self._describe("decode", n_d, new_d, d_move, busy["decode"], d_note),
+                self._describe("prefill", n_p, new_p, p_move, busy[Pool.PREFILL], p_note),
+                self._describe("decode", n_d, new_d, d_move, busy[Pool.DECODE], d_note),
                 *held,
             ]
         )
@@ -230,15 +234,15 @@ class DynamoLoadPlanner:
             "decode_kv_load": d_move.load,
             "decode_target": d_move.target,
             "decode_boundary": d_move.boundary,
-            "prefill_in_progress": busy["prefill"],
-            "decode_in_progress": busy["decode"],
+            "prefill_in_progress": busy[Pool.PREFILL],
+            "decode_in_progress": busy[Pool.DECODE],
             "isl": self._isl,
             "osl": self._osl,
             "thresholds": self._settings.thresholds,
             "tp_p": self._tp_p,
             "tp_d": self._tp_d,
         }
-        return Decision(time_s=obs.time_s, target=target, reason=reason, inputs=inputs)
+        return Decision(time_s=obs.time_s, target=target, reason=reason, numbers=PlanNumbers(detail=inputs))
 
     # -- signals and targets -----------------------------------------------------------------------------
 
@@ -281,13 +285,13 @@ class DynamoLoadPlanner:
 
     # -- blocking scaling and budget ---------------------------------------------------------------------
 
-    def _in_progress(self, pool: str, obs: Observation, current: ClusterTarget) -> bool:
+    def _in_progress(self, pool: Pool, obs: Observation, current: ClusterTarget) -> bool:
         """Dynamo's blocking scale: observe only until the pool's ready count reaches what was asked."""
         if pool not in self._pending:
             return False
         want, since = self._pending[pool]
-        now_target = current.prefill.replicas if pool == "prefill" else current.decode.replicas
-        ready = obs.ready.prefill if pool == "prefill" else obs.ready.decode
+        now_target = current.pool(pool).replicas
+        ready = obs.ready.of(pool)
         if now_target != want or ready == want or obs.time_s - since >= self._settings.max_scaling_wait_s:
             del self._pending[pool]
             return False
@@ -301,23 +305,23 @@ class DynamoLoadPlanner:
         """
         used = n_p * self._tp_p + n_d * self._tp_d
         held: list[str] = []
-        moves = {"prefill": dp, "decode": dd}
-        tps = {"prefill": self._tp_p, "decode": self._tp_d}
-        for pool in ("prefill", "decode"):
+        moves = {Pool.PREFILL: dp, Pool.DECODE: dd}
+        tps = {Pool.PREFILL: self._tp_p, Pool.DECODE: self._tp_d}
+        for pool in Pool.disaggregated():
             if moves[pool] < 0:
                 if used - tps[pool] < self._min_gpus:
                     moves[pool] = 0
                     held.append(f"{pool} scale-in held by minGPUs={self._min_gpus}")
                 else:
                     used -= tps[pool]
-        for pool in ("prefill", "decode"):
+        for pool in Pool.disaggregated():
             if moves[pool] > 0:
                 if used + tps[pool] > self._max_gpus:
                     moves[pool] = 0
                     held.append(f"{pool} scale-out held by maxGPUs={self._max_gpus}")
                 else:
                     used += tps[pool]
-        return moves["prefill"], moves["decode"], held
+        return moves[Pool.PREFILL], moves[Pool.DECODE], held
 
     def _out_of_budget(self, n_p: int, n_d: int) -> bool:
         m = self._settings.min_endpoint
@@ -335,7 +339,7 @@ class DynamoLoadPlanner:
             time_s=obs.time_s,
             target=target,
             reason=f"dynamo-load: reconcile to the GPU budget / TPs ({n_p} P × TP{self._tp_p}, {n_d} D × TP{self._tp_d})",
-            inputs={"tp_p": self._tp_p, "tp_d": self._tp_d},
+            numbers=PlanNumbers(detail={"tp_p": self._tp_p, "tp_d": self._tp_d}),
         )
 
     @staticmethod

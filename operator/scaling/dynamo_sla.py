@@ -78,10 +78,11 @@ from typing import Any, Literal, Protocol
 
 from fulcrum.api.llmserve import LLMServeSpec
 from fulcrum.errors import PlanningError
+from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.capacity import slo_batch_limit
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.scaling.planner import Decision
+from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.target import ClusterTarget, PoolSize
 
 __all__ = [
@@ -341,6 +342,8 @@ class DynamoSlaPlanner:
     Attributes:
         name: ``"dynamo-sla"``.
         tick_s: the adjustment interval, ``spec.scaling.interval_seconds`` (Dynamo's default is 180 s).
+        forecaster: None (its load predictors are Dynamo's, not a :class:`WorkloadForecaster`).
+        horizon_steps: 1 (the predictors forecast the next interval).
     """
 
     def __init__(
@@ -352,6 +355,8 @@ class DynamoSlaPlanner:
     ) -> None:
         self.name = "dynamo-sla"
         self.tick_s = float(spec.scaling.interval_seconds)
+        self.forecaster: WorkloadForecaster | None = None  # Dynamo's own load predictors, fitted on what it sees
+        self.horizon_steps = 1  # they predict the next interval
         self._spec = spec
         self._profile = profile
         self._settings = settings or DynamoSlaSettings()
@@ -406,7 +411,7 @@ class DynamoSlaPlanner:
                 target=self._keep(current),
                 reason="dynamo-sla: no valid metrics this interval (no requests or no TTFT/ITL); adjustment skipped",
                 forecast=forecast,
-                inputs={"num_req": num_req, "isl": isl, "osl": osl, "ttft_s": ttft, "itl_s": itl},
+                numbers=PlanNumbers(detail={"num_req": num_req, "isl": isl, "osl": osl, "ttft_s": ttft, "itl_s": itl}),
             )
         if self._settings.correction:
             self._update_corrections(obs, current, isl, osl, ttft, itl)
@@ -520,4 +525,5 @@ class DynamoSlaPlanner:
             prefill=PoolSize(n_p, self._tp_p), decode=PoolSize(n_d, self._tp_d), routing=current.routing
         )
         assert target.gpus <= self._max_gpus
-        return Decision(time_s=obs.time_s, target=target, reason=reason, forecast=forecast, inputs=inputs)
+        numbers = PlanNumbers(mode="Disaggregated", ratio=n_p / n_d if n_d else math.nan, gpus=target.gpus, detail=inputs)
+        return Decision(time_s=obs.time_s, target=target, reason=reason, forecast=forecast, numbers=numbers)

@@ -35,9 +35,9 @@ from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan, plan_disaggregated, plan_unified
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.mode import ModeName, ModeState, ModeSwitchSettings, decide_mode, other_mode
-from fulcrum.scaling.planner import Decision
+from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy, reactive_pools
-from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.target import ClusterTarget, Pool, PoolSize
 
 __all__ = [
     "FulcrumPlanner", "workload_from_forecast", "workload_from_observation", "forecast_dict", "residual_quantile",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: The pools each serving mode runs.
-MODE_POOLS: dict[ModeName, tuple[str, ...]] = {"Disaggregated": ("prefill", "decode"), "Unified": ("unified",)}
+MODE_POOLS: dict[ModeName, tuple[Pool, ...]] = {"Disaggregated": Pool.disaggregated(), "Unified": (Pool.UNIFIED,)}
 
 
 def residual_quantile(residuals: "deque[float] | list[float]", q: float) -> float:
@@ -89,14 +89,13 @@ def forecast_dict(fc: WorkloadForecast) -> dict[str, dict[str, float]]:
     return out
 
 
-def plan_inputs(p: Plan) -> dict[str, Any]:
-    """The numbers of a plan as a flat mapping for decisions, status and reports."""
-    d: dict[str, Any] = dict(p.inputs)
-    d.update(
+def plan_numbers(p: Plan, **detail: object) -> PlanNumbers:
+    """The numbers of a plan for decisions, status and reports; ``detail`` adds to the plan's own inputs."""
+    return PlanNumbers(
         mode=p.mode, ratio=p.ratio, balanced_ratio=p.balanced_ratio, decode_concurrency=p.decode_concurrency,
-        expected_ttft_s=p.expected_ttft_s, gpus=p.gpus, feasible=p.feasible, notes=list(p.notes),
+        expected_ttft_s=p.expected_ttft_s, gpus=p.gpus, feasible=p.feasible, slo_infeasible=p.slo_infeasible,
+        notes=p.notes, detail={**{k: v for k, v in p.inputs.items() if k != "slo_infeasible"}, **detail},
     )
-    return d
 
 
 class FulcrumPlanner:
@@ -270,7 +269,7 @@ class FulcrumPlanner:
             utilisation=_needs(p),
         )
         reason = "; ".join(reasons) if reasons else "hold"
-        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, inputs=plan_inputs(p))
+        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=plan_numbers(p))
 
     def _step_auto(
         self, obs: Observation, current: ClusterTarget, plans: dict[ModeName, Plan], fc: dict[str, dict[str, float]],
@@ -280,10 +279,10 @@ class FulcrumPlanner:
         state = self._mode or ModeState(serving="Unified" if current.unified.replicas else "Disaggregated")
         serving = state.serving
         to = state.switching_to
-        new_ready = to is not None and sum(getattr(current, n).replicas for n in MODE_POOLS[to]) > 0 and all(
-            getattr(obs.ready, n) >= getattr(current, n).replicas for n in MODE_POOLS[to]
+        new_ready = to is not None and sum(current.pool(n).replicas for n in MODE_POOLS[to]) > 0 and all(
+            obs.ready.of(n) >= current.pool(n).replicas for n in MODE_POOLS[to]
         )
-        serving_gpus = sum(getattr(current, n).gpus for n in MODE_POOLS[serving])
+        serving_gpus = sum(current.pool(n).gpus for n in MODE_POOLS[serving])
         other = other_mode(serving)
         md = decide_mode(
             state, now_s=obs.time_s,
@@ -303,38 +302,34 @@ class FulcrumPlanner:
             # make-before-break: the serving pools may grow but not shrink; the new mode's pools start
             new_mode = md.state.switching_to
             assert new_mode is not None
-            pools = {n: _at_least(getattr(p.target(), n), getattr(current, n)) for n in MODE_POOLS[serving]}
-            pools.update({n: getattr(plans[new_mode].target(), n) for n in MODE_POOLS[new_mode]})
-            planned = ClusterTarget(routing=p.routing, **pools)
+            pools = {n: _at_least(p.target().pool(n), current.pool(n)) for n in MODE_POOLS[serving]}
+            pools.update({n: plans[new_mode].target().pool(n) for n in MODE_POOLS[new_mode]})
+            planned = ClusterTarget.of(pools, p.routing)
             needs = {**{n: _needs(plans[new_mode])[n] for n in MODE_POOLS[new_mode]},
                      **{n: _needs(p)[n] for n in MODE_POOLS[serving]}}
         else:
             planned, needs = p.target(), _needs(p)
             if md.phase == "cut-over":  # the new pools do not shrink in the tick they take over
-                planned = ClusterTarget(
-                    routing=p.routing,
-                    **{n: _at_least(getattr(planned, n), getattr(current, n)) for n in MODE_POOLS[now_serving]},
-                )
+                planned = ClusterTarget.of(
+                    {n: _at_least(planned.pool(n), current.pool(n)) for n in MODE_POOLS[now_serving]}, p.routing)
         nxt, self._state, reasons = apply_scaling_policy(
             planned, current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling, utilisation=needs
         )
         if md.phase == "cut-over":  # the old mode's pools drain now: the new ones are ready
-            nxt = ClusterTarget(routing=nxt.routing, **{
-                n: (PoolSize(0, getattr(nxt, n).tp) if n in MODE_POOLS[serving] else getattr(nxt, n))
-                for n in ("prefill", "decode", "unified")
-            })
+            nxt = ClusterTarget.of(
+                {n: (PoolSize(0, size.tp) if n in MODE_POOLS[serving] else size) for n, size in nxt.pools()},
+                nxt.routing)
         reasons = [md.reason] + reasons if md.phase != "steady" else reasons
         reason = "; ".join(reasons) if reasons else "hold"
-        inputs = plan_inputs(p)
-        inputs.update(mode_phase=md.phase, mode_serving=now_serving, mode_reason=md.reason,
-                      gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
-        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, inputs=inputs)
+        numbers = plan_numbers(p, mode_phase=md.phase, mode_serving=now_serving, mode_reason=md.reason,
+                               gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
+        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=numbers)
 
 
-def _needs(p: Plan) -> dict[str, float]:
+def _needs(p: Plan) -> dict[Pool, float]:
     """Continuous instance needs per pool of a plan (for the N/(N−1) check)."""
-    keys = {"prefill": "prefill_need", "decode": "decode_need", "unified": "unified_need"}
-    return {n: float(p.inputs.get(k, getattr(p, n).replicas)) for n, k in keys.items()}
+    planned = p.target()
+    return {n: float(p.need.get(n, planned.pool(n).replicas)) for n in Pool}
 
 
 def _at_least(want: PoolSize, have: PoolSize) -> PoolSize:

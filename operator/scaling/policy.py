@@ -24,14 +24,12 @@ below what any of them asked for, so plan noise shorter than the window cannot m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fulcrum.observation import Observation
-from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.target import ClusterTarget, Pool, PoolSize
 
-__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "reactive_pools", "POOLS"]
-
-POOLS: tuple[str, ...] = ("prefill", "decode", "unified")
+__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "reactive_pools"]
 
 
 @dataclass(frozen=True)
@@ -64,27 +62,27 @@ class ScalingState:
     """What the policy remembers between ticks (per pool): recent planned counts, the last scale-in time and the
     ready count."""
 
-    recent: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
-    last_scale_in_s: dict[str, float] = field(default_factory=dict)
-    ready: dict[str, int] = field(default_factory=dict)
+    recent: dict[Pool, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    last_scale_in_s: dict[Pool, float] = field(default_factory=dict)
+    ready: dict[Pool, int] = field(default_factory=dict)
     """Ready instances per pool at the last tick (a pool that gained ready instances since has capacity the
     last interval's attainment did not see yet)."""
 
 
-def reactive_pools(obs: Observation, s: ScalingSettings) -> set[str]:
+def reactive_pools(obs: Observation, s: ScalingSettings) -> set[Pool]:
     """Pools the reactive guard would grow after ``obs`` (see the module doc): TTFT missed with prompts queued,
     or a prompt backlog larger than an interval's arrivals → prefill/unified; TPOT missed, or decode work queued
     with the KV cache nearly full → decode/unified. Empty when the SLO holds."""
-    pools: set[str] = set()
+    pools: set[Pool] = set()
     enough = obs.completed >= s.reactive_min_samples
     ttft_bad = enough and math.isfinite(obs.ttft_attainment) and obs.ttft_attainment < s.slo_target
     tpot_bad = enough and math.isfinite(obs.tpot_attainment) and obs.tpot_attainment < s.slo_target
     if (ttft_bad and obs.prefill_queue > 0) or obs.prefill_queue > max(obs.arrivals, 1):
-        pools |= {"prefill", "unified"}
+        pools |= {Pool.PREFILL, Pool.UNIFIED}
     if (tpot_bad or obs.decode_queue > 0) and (tpot_bad or obs.kv_utilisation > 0.9):
-        pools |= {"decode", "unified"}
+        pools |= {Pool.DECODE, Pool.UNIFIED}
     if ttft_bad and not pools:
-        pools |= {"unified"}
+        pools |= {Pool.UNIFIED}
     return pools
 
 
@@ -96,7 +94,7 @@ def apply_scaling_policy(
     obs: Observation,
     state: ScalingState,
     settings: ScalingSettings,
-    utilisation: dict[str, float] | None = None,
+    utilisation: dict[Pool, float] | None = None,
 ) -> tuple[ClusterTarget, ScalingState, list[str]]:
     """The next target from this tick's plan (see module doc).
 
@@ -117,11 +115,11 @@ def apply_scaling_policy(
     reactive = reactive_pools(obs, settings)
     recent = dict(state.recent)
     last_in = dict(state.last_scale_in_s)
-    pools: dict[str, PoolSize] = {}
+    pools: dict[Pool, PoolSize] = {}
     reasons: list[str] = []
-    for name in POOLS:
-        want: PoolSize = getattr(planned, name)
-        have: PoolSize = getattr(current, name)
+    for name in Pool:
+        want = planned.pool(name)
+        have = current.pool(name)
         # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last
         # max(hysteresis_ticks intervals, cooldown) seconds; a scale-in goes no lower than the highest of them.
         window_s = max(settings.hysteresis_ticks * obs.interval_s, settings.cooldown_s)
@@ -142,7 +140,7 @@ def apply_scaling_policy(
         # instance of the pool is ready, or the guard would add instances every tick of a pod start-up.
         # Likewise when instances became ready during the last interval: the miss it measured was served partly
         # without them (a backlog from before they were ready drains now).
-        ready_now = int(getattr(obs.ready, name))
+        ready_now = obs.ready.of(name)
         starting = ready_now < n or ready_now > state.ready.get(name, ready_now)
         if name in reactive and n > 0 and not starting:
             grow = max(1, math.ceil(settings.reactive_growth * n))
@@ -170,18 +168,10 @@ def apply_scaling_policy(
                 last_in[name] = now_s
                 continue
         pools[name] = have
-    nxt = ClusterTarget(prefill=pools["prefill"], decode=pools["decode"], unified=pools["unified"], routing=planned.routing)
+    nxt = ClusterTarget.of(pools, planned.routing)
     nxt = _within_budget(nxt, current, settings.max_gpus)
-    ready = {name: int(getattr(obs.ready, name)) for name in POOLS}
+    ready = {name: obs.ready.of(name) for name in Pool}
     return nxt, ScalingState(recent=recent, last_scale_in_s=last_in, ready=ready), reasons
-
-
-def _with_pool(t: ClusterTarget, name: str, pool: PoolSize) -> ClusterTarget:
-    if name == "prefill":
-        return replace(t, prefill=pool)
-    if name == "decode":
-        return replace(t, decode=pool)
-    return replace(t, unified=pool)
 
 
 def _within_budget(nxt: ClusterTarget, current: ClusterTarget, max_gpus: int) -> ClusterTarget:
@@ -190,15 +180,14 @@ def _within_budget(nxt: ClusterTarget, current: ClusterTarget, max_gpus: int) ->
     Pools that did not grow are left alone: the planner already fits its plans to the budget.
     """
 
-    def grew(name: str) -> bool:
-        a, b = getattr(nxt, name), getattr(current, name)
-        return bool(a.replicas > (b.replicas if a.tp == b.tp else 0))
+    def grew(pool: Pool) -> bool:
+        a, b = nxt.pool(pool), current.pool(pool)
+        return a.replicas > (b.replicas if a.tp == b.tp else 0)
 
     while nxt.gpus > max_gpus:
-        growers = [n for n in POOLS if grew(n)]
+        growers = [p for p in Pool if grew(p)]
         if not growers:
             break
-        name = max(growers, key=lambda n: int(getattr(nxt, n).gpus))
-        pool: PoolSize = getattr(nxt, name)
-        nxt = _with_pool(nxt, name, PoolSize(pool.replicas - 1, pool.tp))
+        name = max(growers, key=lambda p: nxt.pool(p).gpus)
+        nxt = nxt.with_replicas(name, nxt.pool(name).replicas - 1)
     return nxt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode
+from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.planner import PlannerSettings, ultra_short_threshold
@@ -19,6 +20,8 @@ class StaticPlanner:
     smallest TP of the profile that holds the model). Implements :class:`fulcrum.scaling.planner.Planner`."""
 
     name = "static"
+    forecaster: WorkloadForecaster | None = None  # never forecasts
+    horizon_steps = 1
 
     def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile) -> None:
         self.spec = spec

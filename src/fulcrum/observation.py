@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fulcrum.target import Pool
+
 __all__ = ["QUANTILE_LEVELS", "Observation", "ReadyCounts"]
 
 #: Quantile levels of the ISL/OSL distributions carried in observations and forecasts.
@@ -24,6 +26,19 @@ class ReadyCounts:
     prefill: int = 0
     decode: int = 0
     unified: int = 0
+
+    def of(self, pool: Pool) -> int:
+        """Ready instances of ``pool``."""
+        if pool is Pool.PREFILL:
+            return self.prefill
+        if pool is Pool.DECODE:
+            return self.decode
+        return self.unified
+
+    @property
+    def total(self) -> int:
+        """Ready instances in all pools."""
+        return self.prefill + self.decode + self.unified
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,41 @@
 """What the planner asks the cluster to become: pool sizes and the router's split-policy parameters.
 
 Both the operator (Deployments and the router ConfigMap) and the simulator (in ``fulcrum replay``) apply a
-:class:`ClusterTarget`.
+:class:`ClusterTarget`. Pools are named by :class:`Pool`, never by string: ``target.pool(Pool.DECODE)``,
+``target.with_pool(Pool.DECODE, size)``, ``for pool in Pool``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
 
-__all__ = ["PoolSize", "RoutingParams", "ClusterTarget", "role_bounds"]
+__all__ = ["Pool", "PoolSize", "RoutingParams", "ClusterTarget", "role_bounds"]
+
+
+class Pool(str, Enum):
+    """The three worker pools of an LLMServe (iteration order: prefill, decode, unified).
+
+    - ``PREFILL``: prefill-only instances (Disaggregated mode; vLLM ``kv_producer``);
+    - ``DECODE``: decode instances that also prefill ultra-short prompts locally (``kv_consumer``);
+    - ``UNIFIED``: instances doing chunked prefill and decode (Unified mode; ``kv_both``).
+
+    A ``str`` enum: ``Pool.DECODE == "decode"``, and ``str(pool)`` is its value (labels, status keys, metrics).
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNIFIED = "unified"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def disaggregated(cls) -> tuple[Pool, Pool]:
+        """The pools of Disaggregated mode: (PREFILL, DECODE)."""
+        return cls.PREFILL, cls.DECODE
 
 
 @dataclass(frozen=True)
@@ -70,6 +96,45 @@ class ClusterTarget:
     def gpus(self) -> int:
         """GPUs all pools use."""
         return self.prefill.gpus + self.decode.gpus + self.unified.gpus
+
+    def pool(self, pool: Pool) -> PoolSize:
+        """The size of ``pool``."""
+        if pool is Pool.PREFILL:
+            return self.prefill
+        if pool is Pool.DECODE:
+            return self.decode
+        return self.unified
+
+    def with_pool(self, pool: Pool, size: PoolSize) -> ClusterTarget:
+        """A copy with ``pool`` set to ``size`` (routing and the other pools kept)."""
+        if pool is Pool.PREFILL:
+            return replace(self, prefill=size)
+        if pool is Pool.DECODE:
+            return replace(self, decode=size)
+        return replace(self, unified=size)
+
+    def with_replicas(self, pool: Pool, replicas: int) -> ClusterTarget:
+        """A copy with ``pool``'s instance count set to ``replicas`` (its TP kept).
+
+        Raises:
+            ValueError: ``replicas`` < 0.
+        """
+        return self.with_pool(pool, PoolSize(replicas, self.pool(pool).tp))
+
+    def pools(self) -> Iterator[tuple[Pool, PoolSize]]:
+        """``(pool, size)`` for every pool, in :class:`Pool` order."""
+        return ((p, self.pool(p)) for p in Pool)
+
+    def same_pools(self, other: ClusterTarget) -> bool:
+        """Whether ``other`` has the same pool sizes and TPs (routing parameters not compared)."""
+        return all(self.pool(p) == other.pool(p) for p in Pool)
+
+    @classmethod
+    def of(cls, pools: Mapping[Pool, PoolSize], routing: RoutingParams | None = None) -> ClusterTarget:
+        """A target from ``pool → size`` (pools left out are empty) and the routing parameters (default ones)."""
+        empty = PoolSize()
+        return cls(prefill=pools.get(Pool.PREFILL, empty), decode=pools.get(Pool.DECODE, empty),
+                   unified=pools.get(Pool.UNIFIED, empty), routing=routing or RoutingParams())
 
 
 def role_bounds(instances: int, prefill_share: float | None, spread: float = 2.0) -> tuple[int, int, int, int]:

@@ -22,7 +22,8 @@ pytest.importorskip("prometheus_api_client")
 from prometheus_api_client import PrometheusConnect  # noqa: E402
 from prometheus_client import start_http_server  # noqa: E402
 
-from fulcrum.controller.observe import Q_ARRIVALS, ObservationError, PrometheusObserver, Selectors  # noqa: E402
+from fulcrum.cluster import ObservationError  # noqa: E402
+from fulcrum.controller.observe import Q_ARRIVALS, PrometheusObserver, Selectors  # noqa: E402
 from fulcrum.observation import ReadyCounts  # noqa: E402
 from fulcrum.router.metrics import RouterMetrics  # noqa: E402
 

@@ -179,11 +179,11 @@ def test_replay_json_for_one_policy_scores_it_on_the_window(capsys: pytest.Captu
 def test_replay_compare_json_scores_every_policy_and_writes_the_report(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from fulcrum.replay.driver import POLICIES
+    from fulcrum.scaling.registry import PLANNERS
 
     report = tmp_path / "report"
     data = run_json(capsys, [*REPLAY, "--compare", "--json", "--report", str(report)])
-    check_policies(data, set(POLICIES) | {"static-best"})
+    check_policies(data, set(PLANNERS) | {"static-best"})
     best = data["static_best"]
     assert best["target_attainment"] == data["policies"]["fulcrum"]["slo_attainment"]
     assert best["reached"] == (data["policies"]["static-best"]["slo_attainment"] >= best["target_attainment"])

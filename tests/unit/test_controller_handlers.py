@@ -1,4 +1,9 @@
-"""The operator's handlers against a FAKE Kubernetes API at the HTTP layer (tests/fakes/fake_kube_api.py).
+"""The operator's Kubernetes adapter against a FAKE Kubernetes API at the HTTP layer (tests/fakes/fake_kube_api.py).
+
+What is tested here is what the adapter does in Kubernetes: objects applied, replicas reverted, Events, status
+conditions, metrics, the drain protocol through the router ConfigMap and pod-deletion cost, kopf wiring. The
+control loop's own rules (hold when blind, the external replica owner, drain before scale-in, the planner the spec
+names) are tested on the in-memory cluster (tests/unit/test_control_loop.py).
 
 The handler methods of :class:`fulcrum.controller.handlers.Controller` are called directly (the kopf wrappers
 only forward to them; ``test_kopf_*`` checks the wiring); every Kubernetes call goes through the real
@@ -25,7 +30,9 @@ from kubernetes import config as kconfig
 
 from fakes.fake_kube_api import FakeKubeApi
 from fulcrum.controller.apply import KubeClient
-from fulcrum.controller.handlers import Controller, ControllerSettings, register
+from fulcrum.cluster import Cluster, ObservationError
+from fulcrum.controller.handlers import Controller, ControllerSettings, KubernetesCluster, register
+from fulcrum.target import Pool
 from fulcrum.controller.metrics import OperatorMetrics
 from fulcrum.controller.observe import ALL_QUERIES
 
@@ -668,3 +675,46 @@ async def test_a_drain_that_fails_is_logged_and_reported_and_the_pool_keeps_its_
     assert d["status"] == "True" and "drain failed: RuntimeError: a bug in the drain" in d["message"]
     assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] == n  # type: ignore[index]
     assert "drain of prefill failed unexpectedly" in caplog.text
+
+
+async def test_the_kubernetes_adapter_is_a_cluster_over_the_deployments_and_prometheus(
+        api: FakeKubeApi, kube: KubeClient) -> None:
+    seed(api)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    c = make_controller(kube, prom, clock=clock)
+    await c.reconcile(live(api))
+    rt = c.runtimes[f"{NS}/{NAME}"]
+    cluster = KubernetesCluster(c, rt, live(api), asyncio.get_running_loop())
+    assert isinstance(cluster, Cluster)
+    ready = await asyncio.to_thread(cluster.ready)
+    assert ready.prefill == api.get("deployments", NS, "llama-prefill")["status"]["readyReplicas"]  # type: ignore[index]
+    obs = await asyncio.to_thread(cluster.observe, 10.0)
+    assert obs.rate_rps == pytest.approx(20.0) and obs.ready == ready
+    bigger = rt.applied.with_replicas(Pool.PREFILL, rt.applied.prefill.replicas + 2)
+    await asyncio.to_thread(cluster.apply, bigger, "test: two more")
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] == bigger.prefill.replicas  # type: ignore[index]
+    assert cluster.draining() == {}
+    blind = KubernetesCluster(make_controller(kube, url=None), rt, live(api), asyncio.get_running_loop())
+    rt.observer = None
+    with pytest.raises(ObservationError, match="no Prometheus configured"):
+        blind.observe(10.0)
+
+
+async def test_an_api_failing_during_an_intervals_apply_raises_from_the_interval_and_the_next_one_applies(
+        api: FakeKubeApi, kube: KubeClient) -> None:
+    from fulcrum.controller.apply import KubeApiError
+
+    seed(api)
+    clock = Clock()
+    c = make_controller(kube, FakePrometheus(rate=20.0), clock=clock)
+    await c.reconcile(live(api))
+    before = api.get("deployments", NS, "llama-prefill")["spec"]["replicas"]  # type: ignore[index]
+    api.fail("PATCH", "/deployments/llama-prefill", 500, times=5)  # all five attempts of the client
+    clock.t += 10
+    with pytest.raises(KubeApiError):
+        await c.interval(live(api))  # raised in the interval's thread, re-raised here (the daemon logs it)
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] == before  # type: ignore[index]
+    clock.t += 10
+    assert await c.interval(live(api)) is True
+    assert api.get("deployments", NS, "llama-prefill")["spec"]["replicas"] > before  # type: ignore[index]

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import requests
 
+from fulcrum.cluster import ObservationError
 from fulcrum.controller.observe import (
     ALL_QUERIES,
-    ObservationError,
     PrometheusObserver,
     Selectors,
     histogram_quantile,

@@ -6,10 +6,11 @@ import math
 from datetime import datetime, timedelta, timezone
 
 from fulcrum.api.crd import PRINTER_COLUMNS
-from fulcrum.controller.loop import LoopOutcome
+from fulcrum.scaling.loop import LoopOutcome
+from fulcrum.scaling.planner import PlanNumbers
 from fulcrum.controller.status import build_status, get_condition, set_condition, target_from_status
 from fulcrum.observation import Observation, ReadyCounts
-from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 
 T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=timezone.utc)
 TARGET = ClusterTarget(prefill=PoolSize(4, 1), decode=PoolSize(2, 2),
@@ -23,11 +24,11 @@ def outcome(observed: bool = True, att: float = 0.95) -> LoopOutcome:
     if not observed:
         return LoopOutcome(target=TARGET, reason="hold: no observation", observed=False, degraded="Prometheus down")
     return LoopOutcome(target=TARGET, reason="prefill: 1→4 (forecast needs 4)", observed=True,
-                       changes={"prefill": (1, 4)},
+                       changes={Pool.PREFILL: (1, 4)},
                        forecast={"rate": {"mean": 10.0, "lower": 8.0, "upper": 12.5}, "isl": {"mean": 1000.0},
                                  "osl": {"mean": 150.0}},
-                       inputs={"ratio": 4.58, "decode_concurrency": 235.0, "expected_ttft_s": 0.8, "gpus": 8,
-                               "mode": "Disaggregated", "feasible": True},
+                       numbers=PlanNumbers(ratio=4.58, decode_concurrency=235.0, expected_ttft_s=0.8, gpus=8,
+                                           mode="Disaggregated", feasible=True),
                        observation=o, forecast_ready=True)
 
 
@@ -113,7 +114,7 @@ def test_an_unreachable_slo_target_sets_slo_feasible_false_with_the_numbers() ->
     from fulcrum.ratio.feasibility import SLOInfeasible
 
     tpot = SLOInfeasible("tpot", target_s=0.08, best_s=0.0902, at_isl=14000, at_osl=2000, tp=2, planned_for_s=0.0992)
-    bad = replace(outcome(), inputs={**outcome().inputs, "feasible": False, "slo_infeasible": (tpot,)})
+    bad = replace(outcome(), numbers=replace(outcome().numbers, feasible=False, slo_infeasible=(tpot,)))
     st = build_status(previous=None, generation=1, target=TARGET, ready=ReadyCounts(4, 2, 0), selector="s", now=T0,
                       outcome=bad)
     c = get_condition(st["conditions"], "SLOFeasible")
@@ -121,7 +122,7 @@ def test_an_unreachable_slo_target_sets_slo_feasible_false_with_the_numbers() ->
     assert "TPOT target 80 ms" in c["message"] and "90.2 ms" in c["message"] and "ISL 14000" in c["message"]
     assert st["plan"]["sloInfeasible"] == [{"metric": "tpot", "targetSeconds": 0.08, "bestSeconds": 0.0902,
                                             "atIsl": 14000, "atOsl": 2000, "tp": 2, "plannedForSeconds": 0.0992}]
-    ok = replace(outcome(), inputs={**outcome().inputs, "slo_infeasible": ()})
+    ok = replace(outcome(), numbers=replace(outcome().numbers, slo_infeasible=()))
     st2 = build_status(previous=st, generation=1, target=TARGET, ready=ReadyCounts(4, 2, 0), selector="s",
                        now=T0 + timedelta(minutes=1), outcome=ok)
     c2 = get_condition(st2["conditions"], "SLOFeasible")

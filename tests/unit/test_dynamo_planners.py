@@ -140,9 +140,9 @@ def test_sla_planner_sizes_each_pool_from_its_own_throughput_curve() -> None:
     # prefill: 20 req/s × 1536 = 30 720 tok/s / 16 000 = 1.92 → 2; decode: 20 × 1024 = 20 480 / 800 = 25.6 → 26
     assert (d.target.prefill.replicas, d.target.decode.replicas) == (2, 26)
     assert d.target.unified.replicas == 0
-    assert d.inputs["p_correction_factor"] == pytest.approx(1.0)
-    assert d.inputs["d_correction_factor"] == pytest.approx(1.0)
-    assert d.inputs["decode_context_tokens"] == pytest.approx(2048)
+    assert d.numbers.detail["p_correction_factor"] == pytest.approx(1.0)
+    assert d.numbers.detail["d_correction_factor"] == pytest.approx(1.0)
+    assert d.numbers.detail["decode_context_tokens"] == pytest.approx(2048)
     assert d.forecast["rate"] == {"mean": pytest.approx(20), "lower": pytest.approx(20), "upper": pytest.approx(20)}
     assert d.forecast["isl"]["mean"] == 1536 and d.forecast["osl"]["mean"] == 1024
     assert "prefill" in d.reason and "decode" in d.reason
@@ -158,8 +158,8 @@ def test_sla_planner_counts_completed_requests_by_default_like_classic_dynamo() 
 def test_decode_correction_factor_raises_decode_replicas_when_itl_exceeds_the_profile() -> None:
     planner = DynamoSlaPlanner(make_spec(), make_profile())
     d = planner.step(obs(tpot=0.020), pools(1, 1))  # expected 10 ms at batch 1 → d_cf = 2 → ITL* = 15 ms
-    assert d.inputs["d_correction_factor"] == pytest.approx(2.0)
-    assert d.inputs["corrected_itl_s"] == pytest.approx(0.015)
+    assert d.numbers.detail["d_correction_factor"] == pytest.approx(2.0)
+    assert d.numbers.detail["corrected_itl_s"] == pytest.approx(0.015)
     assert d.target.decode.replicas == 44  # 20 480 / 475 = 43.1 → 44 (26 without the correction)
 
 
@@ -171,7 +171,7 @@ def test_prefill_correction_below_one_lowers_prefill_replicas() -> None:
 
 def test_prefill_correction_above_one_is_capped_as_in_dynamo_unless_the_cap_is_lifted() -> None:
     capped = DynamoSlaPlanner(make_spec(), make_profile()).step(obs(ttft=0.192), pools(1, 1))
-    assert capped.inputs["p_correction_factor"] == pytest.approx(2.0)
+    assert capped.numbers.detail["p_correction_factor"] == pytest.approx(2.0)
     assert capped.target.prefill.replicas == 2  # min(1, 2) = 1: no extra replica
     uncapped = DynamoSlaPlanner(make_spec(), make_profile(), DynamoSlaSettings(prefill_correction_cap=None))
     d = uncapped.step(obs(ttft=0.192), pools(1, 1))
@@ -230,8 +230,8 @@ def test_sla_planner_uses_the_injected_predictor() -> None:
 
     planner = DynamoSlaPlanner(make_spec(), make_profile(), predictor_factory=Doubling)
     d = planner.step(obs(arrivals=600, isl=768, osl=512), pools(1, 1))
-    assert d.inputs["predicted_rate_rps"] == pytest.approx(20)
-    assert (d.inputs["predicted_isl"], d.inputs["predicted_osl"]) == (1536, 1024)
+    assert d.numbers.detail["predicted_rate_rps"] == pytest.approx(20)
+    assert (d.numbers.detail["predicted_isl"], d.numbers.detail["predicted_osl"]) == (1536, 1024)
 
 
 def test_sla_planner_can_forecast_with_fulcrums_arima() -> None:
@@ -298,14 +298,14 @@ def test_load_planner_scales_in_only_after_the_n_over_n_minus_one_check() -> Non
         obs(t=5, interval=5, kv_utilisation=0.5, prefill_queue=4, ready=(1, 2)), pools(1, 2)
     )
     assert d2.target.decode.replicas == 2
-    assert d4.inputs["decode_boundary"] == pytest.approx(0.54)
+    assert d4.numbers.detail["decode_boundary"] == pytest.approx(0.54)
 
 
 def test_load_planner_counts_queued_decode_requests_as_kv_load() -> None:
     planner = DynamoLoadPlanner(make_spec(), make_profile(), STATIC)
     # 80 % used + 20 queued per instance × 1536 tokens / 40 960 = 0.75 → 1.55 > 0.9
     d = planner.step(obs(t=5, interval=5, kv_utilisation=0.8, decode_queue=40, ready=(1, 2)), pools(1, 2))
-    assert d.inputs["decode_kv_load"] == pytest.approx(0.8 + 20 * 1536 / 40960)
+    assert d.numbers.detail["decode_kv_load"] == pytest.approx(0.8 + 20 * 1536 / 40960)
     assert d.target.decode.replicas == 3
 
 
@@ -315,7 +315,7 @@ def test_load_planner_observes_only_while_a_scaling_is_in_progress() -> None:
     d1 = planner.step(obs(t=5, ready=(1, 1), **hot), pools(1, 1))
     assert d1.target.prefill.replicas == 2
     d2 = planner.step(obs(t=10, ready=(1, 1), **hot), d1.target)  # the new instance is not ready yet
-    assert d2.target.prefill.replicas == 2 and d2.inputs["prefill_in_progress"]
+    assert d2.target.prefill.replicas == 2 and d2.numbers.detail["prefill_in_progress"]
     d3 = planner.step(obs(t=15, ready=(2, 1), **hot), d2.target)
     assert d3.target.prefill.replicas == 3
     stuck = planner.step(obs(t=15 + 1800, ready=(2, 1), **hot), d3.target)  # gives up waiting after 30 min
@@ -398,10 +398,10 @@ def test_load_planner_sla_targets_come_from_the_slos_and_the_profile() -> None:
     planner = DynamoLoadPlanner(make_spec(ttft_ms=960.0, tpot_ms=15.0), make_profile())
     d = planner.step(obs(t=5, interval=5, prefill_queue=20, kv_utilisation=0.30, ready=(2, 2)), pools(2, 2))
     # prefill: 0.96 s / 0.096 s − 1 = 9 requests per instance; 20/2 = 10 > 9 → +1
-    assert d.inputs["prefill_target"] == pytest.approx(9.0)
+    assert d.numbers.detail["prefill_target"] == pytest.approx(9.0)
     assert d.target.prefill.replicas == 3
     # decode: 7 requests × 2048 tokens / 40 960 = 0.35; 0.30 is inside [0.35 × 1/2 × 0.8, 0.35] → stay
-    assert d.inputs["decode_target"] == pytest.approx(0.35)
+    assert d.numbers.detail["decode_target"] == pytest.approx(0.35)
     assert d.target.decode.replicas == 2
 
 

@@ -113,7 +113,7 @@ def test_no_mode_flip_ever_drops_ready_capacity_in_the_simulated_cluster(splitwi
                 assert ready_gpus(sim) >= floor, f"ready capacity fell during the switch at t={sim.now:g}"
         t += 30.0
         d = planner.step(sim.observe(30.0), current)
-        phase = d.inputs.get("mode_phase")
+        phase = d.numbers.detail.get("mode_phase")
         if phase == "start":
             floor = ready_gpus(sim)
             flips.append((t, math.nan))
@@ -156,8 +156,8 @@ def test_auto_holds_one_mode_on_a_noisy_load_where_both_cost_about_the_same(spli
         ready = ReadyCounts(prefill=cur.prefill.replicas, decode=cur.decode.replicas, unified=cur.unified.replicas)
         d = planner.step(steady_obs(30.0 * (i + 1), 3.5 + 1.5 * math.sin(i), ready), cur)
         cur = d.target
-        modes.append(d.inputs.get("mode_serving"))
-        gpus.append((d.inputs["gpus_disaggregated"], d.inputs["gpus_unified"]))
+        modes.append(d.numbers.detail.get("mode_serving"))
+        gpus.append((d.numbers.detail["gpus_disaggregated"], d.numbers.detail["gpus_unified"]))
     changes = sum(1 for a, b in zip(modes, modes[1:]) if a != b)
     assert changes <= 1, (modes, gpus)
 

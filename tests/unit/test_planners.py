@@ -92,8 +92,11 @@ def test_fulcrum_scales_out_ahead_when_the_rate_quadruples_and_back_in_after_it_
 def test_fulcrum_plans_carry_their_inputs_and_forecasts(table_i):
     d = drive(FulcrumPlanner(SPEC, table_i), [obs(60 * (i + 1), 4.0) for i in range(12)])[-1]
     assert {"rate", "isl", "osl", "concurrency"} <= set(d.forecast)
-    for key in ("cc_d", "t_p_s", "t_d_s", "ratio", "mode", "wait_q_s"):
-        assert key in d.inputs
+    n = d.numbers
+    assert n.mode == "Disaggregated" and n.ratio > 0 and n.decode_concurrency > 0 and (n.gpus or 0) > 0
+    assert n.feasible is not None and n.slo_infeasible is not None
+    for key in ("cc_d", "t_p_s", "t_d_s", "wait_q_s"):
+        assert key in n.detail
     assert "forecast" in d.reason or "hold" in d.reason
 
 
@@ -111,6 +114,7 @@ def test_the_reactive_guard_adds_prefill_on_a_ttft_miss_with_a_queue(table_i):
 
 def test_dopd_follows_alg_2_lines_13_and_14(table_i):
     d = drive(DopdPlanner(SPEC, table_i), [obs(60 * (i + 1), 6.0) for i in range(20)])[-1]
-    n_d = math.ceil(d.inputs["r_next"] / d.inputs["cc_max"])
+    detail = d.numbers.detail
+    n_d = math.ceil(float(detail["r_next"]) / float(detail["cc_max"]))
     assert d.target.decode.replicas == n_d
-    assert d.target.prefill.replicas == math.ceil(d.inputs["ratio"] * n_d - 1e-9)
+    assert d.target.prefill.replicas == math.ceil(d.numbers.ratio * n_d - 1e-9)

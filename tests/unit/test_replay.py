@@ -13,17 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from fulcrum.api.llmserve import LLMServeSpec, load_llmserve, parse_llmserve
+from fulcrum.api.llmserve import LLMServeSpec, ReplicaOwner, load_llmserve, parse_llmserve
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.replay.driver import (
-    POLICIES,
-    ReplayOptions,
-    make_planner,
-    run_policy,
-    scale_arrivals,
-    warmup_seconds,
-)
+from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.scaling.registry import PLANNERS, make_planner
 from fulcrum.replay.result import PolicyRun
 from fulcrum.traces import load_trace
 from fulcrum.workload import Request
@@ -55,8 +49,8 @@ def window() -> tuple[Request, ...]:
 def window_runs(
     spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
 ) -> dict[str, PolicyRun]:
-    """Every policy of ``POLICIES`` replayed once on ``window``."""
-    return {name: run_policy(name, window, spec, profile) for name in POLICIES}
+    """Every planner of ``PLANNERS`` replayed once on ``window``."""
+    return {name: run_policy(name, window, spec, profile) for name in PLANNERS}
 
 
 def step_trace(seed: int = 7) -> list[Request]:
@@ -85,7 +79,7 @@ def test_two_replays_of_the_same_trace_give_identical_results(
 
 
 # ---------------------------------------------------------------------------------------------- every policy
-@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("name", list(PLANNERS))
 def test_every_policy_replays_the_window_and_records_every_request(
     name: str,
     window: tuple[Request, ...],
@@ -182,7 +176,7 @@ def test_run_policy_rejects_an_empty_trace_and_an_unknown_policy(
 ) -> None:
     with pytest.raises(ValueError, match="no requests"):
         run_policy("fulcrum", [], spec, profile)
-    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+    with pytest.raises(ValueError, match="unknown planner 'nope'"):
         run_policy("nope", window, spec, profile)
 
 
@@ -225,3 +219,13 @@ def test_static_best_is_the_cheapest_static_deployment_reaching_the_target(
     # unreachable target: the highest attainment found, flagged as not reached
     worst = static_best(window, spec, profile, 1.01, ReplayOptions(warmup_s=0.0))
     assert not worst.reached and worst.run.summary.slo_attainment == max(a for _, _, a in worst.probes)
+
+
+def test_a_replay_of_an_externally_owned_spec_keeps_the_external_total_like_the_operator(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> None:
+    external = spec.model_copy(update={"scaling": spec.scaling.model_copy(update={
+        "replica_owner": ReplicaOwner.EXTERNAL, "replicas": 4})})
+    run = run_policy("fulcrum", window, external, profile)
+    assert run.timeline and all(p.prefill + p.decode == 4 and p.prefill >= 1 and p.decode >= 1 for p in run.timeline)
+    assert all("external replica owner: 4 instances" in d["reason"] for d in run.decisions)

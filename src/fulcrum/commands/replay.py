@@ -24,7 +24,8 @@ from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, builtin_profile, resolve_profile
 from fulcrum.replay.distribution import check_records_path, write_records
-from fulcrum.replay.driver import POLICIES, ReplayOptions, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.scaling.registry import PLANNERS
 from fulcrum.replay.table import comparison_table, infeasible_lines, percentiles_table, summary_json
 from fulcrum.traces import TRACE_FORMATS, load_trace
 
@@ -38,7 +39,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--format", choices=sorted(TRACE_FORMATS), help="trace format (detected from the content when omitted)")
     p.add_argument("--llmserve", help="LLMServe YAML (SLOs, limits, interval, profile); a 70B/H100 default when omitted")
     p.add_argument("--profile", help=f"override the spec's profile: a file or a built-in name ({', '.join(BUILTIN_PROFILES)})")
-    p.add_argument("--policy", default="fulcrum", choices=list(POLICIES), help="planner to run (default fulcrum)")
+    p.add_argument("--policy", default="fulcrum", choices=list(PLANNERS), help="planner to run (default fulcrum)")
     p.add_argument("--compare", action="store_true", help="run every policy on the same trace and print one table, "
                    "with static-best: the cheapest static deployment reaching fulcrum's SLO attainment (a sweep)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by X (< 1 = a denser trace)")
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     profile = resolve_spec_profile(spec, spec_path, args.profile)
     trace = load_trace(args.trace, args.format, start_s=args.start, duration_s=args.duration)
     requests = scale_arrivals(trace.requests, args.time_scale)
-    policies = list(POLICIES) if args.compare else [args.policy]
+    policies = list(PLANNERS) if args.compare else [args.policy]
     progress = not (args.no_progress or args.json) and sys.stderr.isatty()
     options = ReplayOptions(progress=progress, warmup_s=args.warmup)
     warmup = warmup_seconds(spec, options)

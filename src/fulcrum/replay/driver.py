@@ -1,8 +1,10 @@
-"""``fulcrum replay``: the planner loop against the simulated cluster on a real trace.
+"""``fulcrum replay``: the operator's control loop against the simulated cluster on a real trace.
 
-The loop is the operator's, with the simulator as the cluster: every ``planner.tick_s`` seconds of simulated
-time, ``observe`` (the simulator's measurements over the last tick) → ``planner.step`` (forecast, plan) →
-``apply`` (the simulator resizes its pools, with start-up delay and drain). After the last arrival the cluster
+The loop is the operator's :class:`~fulcrum.scaling.loop.ControlLoop`, with the simulator as the
+:class:`~fulcrum.cluster.Cluster`: every ``planner.tick_s`` seconds of simulated time,
+:meth:`~fulcrum.scaling.loop.ControlLoop.run_interval` observes (the simulator's measurements over the last tick),
+steps the planner (forecast, plan) under the loop's rules (hold when blind, the external replica owner) and
+applies the target (the simulator resizes its pools, with start-up delay and drain). After the last arrival the cluster
 drains and the run is scored per request (TTFT, TPOT) and overall (SLO attainment, goodput, GPU-hours), with
 p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time (:mod:`fulcrum.replay.distribution`). SLO targets
 the planner's plans found out of the profile's reach are tallied per metric (``PolicyRun.slo_infeasible``).
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fulcrum.api.llmserve import LLMServeSpec
@@ -20,42 +22,14 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.replay.distribution import LatencyDistribution
 from fulcrum.replay.result import ForecastPoint, InfeasibleSLO, PolicyRun, PolicySummary, TimelinePoint
-from fulcrum.scaling.dopd import DopdPlanner
-from fulcrum.scaling.dynamo_load import DynamoLoadPlanner
-from fulcrum.scaling.dynamo_sla import DynamoSlaPlanner, DynamoSlaSettings
-from fulcrum.scaling.fulcrum import FulcrumPlanner
+from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas
 from fulcrum.scaling.planner import Planner
-from fulcrum.scaling.static import StaticPlanner
+from fulcrum.scaling.registry import make_planner
 from fulcrum.simulator import SimConfig, Simulation
-from fulcrum.target import ClusterTarget
+from fulcrum.target import Pool
 from fulcrum.workload import Request
 
-__all__ = [
-    "POLICIES", "make_planner", "run_policy", "run_planner", "scale_arrivals", "ReplayOptions", "warmup_seconds",
-]
-
-#: Policy name → planner factory. ``fulcrum`` first: it is the one the others are compared against.
-POLICIES: dict[str, Callable[[LLMServeSpec, PerformanceProfile], Planner]] = {
-    "fulcrum": FulcrumPlanner,
-    "dopd": DopdPlanner,
-    "static": StaticPlanner,
-    # Dynamo counts demand at request start since 2026 (ai-dynamo/dynamo PRs #9526, #11693): compare with that.
-    "dynamo-sla": lambda spec, profile: DynamoSlaPlanner(spec, profile, DynamoSlaSettings(demand="arrivals")),
-    "dynamo-load": DynamoLoadPlanner,
-}
-
-
-def make_planner(name: str, spec: LLMServeSpec, profile: PerformanceProfile) -> Planner:
-    """Build the planner called ``name``.
-
-    Raises:
-        ValueError: unknown policy name (the message lists the known ones).
-    """
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    return factory(spec, profile)
+__all__ = ["run_policy", "run_planner", "scale_arrivals", "ReplayOptions", "warmup_seconds"]
 
 
 def scale_arrivals(requests: Sequence[Request], time_scale: float) -> list[Request]:
@@ -102,12 +76,9 @@ class _InfeasibleTally:
         self._seen: dict[str, tuple[SLOInfeasible, int, float]] = {}
         self.intervals = 0
 
-    def add(self, t: float, inputs: dict[str, object]) -> None:
+    def add(self, t: float, found: tuple[SLOInfeasible, ...] | None) -> None:
         self.intervals += 1
-        found = inputs.get("slo_infeasible")
-        for f in found if isinstance(found, (tuple, list)) else ():
-            if not isinstance(f, SLOInfeasible):
-                continue
+        for f in found or ():
             worst, n, first = self._seen.get(f.metric, (f, 0, t))
             self._seen[f.metric] = (f if f.best_s > worst.best_s else worst, n + 1, first)
 
@@ -120,10 +91,6 @@ class _InfeasibleTally:
         return tuple(out)
 
 
-def _changed(a: ClusterTarget, b: ClusterTarget) -> bool:
-    return (a.prefill, a.decode, a.unified) != (b.prefill, b.decode, b.unified)
-
-
 def run_policy(
     name: str,
     requests: Sequence[Request],
@@ -134,13 +101,13 @@ def run_policy(
     """Replay ``requests`` under policy ``name`` and score it.
 
     Args:
-        name: a key of :data:`POLICIES`.
+        name: a key of :data:`fulcrum.scaling.registry.PLANNERS`.
         requests: the trace, sorted by arrival (seconds from 0).
         spec: the ``LLMServe`` spec (SLOs, limits, interval, start-up time).
         profile: the performance profile timing the simulated instances.
 
     Raises:
-        ValueError: unknown policy or an empty trace.
+        ValueError: unknown planner name or an empty trace.
         PlanningError: the profile cannot hold the model under the spec's TP and GPU limits.
     """
     if not requests:
@@ -170,11 +137,15 @@ def run_planner(
     wall0 = time.perf_counter()
     sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds)
     current = planner.initial()
+    total = external_replicas(spec)
+    if total is not None:  # as the operator starts an externally owned LLMServe
+        current = distribute(total, current)
     sim = Simulation(requests, profile, spec.slo, current, sim_cfg)
+    loop = ControlLoop(spec, profile, current, planner=planner)
     tick = planner.tick_s
     end = requests[-1].arrival_s
     n_ticks = int(math.ceil(end / tick)) + 1
-    horizon = int(getattr(planner, "horizon_steps", 1))
+    horizon = planner.horizon_steps
     timeline: list[TimelinePoint] = []
     forecasts: list[ForecastPoint] = []
     pending: dict[int, list[tuple[float, str, dict[str, float]]]] = {}
@@ -189,28 +160,27 @@ def run_planner(
     for k in range(1, n_ticks + 1):
         t = k * tick
         sim.run_until(t)
-        obs = sim.observe(tick)
+        previous = loop.current
+        outcome = loop.run_interval(sim)
+        obs = outcome.observation
+        assert obs is not None  # the simulator always observes
         actual = {"rate": obs.rate_rps, "isl": obs.mean_isl, "osl": obs.mean_osl}
         for made_at, series, fc in pending.pop(k, []):
             if obs.arrivals > 0 or series == "rate":
                 forecasts.append(ForecastPoint(t, made_at, series, fc["mean"], fc["lower"], fc["upper"], actual[series]))
-        decision = planner.step(obs, current)
-        infeasible.add(t, decision.inputs)
+        infeasible.add(t, outcome.numbers.slo_infeasible)
         for series in ("rate", "isl", "osl"):
-            if series in decision.forecast:
-                pending.setdefault(k + horizon, []).append((t, series, decision.forecast[series]))
-        if _changed(decision.target, current):
+            if series in outcome.forecast:
+                pending.setdefault(k + horizon, []).append((t, series, outcome.forecast[series]))
+        current = outcome.target
+        if not current.same_pools(previous):
             scale_events += 1
-            decisions.append({"time_s": t, "reason": decision.reason, "prefill": decision.target.prefill.replicas,
-                              "decode": decision.target.decode.replicas, "unified": decision.target.unified.replicas})
-        if _changed(decision.target, current) or decision.target.routing != current.routing:
-            sim.apply(decision.target)
-        current = decision.target
+            decisions.append({"time_s": t, "reason": outcome.reason,
+                              **{p.value: current.pool(p).replicas for p in Pool}})
         timeline.append(TimelinePoint(
             time_s=t, rate_rps=obs.rate_rps, prefill=current.prefill.replicas, decode=current.decode.replicas,
             unified=current.unified.replicas, gpus=current.gpus,
-            ready_gpus=obs.ready.prefill * current.prefill.tp + obs.ready.decode * current.decode.tp
-            + obs.ready.unified * current.unified.tp,
+            ready_gpus=sum(obs.ready.of(p) * size.tp for p, size in current.pools()),
         ))
         if bar is not None:
             bar.update(1)

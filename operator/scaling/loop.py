@@ -1,18 +1,20 @@
-"""One interval of the operator's control loop: observation → forecast → plan → the next ClusterTarget.
+"""The control loop, one interval at a time: observe → forecast → plan → apply, on any :class:`~fulcrum.cluster.Cluster`.
 
-Pure: no I/O, no clock. The handlers (``fulcrum.controller.handlers``) observe (Prometheus), call
-:meth:`ControlLoop.step` and apply what it returns. The planner is the very object ``fulcrum replay`` drives
-(:func:`fulcrum.replay.driver.make_planner`: ``fulcrum`` = FulcrumPlanner, or a reference policy), stepped the
-same way (``planner.step(observation, current)``), so a replay predicts what the operator does.
+``fulcrum replay`` (the simulator as the cluster) and the operator (the Kubernetes adapter as the cluster) both run
+:meth:`ControlLoop.run_interval`, so a replay runs the rules the operator runs. Pure itself: the I/O is the
+cluster's. The planner is built by :func:`fulcrum.scaling.registry.make_planner` from ``spec.scaling.planner``
+(``fulcrum`` = FulcrumPlanner, or a reference planner) and stepped as ``planner.step(observation, current)``.
 
 Rules on top of the planner (DESIGN principle 3 and the card's faults):
 
-- **never scale in blind**: no observation this interval (Prometheus down or empty) → keep the target in
-  force, report Degraded with the reason; the planner is not stepped (its forecaster would learn a zero);
-- **External replica owner** (``spec.scaling.replicaOwner: External``, e.g. KEDA or a person sets
+- **never scale in blind**: no observation this interval (:class:`~fulcrum.cluster.ObservationError`:
+  Prometheus down or empty) → keep the target in force, report Degraded with the reason; the planner is not
+  stepped (its forecaster would learn a zero);
+- **external replica owner** (``spec.scaling.replicaOwner: External``, e.g. KEDA or a person sets
   ``spec.scaling.replicas``): the planner still runs, for the P/D ratio and TPs; the total instance count is
   the external one, split by the planned ratio (:func:`distribute`);
-- scale-ins are reported per pool so that the caller drains before it lowers replicas (``drain.py``).
+- **drain, never cut**: scale-ins are reported per pool (:attr:`LoopOutcome.scale_in`) and the cluster drains
+  them (the :class:`~fulcrum.cluster.Cluster` contract of ``apply``).
 """
 
 from __future__ import annotations
@@ -20,32 +22,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from fulcrum.api.llmserve import LLMServeSpec
-from fulcrum.forecast.workload import required_history
+from fulcrum.api.llmserve import LLMServeSpec, ReplicaOwner
+from fulcrum.cluster import Cluster, ObservationError
+from fulcrum.forecast.workload import WorkloadForecaster, required_history
 from fulcrum.observation import Observation
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.replay.driver import make_planner
-from fulcrum.scaling.planner import Planner
-from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.scaling.planner import PlanNumbers, Planner
+from fulcrum.scaling.registry import make_planner
+from fulcrum.target import ClusterTarget, Pool, PoolSize
 
-__all__ = ["POOLS", "LoopOutcome", "ControlLoop", "distribute", "policy_name", "replica_owner", "pool_changes"]
-
-POOLS: tuple[str, ...] = ("prefill", "decode", "unified")
+__all__ = ["LoopOutcome", "ControlLoop", "distribute", "external_replicas", "pool_changes"]
 
 
-def policy_name(spec: LLMServeSpec) -> str:
-    """The planner the spec names (``spec.scaling.planner``; ``fulcrum`` by default)."""
-    return spec.scaling.planner.value
-
-
-def replica_owner(spec: LLMServeSpec) -> tuple[str, int | None]:
-    """(``Operator`` | ``External``, the external total instance count or None) from ``spec.scaling``."""
-    owner = getattr(spec.scaling, "replica_owner", None)
-    owner_s = str(getattr(owner, "value", owner) or "Operator")
-    replicas = getattr(spec.scaling, "replicas", None)
-    return owner_s, (int(replicas) if replicas is not None else None)
+def external_replicas(spec: LLMServeSpec) -> int | None:
+    """The total instance count an external owner set (``spec.scaling.replicaOwner: External``), else None
+    (the planner owns the count; ``spec.scaling.replicas`` is ignored then)."""
+    sc = spec.scaling
+    return sc.replicas if sc.replica_owner is ReplicaOwner.EXTERNAL else None
 
 
 def distribute(total: int, planned: ClusterTarget, ratio: float | None = None) -> ClusterTarget:
@@ -62,7 +56,7 @@ def distribute(total: int, planned: ClusterTarget, ratio: float | None = None) -
     """
     total = max(int(total), 0)
     if planned.unified.replicas > 0 and planned.prefill.replicas == 0 and planned.decode.replicas == 0:
-        return replace(planned, unified=PoolSize(total, planned.unified.tp))
+        return planned.with_replicas(Pool.UNIFIED, total)
     if ratio is None or not math.isfinite(ratio) or ratio < 0:
         p, d = planned.prefill.replicas, planned.decode.replicas
         ratio = p / d if d > 0 else (math.inf if p > 0 else 1.0)
@@ -74,14 +68,10 @@ def distribute(total: int, planned: ClusterTarget, ratio: float | None = None) -
                    unified=PoolSize(0, planned.unified.tp))
 
 
-def pool_changes(old: ClusterTarget, new: ClusterTarget) -> dict[str, tuple[int, int]]:
+def pool_changes(old: ClusterTarget, new: ClusterTarget) -> dict[Pool, tuple[int, int]]:
     """Pools whose replica count changes: pool → (old replicas, new replicas)."""
-    out: dict[str, tuple[int, int]] = {}
-    for name in POOLS:
-        a, b = getattr(old, name).replicas, getattr(new, name).replicas
-        if a != b:
-            out[name] = (a, b)
-    return out
+    return {p: (old.pool(p).replicas, new.pool(p).replicas) for p in Pool
+            if old.pool(p).replicas != new.pool(p).replicas}
 
 
 @dataclass(frozen=True)
@@ -95,7 +85,7 @@ class LoopOutcome:
         degraded: why the loop is degraded (no observation), else None.
         changes: pools whose replica count changes: pool → (old, new); scale-ins must be drained first.
         forecast: series → {"mean", "lower", "upper"} (requests/s or tokens) of the planner, if it forecasts.
-        inputs: the numbers behind the plan (ratio, decode_concurrency, expected_ttft_s, …).
+        numbers: the numbers behind the plan (ratio, decode concurrency, expected TTFT, SLO feasibility, …).
         observation: what was observed, or None.
         forecast_ready: the planner's forecaster has the history its method needs (False in cold start, when
             the observed load is planned for, and for planners that do not forecast).
@@ -105,34 +95,31 @@ class LoopOutcome:
     reason: str
     observed: bool
     degraded: str | None = None
-    changes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    changes: dict[Pool, tuple[int, int]] = field(default_factory=dict)
     forecast: dict[str, dict[str, float]] = field(default_factory=dict)
-    inputs: dict[str, Any] = field(default_factory=dict)
+    numbers: PlanNumbers = field(default_factory=PlanNumbers)
     observation: Observation | None = None
     forecast_ready: bool = False
 
     @property
-    def scale_in(self) -> dict[str, tuple[int, int]]:
+    def scale_in(self) -> dict[Pool, tuple[int, int]]:
         """The pools this outcome shrinks: pool → (old, new)."""
         return {k: v for k, v in self.changes.items() if v[1] < v[0]}
 
     @property
-    def scale_out(self) -> dict[str, tuple[int, int]]:
+    def scale_out(self) -> dict[Pool, tuple[int, int]]:
         """The pools this outcome grows: pool → (old, new)."""
         return {k: v for k, v in self.changes.items() if v[1] > v[0]}
 
 
 class ControlLoop:
-    """The operator's planner loop for one LLMServe (see module doc).
+    """The planner loop for one LLMServe, in the operator and in ``fulcrum replay`` (see module doc).
 
     Args:
         spec: the validated LLMServe spec.
         profile: its performance profile.
         current: the target in force (from ``status`` after a restart, else the initial target).
-        planner: the planner to drive; default ``make_planner(policy_name(spec), spec, profile)``.
-
-    Raises:
-        ValueError: the spec names an unknown scaling policy.
+        planner: the planner to drive; default ``make_planner(spec.scaling.planner, spec, profile)``.
     """
 
     def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile, current: ClusterTarget,
@@ -140,7 +127,7 @@ class ControlLoop:
         self.spec = spec
         self.profile = profile
         self.current = current
-        self.planner: Planner = planner or make_planner(policy_name(spec), spec, profile)
+        self.planner: Planner = planner or make_planner(spec.scaling.planner, spec, profile)
 
     @property
     def interval_s(self) -> float:
@@ -148,10 +135,9 @@ class ControlLoop:
         return float(self.planner.tick_s)
 
     @property
-    def forecaster(self) -> Any | None:
-        """The planner's load forecaster (``observe`` and ``forecast``), or None for a planner without one."""
-        fc = getattr(self.planner, "forecaster", None)
-        return fc if hasattr(fc, "observe") and hasattr(fc, "forecast") else None
+    def forecaster(self) -> WorkloadForecaster | None:
+        """The planner's load forecaster (FulcrumPlanner, DopdPlanner), or None for a planner without one."""
+        return self.planner.forecaster
 
     @property
     def history_wanted(self) -> int:
@@ -178,6 +164,23 @@ class ControlLoop:
             forecaster.observe(obs)
         return len(history)
 
+    def run_interval(self, cluster: Cluster) -> LoopOutcome:
+        """One interval on ``cluster``: observe the last :attr:`interval_s` seconds, :meth:`step`, apply the
+        outcome's target (the target in force when nothing could be observed: holding is applying it again;
+        the cluster drains the pools it shrinks).
+
+        Raises whatever the cluster's ``apply`` raises (the Kubernetes API failing after retries; a profile
+        without the planned TP in the simulator); an :class:`~fulcrum.cluster.ObservationError` never escapes.
+        """
+        try:
+            obs: Observation | None = cluster.observe(self.interval_s)
+            error = None
+        except ObservationError as err:
+            obs, error = None, str(err) or type(err).__name__
+        outcome = self.step(obs, error=error)
+        cluster.apply(outcome.target, outcome.reason)
+        return outcome
+
     def step(self, obs: Observation | None, *, error: str | None = None) -> LoopOutcome:
         """One interval. ``obs`` None (``error`` says why) keeps the target in force and reports degraded.
 
@@ -190,25 +193,19 @@ class ControlLoop:
         decision = self.planner.step(obs, self.current)
         target = decision.target
         reason = decision.reason
-        owner, total = replica_owner(self.spec)
-        if owner == "External" and total is not None:
-            ratio = decision.inputs.get("ratio")
-            target = distribute(total, target, float(ratio) if isinstance(ratio, (int, float)) else None)
+        total = external_replicas(self.spec)
+        if total is not None:
+            target = distribute(total, target, decision.numbers.ratio)
             reason = f"external replica owner: {total} instances split by the planned ratio [{reason}]"
         changes = pool_changes(self.current, target)
-        tp_changed = any(getattr(self.current, p).tp != getattr(target, p).tp for p in POOLS)
+        tp_changed = any(self.current.pool(p).tp != target.pool(p).tp for p in Pool)
         if not changes and not tp_changed:
             reason = f"hold: {reason}" if not reason.startswith("hold") else reason
         self.current = target
         return LoopOutcome(target=target, reason=reason, observed=True, changes=changes,
-                           forecast=dict(decision.forecast), inputs=dict(decision.inputs), observation=obs,
+                           forecast=dict(decision.forecast), numbers=decision.numbers, observation=obs,
                            forecast_ready=self._forecast_ready())
 
     def _forecast_ready(self) -> bool:
         forecaster = self.forecaster
-        if forecaster is None:
-            return False
-        try:
-            return bool(forecaster.forecast(1).ready)
-        except Exception:  # a forecaster that cannot forecast yet is simply not ready
-            return False
+        return forecaster is not None and forecaster.ready
