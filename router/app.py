@@ -5,7 +5,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not
 ``GET /metrics`` (``fulcrum_router_*``).
 
 One request: validate (400) → count the prompt (``fulcrum.router.tokens``) → context check (400) → the policy's
-:class:`~fulcrum.router.policies.base.RouteDecision` (503 when it finds no instance) → execute it
+:class:`~fulcrum.routing.base.RouteDecision` (503 when it finds no instance) → execute it
 (``fulcrum.router.handoff``) → relay. An instance that fails before anything reached the client is left out and
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message. An engine's 4xx is
 the client's error and is relayed as is.
@@ -47,7 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from fulcrum.cancellation import cancel_and_wait
-from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor, PerModelLengthPredictors
+from fulcrum.routing.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor, PerModelLengthPredictors
 from fulcrum.router.config import ConfigWatcher, PrefillQueueConfig, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
 from fulcrum.router.handoff import (
@@ -61,13 +61,13 @@ from fulcrum.router.handoff import (
 )
 from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
-from fulcrum.router.policies.base import (GroupsPrefills, InstanceView, NoInstanceError, Policy, RequestInfo,
+from fulcrum.routing.base import (GroupsPrefills, InstanceView, NoInstanceError, Policy, RequestInfo,
                                           RouteDecision)
-from fulcrum.router.policies.load_aware import PrefixPull, prompt_block_hashes, pull_costs
+from fulcrum.routing.load_aware import PrefixPull, prompt_block_hashes, pull_costs
 from fulcrum.router.prefill_gate import PrefillGate
 from fulcrum.router.registry import Registry, StaticRegistry
 from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
-from fulcrum.router.remaining_length import RemainingLength, RemainingLengthPredictor
+from fulcrum.routing.remaining_length import RemainingLength, RemainingLengthPredictor
 from fulcrum.router.rescheduler import Rescheduler, migratable, run_disaggregated_migratable, run_migratable
 from fulcrum.router.roles import RoleBalancer
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint, parse_request
@@ -101,12 +101,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def default_policy_factory(name: str, params: Mapping[str, Any]) -> Policy:
-    """Fulcrum's policy ``name`` built with ``params`` (``fulcrum.router.policies.registry.make_policy``).
+    """Fulcrum's policy ``name`` built with ``params`` (``fulcrum.routing.registry.make_policy``).
 
     Raises:
         ValueError: unknown policy or parameter.
     """
-    from fulcrum.router.policies.registry import make_policy
+    from fulcrum.routing.registry import make_policy
 
     return make_policy(name, params)
 
@@ -812,9 +812,9 @@ def create_app(
         clock: monotonic seconds for timing, ejection backoff and reload checks.
         predictor: one output-length predictor shared by every model (default: one per served model, each a
             per-ISL-bucket online quantile estimate plus Libra's 20-token margin,
-            :class:`fulcrum.router.length_predictor.BucketedQuantilePredictor`).
+            :class:`fulcrum.routing.length_predictor.BucketedQuantilePredictor`).
         remaining_predictor: the remaining-length predictor of decode rescheduling (default: ARES §4's
-            ``E[L − g | L > g]``, :class:`fulcrum.router.remaining_length.RemainingLengthPredictor`).
+            ``E[L − g | L > g]``, :class:`fulcrum.routing.remaining_length.RemainingLengthPredictor`).
         metrics: the metrics (default: new ones on their own registry).
         health_checks: run the periodic ``/health`` probes.
         session_factory: builds the shared upstream ``ClientSession`` (default: a pooled ``TCPConnector``).

@@ -3,7 +3,7 @@
 One shared ``aiohttp.ClientSession`` (one ``TCPConnector``) carries every upstream call, so connections to each
 engine are kept alive and reused. For each instance the pool keeps what the router itself dispatched — requests
 in flight, prompt tokens queued for prefill, KV tokens of running requests — and turns it into the
-:class:`~fulcrum.router.policies.base.InstanceView` the policies read.
+:class:`~fulcrum.routing.base.InstanceView` the policies read.
 
 Failures (:class:`UpstreamFailure`):
 
@@ -31,7 +31,7 @@ import aiohttp
 
 from fulcrum.router.config import RouterConfig
 from fulcrum.router.metrics import RouterMetrics
-from fulcrum.router.policies.base import InstanceView
+from fulcrum.routing.base import InstanceView
 from fulcrum.router.registry import InstanceRecord
 
 __all__ = ["FailureCause", "UpstreamFailure", "InstanceState", "Ticket", "UpstreamPool", "upstream_message"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from fulcrum.router.batcher import PrefillBatcher
+from fulcrum.routing.batcher import PrefillBatcher
 
 __all__ = ["Role", "InstanceView", "RequestInfo", "RouteDecision", "Policy", "GroupsPrefills", "NoInstanceError"]
 

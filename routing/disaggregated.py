@@ -12,7 +12,7 @@ Expected prefix-cache hits. Prompt KV blocks are identified by chained hashes (v
 hash covers every token before it), so the tokens an instance can reuse are the LEADING blocks of the prompt it
 holds: ``hit_tokens = min(P, n_leading · kv_block_tokens)`` where ``n_leading`` counts
 ``RequestInfo.prefix_hashes`` from the first while each is in ``InstanceView.prefix_hashes`` (what an instance
-reports) or in the policy's own :class:`~fulcrum.router.policies.load_aware.PrefixIndex` — the blocks of the prompts
+reports) or in the policy's own :class:`~fulcrum.routing.load_aware.PrefixIndex` — the blocks of the prompts
 it routed there (both the prefill and the decode instance hold a prompt's KV afterwards; least recently used out
 first; an estimate of each engine's prefix cache, as DOPD's router infers it).
 
@@ -26,7 +26,7 @@ Costs (documented, in tokens; the smallest wins, ties → fewer in-flight reques
   cost is divided by it (a fraction of the instance's memory), so unequal instances compare fairly.
 
 Length-aware prefill batching (DOPD Alg. 1) is not a per-request decision: :meth:`DisaggregatedPolicy.new_batcher`
-gives the router a :class:`~fulcrum.router.batcher.PrefillBatcher` configured from the same parameters, which the
+gives the router a :class:`~fulcrum.routing.batcher.PrefillBatcher` configured from the same parameters, which the
 router's :class:`~fulcrum.router.prefill_gate.PrefillGate` runs per prefill instance (while ``batch_timeout_s > 0``).
 """
 
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fulcrum.router.batcher import PrefillBatcher
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.load_aware import PrefixIndex, leading_blocks
-from fulcrum.router.policies.round_robin import (
+from fulcrum.routing.batcher import PrefillBatcher
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.load_aware import PrefixIndex, leading_blocks
+from fulcrum.routing.round_robin import (
     TieBreaker,
     colocated_decision,
     decode_candidates,

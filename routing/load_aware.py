@@ -43,8 +43,8 @@ from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.round_robin import (
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.round_robin import (
     TieBreaker,
     colocated_candidates,
     colocated_decision,

@@ -18,12 +18,12 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fulcrum.router.policies.base import Policy
-from fulcrum.router.policies.disaggregated import DisaggregatedPolicy
-from fulcrum.router.policies.least_loaded import LeastLoadedPolicy
-from fulcrum.router.policies.load_aware import LoadAwarePolicy
-from fulcrum.router.policies.round_robin import RoundRobinPolicy
-from fulcrum.router.policies.split import SplitPolicy
+from fulcrum.routing.base import Policy
+from fulcrum.routing.disaggregated import DisaggregatedPolicy
+from fulcrum.routing.least_loaded import LeastLoadedPolicy
+from fulcrum.routing.load_aware import LoadAwarePolicy
+from fulcrum.routing.round_robin import RoundRobinPolicy
+from fulcrum.routing.split import SplitPolicy
 
 __all__ = ["POLICIES", "make_policy", "policy_parameters"]
 

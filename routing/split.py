@@ -13,7 +13,7 @@ Per request of P prompt tokens and predicted D output tokens (L = P + D):
 3. **Bounded binary search** (lines 3–10): φ starts at P/L (pure disaggregation) in [lo, hi] = [0, 1] narrowed by
    the roles (a "prefill" A cannot decode: φ ≤ P/L; a "decode" B cannot prefill: φ ≥ P/L). Each probe splits at
    s = ⌈φ·L⌉, asks the predictor for T_A and T_B — the instants at which each would have drained all its work
-   including its micro-request (:meth:`fulcrum.router.predictor.InstancePredictor.probe`, O(log n)) — stops when
+   including its micro-request (:meth:`fulcrum.routing.predictor.InstancePredictor.probe`, O(log n)) — stops when
    |T_A − T_B| ≤ ε, and otherwise moves φ up when A finishes first and down when B does. At most K probes; the
    best-balanced probe is kept (Alg. 1 keeps the last; the best is never worse).
 4. **Decision.** s ≥ L → colocated on A; s = 0 → colocated on B; s = P → disaggregated; s > P → split with
@@ -41,8 +41,8 @@ from typing import Any
 
 from fulcrum.ratio.profile import PerformanceProfile, profile_from_dict
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.predictor import ExecutionPredictor, InstancePredictor, split_micro_requests, split_parts
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.predictor import ExecutionPredictor, InstancePredictor, split_micro_requests, split_parts
 
 __all__ = ["SplitPolicy", "SplitSearch", "search_split_point", "resolve_profile_param"]
 
@@ -107,8 +107,8 @@ def search_split_point(
     """Libra Alg. 1 lines 3–10: bounded binary search of φ ∈ [lo, hi] balancing A's and B's drain times.
 
     Starts at φ = P/L (pure disaggregation, clipped to [lo, hi]); each probe splits at s = ⌈φ·L⌉
-    (:func:`~fulcrum.router.predictor.split_micro_requests`), predicts T_A and T_B with A's and B's
-    :meth:`~fulcrum.router.predictor.InstancePredictor.probe` (a side with no micro-request keeps its current drain
+    (:func:`~fulcrum.routing.predictor.split_micro_requests`), predicts T_A and T_B with A's and B's
+    :meth:`~fulcrum.routing.predictor.InstancePredictor.probe` (a side with no micro-request keeps its current drain
     time), stops once |T_A − T_B| ≤ ``epsilon_s``, and otherwise raises φ when A drains first, lowers it when B
     does. Returns the best-balanced of the ≤ ``max_probes`` probes. P = ``prompt_tokens``,
     D = max(``output_tokens``, 1), L = P + D. Pure: the predictors are only probed.

@@ -50,7 +50,7 @@ from fulcrum.errors import ProfileError, SpecError
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.router.config import RouterConfigError, parse_config
-from fulcrum.router.policies.registry import make_policy
+from fulcrum.routing.registry import make_policy
 from fulcrum.router.prefill_queue import QueueLayout
 from fulcrum.scaling.fulcrum import FulcrumPlanner
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams, role_bounds
@@ -508,7 +508,7 @@ def _pool_objects(serve: LLMServe, pool: str, size: PoolSize, *, uid: str, image
 def _policy_params(
     serve: LLMServe, routing: RoutingParams, profile: PerformanceProfile | None
 ) -> dict[str, Any]:
-    """The router policy's constructor parameters (``fulcrum.router.policies.registry``) from the plan."""
+    """The router policy's constructor parameters (``fulcrum.routing.registry``) from the plan."""
     spec = serve.spec
     policy = spec.router.policy
     if policy is RouterPolicy.DISAGGREGATED:
@@ -573,7 +573,7 @@ def router_config(
     Raises:
         SpecError: the document is not a valid :class:`~fulcrum.router.config.RouterConfig`, or its policy
             cannot be built (the router's own validation, :func:`~fulcrum.router.config.parse_config` and
-            :func:`~fulcrum.router.policies.registry.make_policy`, names the field).
+            :func:`~fulcrum.routing.registry.make_policy`, names the field).
     """
     spec = serve.spec
     name, namespace = serve.metadata.name, serve.metadata.namespace

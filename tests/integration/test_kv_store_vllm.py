@@ -31,8 +31,8 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.router.app import ROUTER, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
-from fulcrum.router.policies.base import InstanceView, RequestInfo, RouteDecision  # noqa: E402
-from fulcrum.router.policies.load_aware import PrefixPull  # noqa: E402
+from fulcrum.routing.base import InstanceView, RequestInfo, RouteDecision  # noqa: E402
+from fulcrum.routing.load_aware import PrefixPull  # noqa: E402
 
 from .engines import BLOCK_SIZE, Engine, EngineSpec, engine_pair, post_json, skip_unless_vllm  # noqa: E402
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from fulcrum.router.batcher import PrefillBatcher
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo
-from fulcrum.router.policies.disaggregated import DisaggregatedPolicy, prefix_hit_tokens
+from fulcrum.routing.batcher import PrefillBatcher
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo
+from fulcrum.routing.disaggregated import DisaggregatedPolicy, prefix_hit_tokens
 
 
 def req(p: int, hashes: tuple[int, ...] = (), rid: str = "r", d: int = 100) -> RequestInfo:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo
-from fulcrum.router.policies.split import SplitPolicy, search_split_point
-from fulcrum.router.predictor import InstancePredictor, MicroRequest, StepCostModel, split_micro_requests
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo
+from fulcrum.routing.split import SplitPolicy, search_split_point
+from fulcrum.routing.predictor import InstancePredictor, MicroRequest, StepCostModel, split_micro_requests
 
 PROFILE = builtin_profile("splitwise-llama2-70b-h100")  # measured Llama-2-70B on H100 (Splitwise)
 COSTS = StepCostModel.from_profile(PROFILE, 2)

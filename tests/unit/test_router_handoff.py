@@ -209,7 +209,7 @@ class _CutInsidePrompt:
         self.s = s
 
     def route(self, req, instances, now):
-        from fulcrum.router.policies.base import RouteDecision
+        from fulcrum.routing.base import RouteDecision
 
         return RouteDecision("split", "e0", "e1", split_token=self.s, handoff_after=0, reason="fake split inside")
 

@@ -17,8 +17,8 @@ from fakes.fake_engine import FakeEngineSettings, fake_chat_ids, fake_encode, fa
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.rebalancing.decode_rescheduling import DecodeInstanceLoad  # noqa: E402
 from fulcrum.router.config import ReschedulingSection  # noqa: E402
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
-from fulcrum.router.remaining_length import RemainingLengthPredictor  # noqa: E402
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
+from fulcrum.routing.remaining_length import RemainingLengthPredictor  # noqa: E402
 from fulcrum.router.rescheduler import Rescheduler  # noqa: E402
 
 pytestmark = pytest.mark.asyncio

@@ -15,8 +15,8 @@ pytest.importorskip("pytest_asyncio")
 from fakes.fake_engine import FakeEngineSettings  # noqa: E402
 from fulcrum.router.config import RolesSection  # noqa: E402
 from fulcrum.router.metrics import RouterMetrics  # noqa: E402
-from fulcrum.router.policies.base import InstanceView  # noqa: E402
-from fulcrum.router.policies.registry import make_policy  # noqa: E402
+from fulcrum.routing.base import InstanceView  # noqa: E402
+from fulcrum.routing.registry import make_policy  # noqa: E402
 from fulcrum.router.roles import RoleBalancer, decode_utilisation, prefill_utilisation  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
@@ -130,7 +130,7 @@ class PinnedTestPolicy:
         self.target = target
 
     def route(self, req, instances, now):
-        from fulcrum.router.policies.base import RouteDecision
+        from fulcrum.routing.base import RouteDecision
 
         return RouteDecision("colocated", self.target, split_token=req.prompt_tokens + req.max_tokens, reason="pinned")
 
