@@ -61,9 +61,8 @@ from fulcrum.router.handoff import (
 )
 from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
-from fulcrum.routing.base import (GroupsPrefills, InstanceView, NoInstanceError, Policy, RequestInfo,
-                                          RouteDecision)
-from fulcrum.routing.load_aware import PrefixPull, prompt_block_hashes, pull_costs
+from fulcrum.routing.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
+from fulcrum.routing.prefix import PrefixPull, prompt_block_hashes, pull_costs
 from fulcrum.router.prefill_gate import PrefillGate
 from fulcrum.router.registry import Registry, StaticRegistry
 from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
@@ -133,7 +132,7 @@ class RouterState:
     roles: RoleBalancer | None = None
     """Duties of ``both`` instances (router config ``roles``)."""
     prefill_gate: PrefillGate | None = None
-    """DOPD Alg. 1 grouping of short prompts before their prefill legs (policies with ``new_batcher``)."""
+    """DOPD Alg. 1 grouping of short prompts before their prefill legs (policies whose ``capabilities.prefill_batcher`` is set)."""
 
     def views(self, exclude: list[str] | tuple[str, ...] = ()) -> list[InstanceView]:
         """The instances as the policies see them: with role reassignment on, ``both`` instances show their duty."""
@@ -174,9 +173,9 @@ class RouterState:
         if self.prefill_gate is not None:
             self.prefill_gate.close()
         policy = self.policy
-        groups = isinstance(policy, GroupsPrefills) and policy.batch_timeout_s > 0.0  # 0: every prompt at once
-        self.prefill_gate = (PrefillGate(policy.new_batcher, on_release=self.metrics.prefill_group)
-                             if groups and isinstance(policy, GroupsPrefills) else None)
+        make_batcher = policy.capabilities.prefill_batcher
+        self.prefill_gate = (PrefillGate(make_batcher, on_release=self.metrics.prefill_group)
+                             if make_batcher is not None else None)
 
 
 ROUTER: web.AppKey[RouterState] = web.AppKey("fulcrum_router", RouterState)
@@ -420,9 +419,9 @@ def _fallback_decision(st: RouterState, exclude: list[str], reason: str) -> Rout
 async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
     assert st.pool is not None
     bs = st.config.kv_block_size
-    take = getattr(st.policy, "take_prefix_pull", None)
-    pull = take(ex.request_id) if callable(take) else None
-    if isinstance(pull, PrefixPull) and d.kind == "colocated" and pull.target == d.first:
+    take = st.policy.capabilities.take_prefix_pull
+    pull = take(ex.request_id) if take is not None else None
+    if pull is not None and d.kind == "colocated" and pull.target == d.first:
         out = await _run_with_prefix_pull(st, ex, pull, sink)
         if out is not None:
             return out
@@ -556,8 +555,9 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
     st.metrics.child(st.metrics.admitted, endpoint).inc()
     cap = ex.max_tokens if ex.max_tokens is not None else max(1, (st.config.max_model_len or ex.prompt.max_model_len or 4096) - ex.prompt.count)
     hashes: tuple[int, ...] = ()
-    if ex.prompt.ids is not None and getattr(st.policy, "uses_prefix_hashes", False):
-        hashes = prompt_block_hashes(ex.prompt.ids, int(getattr(st.policy, "kv_block_tokens", st.config.kv_block_size)))
+    block_tokens = st.policy.capabilities.prefix_block_tokens
+    if ex.prompt.ids is not None and block_tokens is not None:
+        hashes = prompt_block_hashes(ex.prompt.ids, block_tokens)
     info = RequestInfo(request_id=ex.request_id, prompt_tokens=ex.prompt.count, max_tokens=cap,
                        predicted_output_tokens=st.predictor.predict(ex.model, ex.prompt.count, cap), prefix_hashes=hashes)
     st.metrics.input_tokens.observe(ex.prompt.count)

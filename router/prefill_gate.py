@@ -45,7 +45,7 @@ class PrefillGate:
     """Per-prefill-instance DOPD Alg. 1 grouping for the router (module doc).
 
     Args:
-        make_batcher: a new :class:`PrefillBatcher` for an instance (the policy's ``new_batcher``).
+        make_batcher: a new :class:`PrefillBatcher` for an instance (the policy's ``capabilities.prefill_batcher``).
         clock: monotonic seconds, the batchers' ``now`` (default: the event loop's clock, which its timers use).
         on_release: called with every released group (metrics), before its requests resume.
     """

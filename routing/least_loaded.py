@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
 from fulcrum.routing.round_robin import TieBreaker, colocated_candidates, colocated_decision
 
 __all__ = ["LeastLoadedPolicy", "instance_load"]
@@ -33,6 +33,7 @@ class LeastLoadedPolicy:
     """
 
     name = "least_loaded"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self) -> None:
         self._ties = TieBreaker()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
 
 __all__ = [
     "RoundRobinPolicy",
@@ -83,6 +83,7 @@ class RoundRobinPolicy:
     """
 
     name = "round_robin"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self) -> None:
         self._turn = 0

@@ -41,7 +41,7 @@ from typing import Any
 
 from fulcrum.ratio.profile import PerformanceProfile, profile_from_dict
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
 from fulcrum.routing.predictor import ExecutionPredictor, InstancePredictor, split_micro_requests, split_parts
 
 __all__ = ["SplitPolicy", "SplitSearch", "search_split_point", "resolve_profile_param"]
@@ -165,6 +165,7 @@ class SplitPolicy:
     """
 
     name = "split"
+    capabilities = NO_CAPABILITIES
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Literal
 
-from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
 
 __all__ = ["FakePolicy"]
 
@@ -22,6 +22,7 @@ class FakePolicy:
     """
 
     name = "fake"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self, kind: Literal["colocated", "disaggregated", "split"] = "colocated", k: int = 0,
                  pair: tuple[str, str] | None = None) -> None:

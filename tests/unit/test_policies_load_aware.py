@@ -7,13 +7,8 @@ import math
 import pytest
 
 from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.routing.load_aware import (
-    LoadAwarePolicy,
-    PrefixIndex,
-    prompt_block_hashes,
-    pull_costs,
-    utilisation,
-)
+from fulcrum.routing.load_aware import LoadAwarePolicy, utilisation
+from fulcrum.routing.prefix import PrefixIndex, prompt_block_hashes, pull_costs
 
 REQ = RequestInfo("r", prompt_tokens=1000, max_tokens=256, predicted_output_tokens=200)
 

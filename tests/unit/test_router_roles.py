@@ -15,7 +15,7 @@ pytest.importorskip("pytest_asyncio")
 from fakes.fake_engine import FakeEngineSettings  # noqa: E402
 from fulcrum.router.config import RolesSection  # noqa: E402
 from fulcrum.router.metrics import RouterMetrics  # noqa: E402
-from fulcrum.routing.base import InstanceView  # noqa: E402
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView  # noqa: E402
 from fulcrum.routing.registry import make_policy  # noqa: E402
 from fulcrum.router.roles import RoleBalancer, decode_utilisation, prefill_utilisation  # noqa: E402
 
@@ -125,6 +125,7 @@ class PinnedTestPolicy:
     """TEST DOUBLE policy: every request colocated on ``target``."""
 
     name = "pinned-test-double"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self, target: str) -> None:
         self.target = target
