@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from fulcrum.routing.batcher import PrefillBatcher
 from fulcrum.routing.prefix import PrefixPull
@@ -130,7 +130,9 @@ class PolicyCapabilities:
     Attributes:
         prefill_batcher: a factory of one DOPD Alg. 1 grouper (:class:`~fulcrum.routing.batcher.PrefillBatcher`)
             per prefill instance, when the policy groups short prompts before their prefill leg; None: every
-            prompt goes to its prefill instance at once.
+            prompt goes to its prefill instance at once. The grouper holds whatever items the caller gives it
+            (the router its waiting requests, the simulator :class:`RequestInfo`), reading their
+            ``prompt_tokens``.
         prefix_block_tokens: tokens per KV block of the prompt hashes the policy reads
             (``RequestInfo.prefix_hashes``, :func:`~fulcrum.routing.prefix.prompt_block_hashes`); None: the
             policy reads no hashes, so the caller need not compute them.
@@ -139,7 +141,7 @@ class PolicyCapabilities:
             field is None when the policy never plans pulls.
     """
 
-    prefill_batcher: Callable[[], PrefillBatcher[RequestInfo]] | None = None
+    prefill_batcher: Callable[[], PrefillBatcher[Any]] | None = None
     prefix_block_tokens: int | None = None
     take_prefix_pull: Callable[[str], PrefixPull | None] | None = None
 
