@@ -20,6 +20,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.replay.distribution import LatencyDistribution
 from fulcrum.replay.result import ForecastPoint, InfeasibleSLO, PolicyRun, PolicySummary, TimelinePoint
+from fulcrum.replay.routing import routing_factory
 from fulcrum.scaling.dopd import DopdPlanner
 from fulcrum.scaling.dynamo_load import DynamoLoadPlanner
 from fulcrum.scaling.dynamo_sla import DynamoSlaPlanner, DynamoSlaSettings
@@ -81,11 +82,14 @@ class ReplayOptions:
         warmup_s: score only requests arriving after this many seconds, and GPU time from then on; ``None``
             means pod start-up + 2 intervals: the cold start of the spec's initial pools, the same for every
             policy, says nothing about a planner. 0 scores the whole trace.
+        routing: the router's routing policy the simulator runs (:mod:`fulcrum.routing`; built by
+            :func:`fulcrum.replay.routing.routing_factory`); None: the spec's ``router.policy``.
     """
 
     sim: SimConfig | None = None
     progress: bool = False
     warmup_s: float | None = None
+    routing: str | None = None
 
 
 def warmup_seconds(spec: LLMServeSpec, options: ReplayOptions) -> float:
@@ -168,9 +172,11 @@ def run_planner(
         raise ValueError("the trace has no requests")
     name = name or planner.name
     wall0 = time.perf_counter()
-    sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds)
+    sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds,
+                                       max_model_len=spec.engine.max_model_len)
     current = planner.initial()
-    sim = Simulation(requests, profile, spec.slo, current, sim_cfg)
+    routing = routing_factory(options.routing or spec.router.policy.value, spec, profile)
+    sim = Simulation(requests, profile, spec.slo, current, sim_cfg, policy=routing)
     tick = planner.tick_s
     end = requests[-1].arrival_s
     n_ticks = int(math.ceil(end / tick)) + 1
