@@ -11,7 +11,8 @@ Per request of P prompt tokens and predicted D output tokens (L = P + D):
    φ = P/L. (Libra seeds its clocks from the first request; here the profile is the offline data, so the
    predictor has timing from the start and an idle pair is already balanced by the search.)
 3. **Bounded binary search** (lines 3–10): φ starts at P/L (pure disaggregation) in [lo, hi] = [0, 1] narrowed by
-   the roles (a "prefill" A cannot decode: φ ≤ P/L; a "decode" B cannot prefill: φ ≥ P/L). Each probe splits at
+   A's role (a "prefill" A cannot decode: φ ≤ P/L; B, "decode" or "both", may prefill what A leaves of the
+   prompt, as a decode instance prefills the prompts it runs locally, DOPD §V-E). Each probe splits at
    s = ⌈φ·L⌉, asks the predictor for T_A and T_B — the instants at which each would have drained all its work
    including its micro-request (:meth:`fulcrum.routing.predictor.InstancePredictor.probe`, O(log n)) — stops when
    |T_A − T_B| ≤ ε, and otherwise moves φ up when A finishes first and down when B does. At most K probes; the
@@ -256,7 +257,7 @@ class SplitPolicy:
         if pa is None or pb is None or p <= 0:
             why = "empty prompt" if p <= 0 else "no performance profile"
             return self._count(self._decide(req, a, b, p, f"cold-start: {why}; pure disaggregation"))
-        lo = 0.0 if b.role == "both" else p / total
+        lo = 0.0  # B may decode, so it may prefill the rest of the prompt (s < P needs partial-prefix support)
         hi = 1.0 if a.role == "both" else p / total
         s, reason = self._search(req, pa, pb, lo, hi, now)
         partial_ok = a.supports_partial_prefix and b.supports_partial_prefix
