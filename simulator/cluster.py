@@ -376,7 +376,7 @@ class Simulation:
                 assert isinstance(inst, PrefillInstance)
                 self._flush_gate(inst)
                 for r in inst.take_queue():
-                    self._route_new(r)
+                    self._dispatch_new(r)
         self._record_gpus()
         self._dispatch_all()
 
@@ -556,14 +556,14 @@ class Simulation:
             batch = inst.evict_all()
             self._remove(inst)
             for r in batch:
-                self._route_new(r)
+                self._dispatch_new(r)
         else:
             assert isinstance(inst, EngineInstance)
             evicted = inst.evict_all()
             self._remove(inst)
             for r in evicted:
                 if r.generated == 0:
-                    self._route_new(r)
+                    self._dispatch_new(r)
                 else:
                     self._to_engine(r)
         self._dispatch_all()
@@ -608,9 +608,9 @@ class Simulation:
         self._metrics.arrive(t)
         if i + 1 < len(self._reqs):
             self._kernel.schedule(self._reqs[i + 1].arrival, Priority.ARRIVAL, self._on_arrival, i + 1)
-        self._route_new(r)
+        self._dispatch_new(r)
 
-    def _route_new(self, r: SimRequest) -> None:
+    def _dispatch_new(self, r: SimRequest) -> None:
         """Ask the policy where a request with no KV anywhere runs (at arrival, or again after an eviction or a
         mode switch), tell it the decision started, and send the request there; with no instance to take it,
         it waits at the router (``_unrouted``) until one becomes ready."""
@@ -871,7 +871,7 @@ class Simulation:
             pending = list(self._unrouted)
             self._unrouted.clear()
             for r in pending:
-                self._route_new(r)
+                self._dispatch_new(r)
 
     # ---- decode rescheduling (ARES) ----------------------------------------------------------------------
 
