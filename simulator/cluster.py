@@ -1,28 +1,36 @@
-"""The simulated cluster: pools of instances, the router's policies, scaling with start-up and drain.
+"""The simulated cluster: pools of instances, routed by the router's own policies, scaling with start-up and drain.
 
 :class:`Simulation` is what ``fulcrum replay`` drives in place of Kubernetes: ``apply`` a
 :class:`~fulcrum.target.ClusterTarget`, ``run_until`` the next planner tick, ``observe`` the last interval,
 and ``finish`` for the per-request records. Instances are modelled in :mod:`fulcrum.simulator.instances`.
 
-Request paths (the router's choice, :class:`~fulcrum.target.RoutingParams`):
+Routing: the simulator routes every request through the router's own policy (a :class:`~fulcrum.routing.base.Policy`
+of :mod:`fulcrum.routing`, built from the plan's :class:`~fulcrum.target.RoutingParams` by the ``policy`` factory;
+default :func:`default_policy`, the LLMServe default ``disaggregated``). At arrival it builds one
+:class:`~fulcrum.routing.base.InstanceView` per serving instance with the router's accounting (requests in flight,
+prompt tokens sent and not prefilled, KV held or on its way), asks ``policy.route``, calls ``on_start``, and runs
+the decision; ``on_finish`` comes at the last token. The output length the policy sees is the router's online
+estimate (:class:`~fulcrum.routing.length_predictor.BucketedQuantilePredictor`), never the trace's. A decision runs as
+the router runs it:
 
-- **disaggregated** (mode Disaggregated, prompt longer than ``ultra_short_tokens``): the request joins one
-  shared prefill queue that idle P instances pull from (DOPD §V-C; the NATS queue of DESIGN's connector).
-  Batches are formed FCFS up to ``max_prefill_batch_tokens``, or, with ``length_aware_batching``, by DOPD
-  Alg. 1 (:class:`PrefillQueue`). The first token comes out at the end of the prefill batch (TTFT = queueing +
-  prefill). Then the KV cache moves to a decode instance chosen least-loaded among those with KV room (the
-  least-loaded overall when none has room), taking ``kv_transfer_seconds(isl, kv_link_gbps) +
-  kv_transfer_overhead_s``; the transfer does not block the P instance (NIXL pulls) and links are not
-  shared (no contention). The request then waits in that instance's queue for KV room and a batch slot.
-- **local** (mode Disaggregated, ``isl <= ultra_short_tokens``; DOPD §II-C, §V-E "PD-aggregation"): sent at
-  arrival to a decode instance (same choice) and prefilled there inside its next step, no transfer.
-- **unified** (mode Unified, ``target.unified.replicas > 0``): sent at arrival to the least-loaded unified
-  instance, which mixes chunked prefill with decoding (vLLM).
+- **colocated** on a decode instance (path "local", e.g. DOPD's ultra-short prompts, §II-C/§V-E) or a unified
+  instance (path "unified"): the engine prefills it in chunks beside its decoding requests and decodes it.
+- **disaggregated** (path "disaggregated"): instance A prefills; on a prefill instance the prompt first passes the
+  policy's DOPD Alg. 1 gate (:attr:`~fulcrum.routing.base.PolicyCapabilities.prefill_batcher`: one
+  :class:`~fulcrum.routing.batcher.PrefillBatcher` per prefill instance, released at once when the instance has no
+  prefill in flight, as the router's :class:`~fulcrum.router.prefill_gate.PrefillGate`), then waits in the
+  instance's queue, which runs batches first come first served up to ``max_prefill_batch_tokens``. The first token
+  comes out at the end of the batch (TTFT = queueing + prefill). The KV (``isl`` tokens) then moves to B, taking
+  ``kv_transfer_seconds(tokens, kv_link_gbps) + kv_transfer_overhead_s``; the transfer does not block A (NIXL
+  pulls) and links are not shared (no contention). B queues it for KV room and a batch slot.
+- **split** (path "split", Libra §4.1 micro-requests): past the prompt (``handoff_after = k > 0``), engine A
+  prefills and decodes k tokens, then hands its KV (``isl + k``) to B, which decodes the rest; inside the prompt
+  (``split_token = s < isl``, only with ``SimConfig.partial_prefix``), A prefills the first s tokens, the KV of
+  those moves to B, and B prefills the rest as a continuation and decodes.
 
-"Least loaded" counts requests (running + waiting + incoming); ties go to the oldest instance. Requests that
-find no instance to go to wait at the router (prefill queue, or a pending queue for decode-capable
-instances) and are dispatched when one becomes ready; a decode-capable target of the disaggregated paths is a
-decode instance, or a unified instance when no decode instance accepts work (mode changes).
+A decision's B that no longer accepts work when the KV is ready (drained, removed) is replaced by the policy's
+choice among the decode-capable instances; requests the policy finds no instance for (no decode-capable instance
+ready: the router's 503) wait at the router and are routed again when an instance becomes ready.
 
 Scaling (:meth:`Simulation.apply`):
 
@@ -31,7 +39,7 @@ Scaling (:meth:`Simulation.apply`):
 - scale-in picks the least-loaded instances (not-yet-ready ones first among equals, then the newest): a
   starting instance is cancelled at once; a ready one stops getting new work, finishes its in-flight requests
   (drain) and is removed when empty, or at ``drain_timeout_s``, when its remaining requests are re-dispatched
-  (KV lost: prompts go back to the queue, decoding requests are recomputed elsewhere) — no request is lost;
+  (KV lost: prompts are routed again, decoding requests are recomputed elsewhere) — no request is lost;
 - a TP change of a pool drains every instance of the old TP and starts instances of the new one;
 - switching between Unified and Disaggregated moves requests not yet started to the new path; in-flight
   ones finish where they are. A target holding both kinds of pools is a switch under way (make-before-break):
