@@ -630,6 +630,7 @@ class Simulation:
         try:
             d = self._policy.route(info, self._views(), now)
         except NoInstanceError:
+            r.enq = now
             self._unrouted.append(r)
             return
         self._policy.on_start(info, d, now)
@@ -771,8 +772,8 @@ class Simulation:
         self._arm_gate(inst.iid)
 
     def _gate_item(self, r: SimRequest) -> RequestInfo:
-        return RequestInfo(request_id=str(r.idx), prompt_tokens=r.prefill_stop, max_tokens=r.osl,
-                           predicted_output_tokens=r.osl)
+        """``r`` as the gate holds it: the batcher reads only the prompt length it prefills there."""
+        return RequestInfo(request_id=str(r.idx), prompt_tokens=r.prefill_stop, max_tokens=1, predicted_output_tokens=1)
 
     def _release(self, inst: PrefillInstance, batches: list[PrefillBatch[RequestInfo]]) -> None:
         for batch in batches:

@@ -117,7 +117,7 @@ class SimRequest:
         phase: :class:`Phase`. pf_total / pf_done: tokens of the prefill in progress, and done.
         join_step / gen_join / base: decode bookkeeping (step index and tokens at joining; ``ctx − join_step``).
         token: bumps whenever the request leaves a decode batch (stale finish-heap entries are skipped).
-        qseq / enq: order and time of entry into the prefill queue. dest: engine a KV transfer heads to.
+        enq: when it entered the router's wait or a prefill instance's gate, s. dest: engine a KV transfer heads to.
         preemptions: times it was preempted. migrating: asked to leave its engine at the next step boundary
             (decode rescheduling).
         prefill_start: when its first prefill began (on a P instance, or admitted to an engine), s; ``nan`` until.
@@ -147,7 +147,6 @@ class SimRequest:
         "gen_join",
         "base",
         "token",
-        "qseq",
         "enq",
         "dest",
         "preemptions",
@@ -179,7 +178,6 @@ class SimRequest:
         self.gen_join = 0
         self.base = 0
         self.token = 0
-        self.qseq = 0
         self.enq = 0.0
         self.dest: EngineInstance | None = None
         self.preemptions = 0
