@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fulcrum.api.llmserve import LLMServeSpec, load_llmserve
+from fulcrum.api.llmserve import LLMServeSpec, SLOSpec, load_llmserve
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.driver import ReplayOptions, run_policy
 from fulcrum.replay.routing import ROUTING_POLICIES, parse_routing, path_counts, routing_factory
@@ -22,6 +22,7 @@ from fulcrum.workload import Request
 REPO = Path(__file__).resolve().parents[2]
 DISAGG = REPO / "examples" / "llmserve-disaggregated-70b-h100.yaml"
 UNIFIED = REPO / "examples" / "llmserve-unified-70b-a100.yaml"
+_SLO = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,3 @@ def test_the_simulator_stays_deterministic_under_every_policy(window: tuple[Requ
         runs = [Simulation(window[:400], profile, spec.slo, target, policy=routing_factory(name, spec, profile)).finish()
                 for _ in range(2)]
         assert runs[0].records == runs[1].records, name
-
-
-from fulcrum.api.llmserve import SLOSpec  # noqa: E402
-
-_SLO = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
