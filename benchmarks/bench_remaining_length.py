@@ -11,7 +11,7 @@ generated-token count g with L > g (the request is still running after g tokens)
 remaining length L − g from (P, g) alone; then the request's (P, L) is observed (it finished). The table gives the
 mean absolute error (tokens) over those (request, g) pairs, per data set and g:
 
-- ``cond mean``: :class:`fulcrum.router.remaining_length.RemainingLengthPredictor`, E[L − g | L > g] per ISL
+- ``cond mean``: :class:`fulcrum.routing.remaining_length.RemainingLengthPredictor`, E[L − g | L > g] per ISL
   bucket (the default, what ARES's load sums need);
 - ``cond median``: the same, conditional median (the MAE-optimal point of the same conditional distribution);
 - ``prompt-only``: the router's output-length predictor (``BucketedQuantilePredictor``: per-ISL-bucket median
@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fulcrum.router.length_predictor import BucketedQuantilePredictor
-from fulcrum.router.remaining_length import RemainingLengthPredictor
+from fulcrum.routing.length_predictor import BucketedQuantilePredictor
+from fulcrum.routing.remaining_length import RemainingLengthPredictor
 
 DATA = Path("/work/shared/data")
 DATASETS: dict[str, tuple[Path, str, str]] = {

@@ -6,7 +6,7 @@ apart between instances) replayed on a fixed cluster, four runs on the same requ
 - ``none``: no rescheduling (decode instance chosen at admission by least load, then fixed — vLLM's behaviour);
 - ``current``: ARES Alg. 1 on the current token load only (no prediction; the paper's "vLLM + rescheduling");
 - ``predicted``: ARES with the online conditional remaining-length estimate E[L − g | L > g]
-  (``fulcrum.router.remaining_length``), learnt from the requests that finished so far;
+  (``fulcrum.routing.remaining_length``), learnt from the requests that finished so far;
 - ``oracle``: ARES with the true remaining length (ARES-Oracle).
 
 Printed per run: the decode-load variance (ARES eq. 3, tokens², mean over 1-s ticks while requests arrive),
@@ -44,8 +44,8 @@ def trace_window(name: str, minutes: float, scale: float) -> list[Request]:
 
 def conditional_predictor(history: list[Request]) -> RemainingPredictor:
     """E[L − g | L > g] from the OSLs of ``history`` (requests that finished before the window scored), per ISL
-    bucket (``fulcrum.router.remaining_length.RemainingLengthPredictor``)."""
-    from fulcrum.router.remaining_length import RemainingLengthPredictor
+    bucket (``fulcrum.routing.remaining_length.RemainingLengthPredictor``)."""
+    from fulcrum.routing.remaining_length import RemainingLengthPredictor
 
     pred = RemainingLengthPredictor()
     for r in history:

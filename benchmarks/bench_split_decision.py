@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.router.policies.base import InstanceView, RequestInfo
-from fulcrum.router.policies.least_loaded import LeastLoadedPolicy
-from fulcrum.router.policies.split import SplitPolicy
-from fulcrum.router.predictor import split_micro_requests
+from fulcrum.routing.base import InstanceView, RequestInfo
+from fulcrum.routing.least_loaded import LeastLoadedPolicy
+from fulcrum.routing.split import SplitPolicy
+from fulcrum.routing.predictor import split_micro_requests
 
 SHAREGPT = Path("/work/shared/data/lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv.gz")
 

@@ -3,7 +3,7 @@
 
 Pure planning: the caller (the router's rescheduling loop, or the simulator in ``benchmarks/bench_rescheduling.py``)
 collects each decode instance's running requests with their current token counts N(r) and predicted remaining
-output lengths N̂(r) (ARES §4; :mod:`fulcrum.router.remaining_length`), calls :func:`plan_migration` about once
+output lengths N̂(r) (ARES §4; :mod:`fulcrum.routing.remaining_length`), calls :func:`plan_migration` about once
 a second (Alg. 1 line 3), and executes the returned :class:`Migration` through the handoff protocol (the client's
 stream never breaks: engine B continues from the prompt plus the tokens generated so far with A's KV).
 

@@ -5,7 +5,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not
 ``GET /metrics`` (``fulcrum_router_*``).
 
 One request: validate (400) → count the prompt (``fulcrum.router.tokens``) → context check (400) → the policy's
-:class:`~fulcrum.router.policies.base.RouteDecision` (503 when it finds no instance) → execute it
+:class:`~fulcrum.routing.base.RouteDecision` (503 when it finds no instance) → execute it
 (``fulcrum.router.handoff``) → relay. An instance that fails before anything reached the client is left out and
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message. An engine's 4xx is
 the client's error and is relayed as is.
@@ -50,7 +50,7 @@ import aiohttp
 from aiohttp import web
 
 from fulcrum.cancellation import cancel_and_wait
-from fulcrum.router.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor, PerModelLengthPredictors
+from fulcrum.routing.length_predictor import BucketedQuantilePredictor, OutputLengthPredictor, PerModelLengthPredictors
 from fulcrum.router.config import ConfigWatcher, RouterConfig
 from fulcrum.router.errors import BadRequest, ModelNotFound, NoHealthyInstance, RouterHTTPError, UpstreamError, error_body
 from fulcrum.router.handoff import (
@@ -64,13 +64,12 @@ from fulcrum.router.handoff import (
 )
 from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
-from fulcrum.router.policies.base import (GroupsPrefills, InstanceView, NoInstanceError, Policy, RequestInfo,
-                                          RouteDecision)
-from fulcrum.router.policies.load_aware import PrefixPull, prompt_block_hashes, pull_costs
+from fulcrum.routing.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
+from fulcrum.routing.prefix import PrefixPull, prompt_block_hashes, pull_costs
 from fulcrum.router.prefill_gate import PrefillGate
 from fulcrum.router.registry import Registry, StaticRegistry
 from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
-from fulcrum.router.remaining_length import RemainingLength, RemainingLengthPredictor
+from fulcrum.routing.remaining_length import RemainingLength, RemainingLengthPredictor
 from fulcrum.router.rescheduler import Rescheduler, migratable, run_disaggregated_migratable, run_migratable
 from fulcrum.router.roles import RoleBalancer
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint, parse_request
@@ -105,12 +104,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def default_policy_factory(name: str, params: Mapping[str, Any]) -> Policy:
-    """Fulcrum's policy ``name`` built with ``params`` (``fulcrum.router.policies.registry.make_policy``).
+    """Fulcrum's policy ``name`` built with ``params`` (``fulcrum.routing.registry.make_policy``).
 
     Raises:
         ValueError: unknown policy or parameter.
     """
-    from fulcrum.router.policies.registry import make_policy
+    from fulcrum.routing.registry import make_policy
 
     return make_policy(name, params)
 
@@ -139,7 +138,7 @@ class RouterState:
     roles: RoleBalancer | None = None
     """Duties of ``both`` instances (router config ``roles``)."""
     prefill_gate: PrefillGate | None = None
-    """DOPD Alg. 1 grouping of short prompts before their prefill legs (policies with ``new_batcher``)."""
+    """DOPD Alg. 1 grouping of short prompts before their prefill legs (policies whose ``capabilities.prefill_batcher`` is set)."""
 
     def views(self, exclude: list[str] | tuple[str, ...] = ()) -> list[InstanceView]:
         """The instances as the policies see them: with role reassignment on, ``both`` instances show their duty."""
@@ -180,9 +179,9 @@ class RouterState:
         if self.prefill_gate is not None:
             self.prefill_gate.close()
         policy = self.policy
-        groups = isinstance(policy, GroupsPrefills) and policy.batch_timeout_s > 0.0  # 0: every prompt at once
-        self.prefill_gate = (PrefillGate(policy.new_batcher, on_release=self.metrics.prefill_group)
-                             if groups and isinstance(policy, GroupsPrefills) else None)
+        make_batcher = policy.capabilities.prefill_batcher
+        self.prefill_gate = (PrefillGate(make_batcher, on_release=self.metrics.prefill_group)
+                             if make_batcher is not None else None)
 
 
 ROUTER: web.AppKey[RouterState] = web.AppKey("fulcrum_router", RouterState)
@@ -300,9 +299,9 @@ Raises :class:`UpstreamFailure` (the caller retries while nothing was streamed),
 async def _execute(st: RouterState, ex: Exchange, d: RouteDecision, sink: ClientSink) -> Outcome:
     """Run a decision: a prefix pull the policy planned for it (any kind may have one; the policy forgets it once
     taken), else the executor of its kind (:data:`EXECUTORS`)."""
-    take = getattr(st.policy, "take_prefix_pull", None)
-    pull = take(ex.request_id) if callable(take) else None
-    if isinstance(pull, PrefixPull) and d.kind == "colocated" and pull.target == d.first:
+    take = st.policy.capabilities.take_prefix_pull
+    pull = take(ex.request_id) if take is not None else None
+    if pull is not None and d.kind == "colocated" and pull.target == d.first:
         out = await _run_with_prefix_pull(st, ex, pull, sink)
         if out is not None:
             return out
@@ -479,8 +478,9 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
     st.metrics.child(st.metrics.admitted, endpoint).inc()
     cap = ex.max_tokens if ex.max_tokens is not None else max(1, (st.config.max_model_len or ex.prompt.max_model_len or 4096) - ex.prompt.count)
     hashes: tuple[int, ...] = ()
-    if ex.prompt.ids is not None and getattr(st.policy, "uses_prefix_hashes", False):
-        hashes = prompt_block_hashes(ex.prompt.ids, int(getattr(st.policy, "kv_block_tokens", st.config.kv_block_size)))
+    block_tokens = st.policy.capabilities.prefix_block_tokens
+    if ex.prompt.ids is not None and block_tokens is not None:
+        hashes = prompt_block_hashes(ex.prompt.ids, block_tokens)
     info = RequestInfo(request_id=ex.request_id, prompt_tokens=ex.prompt.count, max_tokens=cap,
                        predicted_output_tokens=st.predictor.predict(ex.model, ex.prompt.count, cap), prefix_hashes=hashes)
     st.metrics.input_tokens.observe(ex.prompt.count)
@@ -734,9 +734,9 @@ def create_app(
         clock: monotonic seconds for timing, ejection backoff and reload checks.
         predictor: one output-length predictor shared by every model (default: one per served model, each a
             per-ISL-bucket online quantile estimate plus Libra's 20-token margin,
-            :class:`fulcrum.router.length_predictor.BucketedQuantilePredictor`).
+            :class:`fulcrum.routing.length_predictor.BucketedQuantilePredictor`).
         remaining_predictor: the remaining-length predictor of decode rescheduling (default: ARES §4's
-            ``E[L − g | L > g]``, :class:`fulcrum.router.remaining_length.RemainingLengthPredictor`).
+            ``E[L − g | L > g]``, :class:`fulcrum.routing.remaining_length.RemainingLengthPredictor`).
         metrics: the metrics (default: new ones on their own registry).
         health_checks: run the periodic ``/health`` probes.
         session_factory: builds the shared upstream ``ClientSession`` that carries every engine call (default:

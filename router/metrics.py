@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fulcrum.router.policies.base import InstanceView
+from fulcrum.routing.base import InstanceView
 
 __all__ = ["RouterMetrics", "CONTENT_TYPE"]
 
@@ -115,7 +115,7 @@ class RouterMetrics:
         self.registry.register(_InstanceCollector(views))
 
     def prefill_group(self, batch: Any) -> None:
-        """Count one released DOPD Alg. 1 group (a :class:`fulcrum.router.batcher.PrefillBatch`)."""
+        """Count one released DOPD Alg. 1 group (a :class:`fulcrum.routing.batcher.PrefillBatch`)."""
         self.child(self.prefill_groups, batch.cause).inc()
         self.prefill_group_prompts.observe(len(batch.items))
         self.prefill_group_wait.observe(max(0.0, batch.released_at - batch.opened_at))

@@ -1,6 +1,6 @@
 """DOPD Alg. 1 in the request path: short prompts wait at a per-instance gate until their prefill group is released.
 
-:class:`fulcrum.router.batcher.PrefillBatcher` is the pure state machine of DOPD's "Prefill Requests Scheduler"
+:class:`fulcrum.routing.batcher.PrefillBatcher` is the pure state machine of DOPD's "Prefill Requests Scheduler"
 (Alg. 1, §V-B/§V-E); this module is its asyncio adapter for the router. Before the prefill leg of a
 ``disaggregated`` decision is sent to instance A, the request calls :meth:`PrefillGate.admit` with A's id and
 its prompt length and waits until its group is released:
@@ -28,7 +28,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fulcrum.router.batcher import PrefillBatch, PrefillBatcher
+from fulcrum.routing.batcher import PrefillBatch, PrefillBatcher
 
 __all__ = ["HeldPrefill", "PrefillGate"]
 
@@ -45,7 +45,7 @@ class PrefillGate:
     """Per-prefill-instance DOPD Alg. 1 grouping for the router (module doc).
 
     Args:
-        make_batcher: a new :class:`PrefillBatcher` for an instance (the policy's ``new_batcher``).
+        make_batcher: a new :class:`PrefillBatcher` for an instance (the policy's ``capabilities.prefill_batcher``).
         clock: monotonic seconds, the batchers' ``now`` (default: the event loop's clock, which its timers use).
         on_release: called with every released group (metrics), before its requests resume.
     """

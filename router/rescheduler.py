@@ -7,7 +7,7 @@ is called on ``/v1/completions`` with the prompt's token ids, ``stream = true`` 
 the client asked, so the router knows each generated token id as it comes; the client gets its own format
 (streamed events or one whole answer, completions or chat) under the router's id. The :class:`Rescheduler` keeps
 one :class:`TrackedRequest` per such request: its instance, P, the tokens generated so far g (N(r) = P + g) and
-N̂(r) from :class:`~fulcrum.router.remaining_length.RemainingLengthPredictor`, which every finished request feeds.
+N̂(r) from :class:`~fulcrum.routing.remaining_length.RemainingLengthPredictor`, which every finished request feeds.
 Requests the router does not track (prefill legs, requests that cannot migrate) are counted on their instance
 as one pinned pseudo-request holding the rest of the router's ``running_tokens`` for it, so the loads stay true.
 
@@ -62,9 +62,9 @@ from fulcrum.router.handoff import (
     whole_usage,
 )
 from fulcrum.router.metrics import RouterMetrics
-from fulcrum.router.policies.base import InstanceView
+from fulcrum.routing.base import InstanceView
 from fulcrum.router.relay import ClientSink, Exchange, Outcome
-from fulcrum.router.remaining_length import RemainingLength
+from fulcrum.routing.remaining_length import RemainingLength
 from fulcrum.router.sse import EventSplitter, encode_event, event_payload, is_usage_only
 from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
 

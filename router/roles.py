@@ -43,7 +43,7 @@ from fulcrum.rebalancing.role_reassignment import (
 )
 from fulcrum.router.config import RolesSection
 from fulcrum.router.metrics import RouterMetrics
-from fulcrum.router.policies.base import InstanceView
+from fulcrum.routing.base import InstanceView
 
 __all__ = ["RoleBalancer", "prefill_utilisation", "decode_utilisation"]
 

@@ -2,7 +2,7 @@
 
 For each instance the pool keeps what the router itself dispatched — requests in flight, prompt tokens queued
 for prefill, KV tokens of running requests — and turns it into the
-:class:`~fulcrum.router.policies.base.InstanceView` the policies read. How a call reaches an engine is not its
+:class:`~fulcrum.routing.base.InstanceView` the policies read. How a call reaches an engine is not its
 business: every call goes through the injected :class:`Transport` (the seam; httpx's transports are the model):
 :class:`fulcrum.router.transport.HttpTransport` (one shared ``aiohttp`` session, keep-alive connections) or
 :class:`fulcrum.router.transport.QueuedTransport` (prefill legs through the NATS prefill queue, every other call
@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 from fulcrum.router.config import RouterConfig
 from fulcrum.router.metrics import RouterMetrics
-from fulcrum.router.policies.base import InstanceView
+from fulcrum.routing.base import InstanceView
 from fulcrum.router.registry import InstanceRecord
 
 __all__ = ["FailureCause", "UpstreamFailure", "Deadline", "UpstreamResponse", "Transport", "InstanceState", "Ticket",

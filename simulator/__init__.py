@@ -3,7 +3,8 @@
 It is the cluster of ``fulcrum replay``: the planner loop ``observe → plan → apply`` runs against it on real
 traces, with no GPU. What belongs here: the event kernel (``kernel``), instance models (``instances``: P
 instances, decode and unified engines with continuous batching, chunked prefill, KV memory and preemption),
-the cluster with its router policies and scaling rules (``cluster``), measurements (``metrics``) and the
+the cluster with its scaling rules, routing every request through the router's own policies and DOPD Alg. 1
+batcher from :mod:`fulcrum.routing` (``cluster``), measurements (``metrics``) and the
 per-request records (``records``). What does not: planning (``fulcrum.scaling``, ``fulcrum.ratio``), trace
 parsing (``fulcrum.traces``), reports (``fulcrum.replay``), and any I/O, clock or randomness — a run is a
 pure function of its inputs, so two runs give identical records.
@@ -20,7 +21,15 @@ A :class:`Simulation` is a :class:`fulcrum.cluster.Cluster` (``observe``, ``appl
     result.summary(slo)
 """
 
-from fulcrum.simulator.cluster import PrefillQueue, Rescheduler, RoleBalancer, SimConfig, SimResult, Simulation
+from fulcrum.simulator.cluster import (
+    PolicyFactory,
+    Rescheduler,
+    RoleBalancer,
+    SimConfig,
+    SimResult,
+    Simulation,
+    default_policy,
+)
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, percentile, summarize
 from fulcrum.simulator.records import DecodeInstanceView, DecodeRequestView, InstanceStatus, RequestRecord, RoleView
@@ -34,7 +43,8 @@ __all__ = [
     "RoleView",
     "DecodeInstanceView",
     "DecodeRequestView",
-    "PrefillQueue",
+    "PolicyFactory",
+    "default_policy",
     "RequestRecord",
     "InstanceStatus",
     "Kernel",

@@ -1,28 +1,36 @@
-"""The simulated cluster: pools of instances, the router's policies, scaling with start-up and drain.
+"""The simulated cluster: pools of instances, routed by the router's own policies, scaling with start-up and drain.
 
 :class:`Simulation` is what ``fulcrum replay`` drives in place of Kubernetes: ``apply`` a
 :class:`~fulcrum.target.ClusterTarget`, ``run_until`` the next planner tick, ``observe`` the last interval,
 and ``finish`` for the per-request records. Instances are modelled in :mod:`fulcrum.simulator.instances`.
 
-Request paths (the router's choice, :class:`~fulcrum.target.RoutingParams`):
+Routing: the simulator routes every request through the router's own policy (a :class:`~fulcrum.routing.base.Policy`
+of :mod:`fulcrum.routing`, built from the plan's :class:`~fulcrum.target.RoutingParams` by the ``policy`` factory;
+default :func:`default_policy`, the LLMServe default ``disaggregated``). At arrival it builds one
+:class:`~fulcrum.routing.base.InstanceView` per serving instance with the router's accounting (requests in flight,
+prompt tokens sent and not prefilled, KV held or on its way), asks ``policy.route``, calls ``on_start``, and runs
+the decision; ``on_finish`` comes at the last token. The output length the policy sees is the router's online
+estimate (:class:`~fulcrum.routing.length_predictor.BucketedQuantilePredictor`), never the trace's. A decision runs as
+the router runs it:
 
-- **disaggregated** (mode Disaggregated, prompt longer than ``ultra_short_tokens``): the request joins one
-  shared prefill queue that idle P instances pull from (DOPD §V-C; the NATS queue of DESIGN's connector).
-  Batches are formed FCFS up to ``max_prefill_batch_tokens``, or, with ``length_aware_batching``, by DOPD
-  Alg. 1 (:class:`PrefillQueue`). The first token comes out at the end of the prefill batch (TTFT = queueing +
-  prefill). Then the KV cache moves to a decode instance chosen least-loaded among those with KV room (the
-  least-loaded overall when none has room), taking ``kv_transfer_seconds(isl, kv_link_gbps) +
-  kv_transfer_overhead_s``; the transfer does not block the P instance (NIXL pulls) and links are not
-  shared (no contention). The request then waits in that instance's queue for KV room and a batch slot.
-- **local** (mode Disaggregated, ``isl <= ultra_short_tokens``; DOPD §II-C, §V-E "PD-aggregation"): sent at
-  arrival to a decode instance (same choice) and prefilled there inside its next step, no transfer.
-- **unified** (mode Unified, ``target.unified.replicas > 0``): sent at arrival to the least-loaded unified
-  instance, which mixes chunked prefill with decoding (vLLM).
+- **colocated** on a decode instance (path "local", e.g. DOPD's ultra-short prompts, §II-C/§V-E) or a unified
+  instance (path "unified"): the engine prefills it in chunks beside its decoding requests and decodes it.
+- **disaggregated** (path "disaggregated"): instance A prefills; on a prefill instance the prompt first passes the
+  policy's DOPD Alg. 1 gate (:attr:`~fulcrum.routing.base.PolicyCapabilities.prefill_batcher`: one
+  :class:`~fulcrum.routing.batcher.PrefillBatcher` per prefill instance, released at once when the instance has no
+  prefill in flight, as the router's :class:`~fulcrum.router.prefill_gate.PrefillGate`), then waits in the
+  instance's queue, which runs batches first come first served up to ``max_prefill_batch_tokens``. The first token
+  comes out at the end of the batch (TTFT = queueing + prefill). The KV (``isl`` tokens) then moves to B, taking
+  ``kv_transfer_seconds(tokens, kv_link_gbps) + kv_transfer_overhead_s``; the transfer does not block A (NIXL
+  pulls) and links are not shared (no contention). B queues it for KV room and a batch slot.
+- **split** (path "split", Libra §4.1 micro-requests): past the prompt (``handoff_after = k > 0``), engine A
+  prefills and decodes k tokens, then hands its KV (``isl + k``) to B, which decodes the rest; inside the prompt
+  (``split_token = s < isl``, only with ``SimConfig.partial_prefix``), A prefills the first s tokens, the KV of
+  those moves to B, and B prefills the rest as a continuation and decodes.
 
-"Least loaded" counts requests (running + waiting + incoming); ties go to the oldest instance. Requests that
-find no instance to go to wait at the router (prefill queue, or a pending queue for decode-capable
-instances) and are dispatched when one becomes ready; a decode-capable target of the disaggregated paths is a
-decode instance, or a unified instance when no decode instance accepts work (mode changes).
+A decision's B that no longer accepts work when the KV is ready (drained, removed) is replaced by the policy's
+choice among the decode-capable instances; requests the policy finds no instance for (no decode-capable instance
+ready: the router's 503) wait at the router and are routed again when an instance becomes ready.
 
 Scaling (:meth:`Simulation.apply`):
 
@@ -31,7 +39,7 @@ Scaling (:meth:`Simulation.apply`):
 - scale-in picks the least-loaded instances (not-yet-ready ones first among equals, then the newest): a
   starting instance is cancelled at once; a ready one stops getting new work, finishes its in-flight requests
   (drain) and is removed when empty, or at ``drain_timeout_s``, when its remaining requests are re-dispatched
-  (KV lost: prompts go back to the queue, decoding requests are recomputed elsewhere) — no request is lost;
+  (KV lost: prompts are routed again, decoding requests are recomputed elsewhere) — no request is lost;
 - a TP change of a pool drains every instance of the old TP and starts instances of the new one;
 - switching between Unified and Disaggregated moves requests not yet started to the new path; in-flight
   ones finish where they are. A target holding both kinds of pools is a switch under way (make-before-break):
@@ -56,6 +64,10 @@ from fulcrum.api.llmserve import SLOSpec
 from fulcrum.errors import ProfileError
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.routing.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
+from fulcrum.routing.batcher import PrefillBatch, PrefillBatcher
+from fulcrum.routing.length_predictor import BucketedQuantilePredictor
+from fulcrum.routing.registry import make_policy, policy_params
 from fulcrum.simulator.instances import EngineInstance, Instance, InstanceState, PrefillInstance, SimRequest
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, summarize
@@ -69,7 +81,8 @@ from fulcrum.simulator.records import (
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
-__all__ = ["SimConfig", "SimResult", "PrefillQueue", "Simulation", "Rescheduler", "RoleBalancer", "serving_unified"]
+__all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "PolicyFactory", "default_policy",
+           "serving_unified"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
 """A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
@@ -80,7 +93,17 @@ RoleBalancer = Callable[[float, Sequence[RoleView]], Sequence[tuple[int, str]]]
 The pure planner is ``fulcrum.rebalancing.role_reassignment.plan_role_change`` (BanaServe Alg. 1 with a
 role flip); ``fulcrum.replay.roles`` adapts it."""
 
+PolicyFactory = Callable[[RoutingParams], Policy]
+"""Builds the routing policy from the plan's routing parameters (as the operator writes the router's config:
+:func:`fulcrum.routing.registry.policy_params` then :func:`~fulcrum.routing.registry.make_policy`)."""
+
 _ROLES = tuple(p.value for p in Pool)
+
+
+def default_policy(routing: RoutingParams) -> Policy:
+    """The LLMServe default, ``disaggregated`` (DOPD §V-B/§V-E), with the plan's parameters and vLLM's 16-token
+    KV blocks."""
+    return make_policy("disaggregated", policy_params("disaggregated", routing, disaggregated=True, kv_block_tokens=16))
 
 
 def serving_unified(target: ClusterTarget, was_unified: bool) -> bool:
@@ -122,6 +145,13 @@ class SimConfig:
             1 second"); 0 = no tick. At each tick the decode instances' token loads are sampled
             (:attr:`SimResult.decode_load_samples`) and the simulation's ``rescheduler``, if any, is asked for
             migrations.
+        partial_prefix: the simulated KV connector moves a partial prompt prefix (every instance reports
+            ``supports_partial_prefix``): the split policy may cut a request inside its prompt (Libra §4.1,
+            s < P: A prefills the head, B loads it and prefills the rest). The router's equivalent is its
+            config's ``kv_connector.partial_prefix`` (vLLM with NIXL ``bidirectional_kv_xfer``).
+        max_model_len: the model's context, tokens: the output cap the policy sees for a request of ``isl``
+            prompt tokens is ``max_model_len − isl`` (what the router assumes when a client sends no
+            ``max_tokens``).
     """
 
     pod_startup_s: float = 120.0
@@ -133,6 +163,8 @@ class SimConfig:
     grace_s: float = 1800.0
     max_span_steps: int | None = None
     reschedule_interval_s: float = 0.0
+    partial_prefix: bool = True
+    max_model_len: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("pod_startup_s", "kv_transfer_overhead_s", "drain_timeout_s", "grace_s", "reschedule_interval_s"):
@@ -145,6 +177,8 @@ class SimConfig:
             raise ValueError(f"max_decode_batch must be >= 1, got {self.max_decode_batch}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_span_steps is not None and self.max_span_steps < 1:
             raise ValueError(f"max_span_steps must be >= 1, got {self.max_span_steps}")
 
@@ -214,106 +248,6 @@ class SimResult:
         return summarize(recs, slo, self.gpu_seconds_between(since_s, self.end_s), self.end_s)
 
 
-class PrefillQueue:
-    """The shared queue P instances pull from, and how one pull forms a batch.
-
-    FCFS (``length_aware_batching`` off): the oldest requests, up to ``max_prefill_batch_tokens`` prompt
-    tokens (at least one request).
-
-    DOPD Alg. 1 (``length_aware_batching`` on), with ``i_next = long_request_tokens``: a prompt of at least
-    ``i_next`` tokens is prefilled at once and alone (l. 23–24); shorter ones are grouped, oldest first, into a
-    batch that goes when its total reaches ``i_next`` (l. 4, also when the token budget is reached) or when
-    its oldest member has waited ``batch_timeout_s`` (the TIMER of l. 4; with a timeout of 0 this is l. 10–12,
-    "queue empty → run the batch"). A long prompt never waits behind a forming short batch; when the oldest
-    request is long it goes first. A request is classified short/long when it enters the queue.
-    """
-
-    def __init__(self) -> None:
-        self._short: deque[SimRequest] = deque()
-        self._long: deque[SimRequest] = deque()
-        self._seq = 0
-
-    def __len__(self) -> int:
-        return len(self._short) + len(self._long)
-
-    def push(self, r: SimRequest, now: float, routing: RoutingParams) -> None:
-        """Enqueue ``r`` (arrived at the queue at ``now`` seconds)."""
-        self._seq += 1
-        r.qseq = self._seq
-        r.enq = now
-        if routing.length_aware_batching and r.isl >= routing.long_request_tokens:
-            self._long.append(r)
-        else:
-            self._short.append(r)
-
-    def push_front(self, rs: Sequence[SimRequest]) -> None:
-        """Put requests back at the head (an aborted batch), keeping their order and queue times."""
-        for r in reversed(rs):
-            self._seq += 1
-            r.qseq = -self._seq  # older than anything queued
-            self._short.appendleft(r)
-
-    def drain_all(self) -> list[SimRequest]:
-        """Remove and return every queued request, oldest first."""
-        out = sorted([*self._short, *self._long], key=lambda r: r.qseq)
-        self._short.clear()
-        self._long.clear()
-        return out
-
-    def _pop_oldest(self) -> SimRequest:
-        s, lg = self._short, self._long
-        if s and (not lg or s[0].qseq < lg[0].qseq):
-            return s.popleft()
-        return lg.popleft()
-
-    def oldest_enqueued(self) -> float | None:
-        """Queue-entry time of the oldest queued request, seconds (None when empty)."""
-        return self._oldest().enq if self else None
-
-    def _oldest(self) -> SimRequest:
-        s, lg = self._short, self._long
-        if s and (not lg or s[0].qseq < lg[0].qseq):
-            return s[0]
-        return lg[0]
-
-    def take(self, now: float, routing: RoutingParams) -> tuple[list[SimRequest] | None, float | None]:
-        """One batch for an idle P instance at ``now``, or (None, wake-up time) when the batch must wait
-        (None, None when the queue is empty)."""
-        if not self:
-            return None, None
-        budget = routing.max_prefill_batch_tokens
-        if not routing.length_aware_batching:
-            batch = [self._pop_oldest()]
-            tokens = batch[0].isl
-            while self and tokens + self._oldest().isl <= budget:
-                r = self._pop_oldest()
-                batch.append(r)
-                tokens += r.isl
-            return batch, None
-        short, long_ = self._short, self._long
-        if long_ and (not short or long_[0].qseq < short[0].qseq):
-            return [long_.popleft()], None
-        i_next = routing.long_request_tokens
-        count = 0
-        tokens = 0
-        full = False
-        for r in short:
-            if count and tokens + r.isl > budget:
-                full = True
-                break
-            count += 1
-            tokens += r.isl
-            if tokens >= i_next:
-                full = True
-                break
-        head = short[0]
-        if full or now >= head.enq + routing.batch_timeout_s:
-            return [short.popleft() for _ in range(count)], None
-        if long_:
-            return [long_.popleft()], None
-        return None, head.enq + routing.batch_timeout_s
-
-
 class Simulation:
     """A discrete-event P/D cluster replaying ``requests``, timed by ``profile`` (see the module docstring).
 
@@ -326,6 +260,9 @@ class Simulation:
         config: :class:`SimConfig`.
         rescheduler: asked for decode migrations every ``config.reschedule_interval_s`` (None: none).
         role_balancer: asked for role changes at the same ticks (None: fixed roles).
+        policy: builds the routing policy (:mod:`fulcrum.routing`) from the plan's routing parameters, at the
+            start and whenever an applied target changes them (the operator rewrites the router's config and
+            the router builds its policy anew); None: :func:`default_policy`.
 
     Raises:
         ValueError: a malformed request.
@@ -341,6 +278,7 @@ class Simulation:
         config: SimConfig = SimConfig(),
         rescheduler: Rescheduler | None = None,
         role_balancer: RoleBalancer | None = None,
+        policy: PolicyFactory | None = None,
     ) -> None:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         reqs: list[SimRequest] = []
@@ -364,15 +302,19 @@ class Simulation:
         self._pools: dict[str, list[Instance]] = {role: [] for role in _ROLES}
         self._by_id: dict[int, Instance] = {}
         self._next_id = 0
-        self._pq = PrefillQueue()
+        self._unrouted: deque[SimRequest] = deque()  # no instance could take them: waiting at the router
         self._kv_pending: deque[SimRequest] = deque()  # prefilled, KV waiting for a decode-capable instance
-        self._engine_pending: deque[SimRequest] = deque()  # local / evicted, waiting for a decode-capable one
-        self._unified_pending: deque[SimRequest] = deque()  # unified, waiting for a unified instance
-        self._timer_at: float | None = None
+        self._engine_pending: deque[SimRequest] = deque()  # evicted mid-decode, waiting for a decode-capable one
+        self._make_policy = policy if policy is not None else default_policy
+        self._policy: Policy = self._make_policy(initial.routing)
+        self._lengths = BucketedQuantilePredictor()
+        self._gates: dict[int, PrefillBatcher[RequestInfo]] = {}  # prefill instance → its DOPD Alg. 1 group
+        self._gate_timers: dict[int, int] = {}  # prefill instance → kernel handle of its group's timeout
         self._done = 0
         self._result: SimResult | None = None
         self._timeline: list[tuple[float, int, int]] = []
         self._target = initial
+        self._policy_routing = initial.routing  # the plan the policy was built from
         self._serving_unified = serving_unified(initial, False)
         self._check_tps(initial)
         for role in _ROLES:
@@ -432,14 +374,20 @@ class Simulation:
         self._serving_unified = serving_unified(target, was_unified)
         for pool in Pool:
             self._resize(pool.value, target.pool(pool))
+        if target.routing != self._policy_routing:  # the operator rewrites the router's config: a new policy
+            self._policy_routing = target.routing
+            for inst in self._pools["prefill"]:
+                self._flush_gate(inst)  # the router closes its old gate, releasing every waiting prompt
+            self._policy = self._make_policy(target.routing)
+        for inst in self._pools["prefill"]:
+            assert isinstance(inst, PrefillInstance)
+            inst.batch_tokens = target.routing.max_prefill_batch_tokens
         if self._unified_mode and not was_unified:
-            for r in self._pq.drain_all():
-                self._route_new(r)
-        elif was_unified and not self._unified_mode:
-            moved = list(self._unified_pending)
-            self._unified_pending.clear()
-            for r in moved:
-                self._route_new(r)
+            for inst in self._pools["prefill"]:  # prompts not started yet take the new path
+                assert isinstance(inst, PrefillInstance)
+                self._flush_gate(inst)
+                for r in inst.take_queue():
+                    self._dispatch_new(r)
         self._record_gpus()
         self._dispatch_all()
 
@@ -538,6 +486,7 @@ class Simulation:
         inst: Instance
         if role == "prefill":
             inst = PrefillInstance(self, self._kernel, iid, tp, self._profile, now, ready_at)
+            inst.batch_tokens = self._target.routing.max_prefill_batch_tokens
         else:
             inst = EngineInstance(
                 self, self._kernel, iid, role, tp, self._profile, self._max_batch, self._cfg.prefill_chunk_tokens,
@@ -592,6 +541,7 @@ class Simulation:
             self._remove(inst)
             return
         inst.state = InstanceState.DRAINING
+        self._flush_gate(inst)  # its waiting group goes now: the instance takes no new prompts
         if inst.is_empty():
             self._remove(inst)
             return
@@ -626,14 +576,15 @@ class Simulation:
         if isinstance(inst, PrefillInstance):
             batch = inst.evict_all()
             self._remove(inst)
-            self._pq.push_front(batch)
+            for r in batch:
+                self._dispatch_new(r)
         else:
             assert isinstance(inst, EngineInstance)
             evicted = inst.evict_all()
             self._remove(inst)
             for r in evicted:
                 if r.generated == 0:
-                    self._route_new(r)
+                    self._dispatch_new(r)
                 else:
                     self._to_engine(r)
         self._dispatch_all()
@@ -678,114 +629,240 @@ class Simulation:
         self._metrics.arrive(t)
         if i + 1 < len(self._reqs):
             self._kernel.schedule(self._reqs[i + 1].arrival, Priority.ARRIVAL, self._on_arrival, i + 1)
-        self._route_new(r)
+        self._dispatch_new(r)
 
-    def _route_new(self, r: SimRequest) -> None:
-        """Send a request that has no token yet down its path (see the module docstring)."""
-        routing = self._target.routing
-        if self._unified_mode:
-            r.path = "unified"
-            dest = self._least_loaded(self._pools["unified"])
-            if dest is None:
-                self._unified_pending.append(r)
-            else:
-                dest.offer(r)
-        elif r.isl <= routing.ultra_short_tokens:
-            r.path = "local"
-            self._to_engine(r)
-        else:
-            r.path = "disaggregated"
-            self._pq.push(r, self._kernel.now, routing)
-            self._pump_prefill()
-
-    @staticmethod
-    def _least_loaded(pool: list[Instance]) -> EngineInstance | None:
-        best: EngineInstance | None = None
-        for inst in pool:
-            if inst.state == InstanceState.READY and (best is None or inst.load < best.load):
-                assert isinstance(inst, EngineInstance)
-                best = inst
-        return best
-
-    def _decode_candidates(self) -> list[Instance]:
-        for role in ("decode", "unified"):
-            pool = [i for i in self._pools[role] if i.state == InstanceState.READY]
-            if pool:
-                return pool
-        return []
-
-    def _choose_decode(self, need: int) -> EngineInstance | None:
-        """Least-loaded decode-capable instance with room for ``need`` more KV tokens, else least-loaded."""
+    def _dispatch_new(self, r: SimRequest) -> None:
+        """Ask the policy where a request with no KV anywhere runs (at arrival, or again after an eviction or a
+        mode switch), tell it the decision started, and send the request there; with no instance to take it,
+        it waits at the router (``_unrouted``) until one becomes ready."""
+        r.planned, r.handoff_at, r.prefill_stop, r.kv_prefix = -1, 0, r.isl, 0
         now = self._kernel.now
-        best_room: EngineInstance | None = None
-        best_any: EngineInstance | None = None
-        for inst in self._decode_candidates():
-            assert isinstance(inst, EngineInstance)
-            if best_any is None or inst.load < best_any.load:
-                best_any = inst
-            if (best_room is None or inst.load < best_room.load) and inst.projected_tokens(now) + need <= inst.capacity:
-                best_room = inst
-        return best_room or best_any
+        info = self._request_info(r)
+        if r.routed:
+            self._policy.on_finish(info.request_id, now)  # a re-dispatch: the old decision is over
+        try:
+            d = self._policy.route(info, self._views(), now)
+        except NoInstanceError:
+            r.enq = now
+            self._unrouted.append(r)
+            return
+        self._policy.on_start(info, d, now)
+        r.routed = True
+        self._execute(r, d)
+
+    def _request_info(self, r: SimRequest) -> RequestInfo:
+        """What the policy knows of ``r`` at admission, as the router builds it: the prompt length, the client's
+        cap (the model's context left, ``SimConfig.max_model_len − isl``) and the output-length predictor's
+        estimate (:class:`~fulcrum.routing.length_predictor.BucketedQuantilePredictor`, fed the output lengths
+        of finished requests, as the router feeds it)."""
+        cap = max(self._cfg.max_model_len - r.isl, 1)
+        return RequestInfo(request_id=str(r.idx), prompt_tokens=r.isl, max_tokens=cap,
+                           predicted_output_tokens=self._lengths.predict(r.isl, cap))
+
+    def _views(self, engines_only: bool = False) -> list[InstanceView]:
+        """The policy's view of the serving instances (ready or draining; starting ones are not registered yet),
+        in creation order: in Unified mode the unified pool; in Disaggregated mode the prefill and decode pools,
+        and the unified pool while no decode instance is ready (a mode switch under way). ``engines_only``
+        leaves the prefill instances out (a request that must land on a decode-capable instance).
+
+        The accounting is the router's (:class:`~fulcrum.routing.base.InstanceView`): ``inflight`` counts the
+        requests sent and not finished (queued, running, or in KV transfer towards it), ``queued_prefill_tokens``
+        the prompt tokens sent and not prefilled yet, ``running_tokens`` the KV held or on its way; the engines'
+        scraped utilisations are unknown (NaN), so policies fall back on that accounting as the router does
+        before its first scrape.
+        """
+        roles: tuple[str, ...]
+        if self._unified_mode:
+            roles = ("unified",)
+        elif any(i.state == InstanceState.READY for i in self._pools["decode"]):
+            roles = ("prefill", "decode")
+        else:
+            roles = ("prefill", "decode", "unified")
+        if engines_only:
+            roles = tuple(x for x in roles if x != "prefill")
+        now = self._kernel.now
+        routing = self._target.routing
+        partial = self._cfg.partial_prefix
+        views: list[InstanceView] = []
+        for role in roles:
+            for inst in self._pools[role]:
+                if inst.state not in (InstanceState.READY, InstanceState.DRAINING):
+                    continue
+                draining = inst.state == InstanceState.DRAINING
+                if isinstance(inst, PrefillInstance):
+                    gate = self._gates.get(inst.iid)
+                    views.append(InstanceView(
+                        id=str(inst.iid), role="prefill", tp=inst.tp, draining=draining,
+                        inflight=inst.load + (gate.pending if gate is not None else 0),
+                        queued_prefill_tokens=inst.queued_tokens + (gate.pending_tokens if gate is not None else 0),
+                        max_num_batched_tokens=routing.max_prefill_batch_tokens, max_num_seqs=self._max_batch,
+                        supports_partial_prefix=partial,
+                    ))
+                    continue
+                assert isinstance(inst, EngineInstance)
+                queued = sum(r.pf_total - r.pf_done for r in inst.prefilling)
+                held = inst.incoming_tokens
+                for r in inst.waiting:
+                    if r.kv_ready:
+                        held += r.isl + r.generated
+                    else:
+                        queued += (r.prefill_stop if r.partial else r.isl + r.generated) - r.kv_prefix
+                views.append(InstanceView(
+                    id=str(inst.iid), role="both" if inst.role == "unified" else "decode", tp=inst.tp,
+                    draining=draining, inflight=inst.load, queued_prefill_tokens=queued,
+                    running_tokens=int(inst.kv_used(now)) + held, kv_capacity_tokens=int(inst.capacity),
+                    max_num_batched_tokens=self._cfg.prefill_chunk_tokens, max_num_seqs=self._max_batch,
+                    supports_partial_prefix=partial,
+                ))
+        return views
+
+    def _execute(self, r: SimRequest, d: RouteDecision) -> None:
+        """Run decision ``d`` for ``r``: colocated on its instance, or A's part (prefill, or prefill and
+        ``handoff_after`` tokens, or the prompt head up to ``split_token``) then a KV handoff to B."""
+        first = self._by_id[int(d.first)]
+        second = self._by_id[int(d.second)] if d.second is not None else None
+        if d.kind == "colocated" or second is None:
+            if not isinstance(first, EngineInstance):
+                raise ValueError(f"routing policy {self._policy.name!r} colocated a request on prefill instance {d.first}")
+            r.path = "unified" if first.role == "unified" else "local"
+            first.offer(r)
+            return
+        r.path = d.kind
+        r.planned = second.iid
+        r.handoff_at = d.handoff_after + 1  # A's tokens: the first one, then k more (the router's max_tokens = k + 1)
+        if 0 < d.split_token < r.isl:
+            r.prefill_stop = d.split_token
+        if isinstance(first, PrefillInstance):
+            r.handoff_at = 1  # a prefill instance produces the first token only
+            self._to_prefill(first, r)
+        else:
+            assert isinstance(first, EngineInstance)
+            first.offer(r)
+
+    def _pick_engine(self, r: SimRequest) -> EngineInstance | None:
+        """The decode-capable instance the policy chooses for ``r`` among decode-capable instances only (its KV
+        must move to one, or it is recomputed on one): the decision's second instance, else its only one; None
+        when none is available."""
+        views = self._views(engines_only=True)
+        try:
+            d = self._policy.route(self._request_info(r), views, self._kernel.now)
+        except NoInstanceError:
+            return None
+        inst = self._by_id[int(d.second if d.second is not None else d.first)]
+        assert isinstance(inst, EngineInstance)
+        return inst
 
     def _to_engine(self, r: SimRequest) -> None:
-        """Give ``r`` (no KV anywhere: local, or evicted) to a decode-capable instance to prefill there."""
-        dest = self._choose_decode(r.isl + r.generated)
+        """Give ``r`` (evicted with tokens generated: its KV is lost) to a decode-capable instance to recompute."""
+        r.planned, r.handoff_at, r.prefill_stop, r.kv_prefix = -1, 0, r.isl, 0
+        dest = self._pick_engine(r)
         if dest is None:
             self._engine_pending.append(r)
         else:
             dest.offer(r)
 
-    def _pump_prefill(self) -> None:
-        pq = self._pq
-        if not pq:
-            return
-        routing = self._target.routing
-        now = self._kernel.now
-        for inst in self._pools["prefill"]:
-            if inst.state != InstanceState.READY:
-                continue
-            assert isinstance(inst, PrefillInstance)
-            if not inst.idle:
-                continue
-            batch, wake = pq.take(now, routing)
-            if batch is None:
-                if wake is not None and (self._timer_at is None or wake < self._timer_at or self._timer_at < now):
-                    self._timer_at = wake
-                    self._kernel.schedule(wake, Priority.TIMER, self._on_timer)
-                return
-            inst.start(batch)
-            if not pq:
-                return
+    # ---- helpers: prefill instances and the DOPD Alg. 1 gate --------------------------------------------------
 
-    def _on_timer(self, _: int) -> None:
-        if self._timer_at is not None and self._timer_at <= self._kernel.now:
-            self._timer_at = None
-        self._pump_prefill()
+    def _to_prefill(self, inst: PrefillInstance, r: SimRequest) -> None:
+        """Send ``r``'s prefill leg to ``inst`` through the policy's DOPD Alg. 1 gate, as the router's
+        :class:`~fulcrum.router.prefill_gate.PrefillGate` does: none when the policy groups no prefills; else
+        the prompt joins ``inst``'s :class:`~fulcrum.routing.batcher.PrefillBatcher` and goes with its group, at
+        once when ``inst`` has no prefill in flight (Alg. 1's empty queue)."""
+        now = self._kernel.now
+        r.enq = now
+        make = self._policy.capabilities.prefill_batcher
+        if make is None:
+            inst.offer(r)
+            return
+        gate = self._gates.get(inst.iid)
+        if gate is None:
+            gate = self._gates[inst.iid] = make()
+        idle = inst.queued_tokens == 0
+        released = gate.add(self._gate_item(r), now)
+        if idle:
+            released += gate.flush(now)
+        self._release(inst, released)
+        self._arm_gate(inst.iid)
+
+    def _gate_item(self, r: SimRequest) -> RequestInfo:
+        """``r`` as the gate holds it: the batcher reads only the prompt length it prefills there."""
+        return RequestInfo(request_id=str(r.idx), prompt_tokens=r.prefill_stop, max_tokens=1, predicted_output_tokens=1)
+
+    def _release(self, inst: PrefillInstance, batches: list[PrefillBatch[RequestInfo]]) -> None:
+        for batch in batches:
+            inst.offer(*(self._reqs[int(item.request_id)] for item in batch.items))
+
+    def _arm_gate(self, iid: int) -> None:
+        """(Re)schedule the timeout of ``iid``'s open group, or none when no group is open."""
+        handle = self._gate_timers.pop(iid, None)
+        if handle is not None:
+            self._kernel.cancel(handle)
+        gate = self._gates.get(iid)
+        deadline = gate.next_deadline() if gate is not None else None
+        if deadline is not None:
+            self._gate_timers[iid] = self._kernel.schedule(max(deadline, self._kernel.now), Priority.TIMER,
+                                                           self._on_gate_timer, iid)
+
+    def _on_gate_timer(self, iid: int) -> None:
+        self._gate_timers.pop(iid, None)
+        gate = self._gates.get(iid)
+        inst = self._by_id[iid]
+        if gate is None or not isinstance(inst, PrefillInstance):
+            return
+        self._release(inst, gate.poll(self._kernel.now))
+        self._arm_gate(iid)
+
+    def _flush_gate(self, inst: Instance) -> None:
+        """Release ``inst``'s open group now (it drains, or the policy changed)."""
+        gate = self._gates.pop(inst.iid, None)
+        handle = self._gate_timers.pop(inst.iid, None)
+        if handle is not None:
+            self._kernel.cancel(handle)
+        if gate is not None and isinstance(inst, PrefillInstance):
+            self._release(inst, gate.flush(self._kernel.now))
 
     def on_prefill_done(self, inst: PrefillInstance, batch: list[SimRequest]) -> None:
-        """A P instance finished ``batch`` (see :class:`~fulcrum.simulator.instances.InstanceHost`)."""
+        """A P instance finished ``batch`` (see :class:`~fulcrum.simulator.instances.InstanceHost`): each
+        member gets its first token and its KV moves to its decode instance (the head of a split inside the
+        prompt moves without a token)."""
         t = self._kernel.now
         for r in batch:
+            if r.partial:
+                self._send_kv(r)
+                continue
             r.generated = 1
             self.on_first_token(r, t)
             if r.osl <= 1:
                 self.on_finish(r, t)
             else:
                 self._send_kv(r)
-        if inst.state == InstanceState.DRAINING:
+        if inst.state == InstanceState.DRAINING and inst.is_empty():
             self._remove(inst)
-        else:
-            self._pump_prefill()
+
+    def on_handoff(self, r: SimRequest, inst: EngineInstance, t: float) -> None:
+        """``r`` finished its part on engine ``inst`` (see :class:`~fulcrum.simulator.instances.InstanceHost`):
+        its KV moves to its planned instance."""
+        self._send_kv(r)
 
     def _send_kv(self, r: SimRequest) -> None:
-        dest = self._choose_decode(r.isl + r.generated)
+        """Move ``r``'s KV (the prompt head of a split inside the prompt, else ``isl + generated − 1`` tokens) to the
+        decision's second instance, or, when that one no longer accepts work, to the one the policy picks."""
+        planned = self._by_id.get(r.planned) if r.planned >= 0 else None
+        partial = r.partial or (r.generated == 0 and r.kv_prefix > 0)  # a prompt head, maybe sent again
+        if partial:
+            r.kv_prefix = r.prefill_stop
+        tokens = r.prefill_stop if partial else r.isl + r.generated  # the context it holds there
+        kv = r.prefill_stop if partial else r.isl + r.generated - 1  # the last token's KV is not computed yet
+        r.planned, r.handoff_at, r.prefill_stop = -1, 0, r.isl
+        dest = planned if isinstance(planned, EngineInstance) and planned.accepting else self._pick_engine(r)
         if dest is None:
             self._kv_pending.append(r)
             return
         dest.incoming += 1
-        dest.incoming_tokens += r.isl + r.generated
+        dest.incoming_tokens += tokens
         r.dest = dest
-        delay = self._profile.kv_transfer_seconds(r.isl, self._cfg.kv_link_gbps) + self._cfg.kv_transfer_overhead_s
+        r.kv_ready = not partial
+        delay = self._profile.kv_transfer_seconds(kv, self._cfg.kv_link_gbps) + self._cfg.kv_transfer_overhead_s
         self._kernel.schedule(self._kernel.now + delay, Priority.KV_ARRIVAL, self._on_kv_arrival, r.idx)
 
     def _on_kv_arrival(self, idx: int) -> None:
@@ -794,32 +871,29 @@ class Simulation:
         assert dest is not None
         r.dest = None
         dest.incoming -= 1
-        dest.incoming_tokens -= r.isl + r.generated
+        dest.incoming_tokens -= r.kv_prefix if not r.kv_ready else r.isl + r.generated
         if dest.state == InstanceState.REMOVED:
             self._send_kv(r)  # its destination was removed meanwhile: send the KV elsewhere
             return
-        r.kv_ready = True
         dest.offer(r)
 
     def _dispatch_all(self) -> None:
-        """Hand queued work to instances that can take it (after a readiness, un-drain or removal)."""
-        self._pump_prefill()
-        if self._kv_pending and self._decode_candidates():
+        """Hand waiting work to instances that can take it (after a readiness, un-drain or removal)."""
+        if self._kv_pending and self._views(engines_only=True):
             pending = list(self._kv_pending)
             self._kv_pending.clear()
             for r in pending:
                 self._send_kv(r)
-        if self._engine_pending and self._decode_candidates():
+        if self._engine_pending and self._views(engines_only=True):
             pending = list(self._engine_pending)
             self._engine_pending.clear()
             for r in pending:
                 self._to_engine(r)
-        if self._unified_pending and self._unified_mode:
-            while self._unified_pending:
-                dest = self._least_loaded(self._pools["unified"])
-                if dest is None:
-                    break
-                dest.offer(self._unified_pending.popleft())
+        if self._unrouted and self._views():
+            pending = list(self._unrouted)
+            self._unrouted.clear()
+            for r in pending:
+                self._dispatch_new(r)
 
     # ---- decode rescheduling (ARES) ----------------------------------------------------------------------
 
@@ -857,10 +931,23 @@ class Simulation:
         if self._done < len(self._reqs):
             self._kernel.schedule(now + self._cfg.reschedule_interval_s, Priority.TIMER, self._on_reschedule)
 
+    def _oldest_prefill_wait(self) -> float | None:
+        """When the longest-waiting prompt not yet prefilling entered a prefill instance's queue or gate, s."""
+        times = [r.enq for r in self._unrouted]
+        for inst in self._pools["prefill"]:
+            assert isinstance(inst, PrefillInstance)
+            if inst.queue:
+                times.append(inst.queue[0].enq)
+            gate = self._gates.get(inst.iid)
+            deadline = gate.next_deadline() if gate is not None else None
+            if gate is not None and deadline is not None:
+                times.append(deadline - gate.batch_timeout_s)
+        return min(times) if times else None
+
     def _role_views(self, now: float) -> list[RoleView]:
         window = now - self._last_tick
         self._last_tick = now
-        oldest = self._pq.oldest_enqueued()
+        oldest = self._oldest_prefill_wait()
         queue_p = min((now - oldest) / (self._slo.ttft_ms / 1000.0), 1.0) if oldest is not None else 0.0
         tpot_slo = self._slo.tpot_ms / 1000.0
         views: list[RoleView] = []
@@ -919,7 +1006,7 @@ class Simulation:
         (another decode instance if that one is gone), where it rejoins with its KV ready."""
         dest = self._mig_target.pop(r.idx, None)
         if dest is None or dest.state != InstanceState.READY:
-            dest = self._choose_decode(r.isl + r.generated)
+            dest = self._pick_engine(r)
         if dest is None:
             self._engine_pending.append(r)  # nowhere to go: it will be recomputed where it lands
             return
@@ -927,6 +1014,7 @@ class Simulation:
         dest.incoming += 1
         dest.incoming_tokens += tokens
         r.dest = dest
+        r.kv_ready = True
         delay = self._profile.kv_transfer_seconds(tokens, self._cfg.kv_link_gbps) + self._cfg.kv_transfer_overhead_s
         self._migrations += 1
         self._migrated_tokens += tokens
@@ -946,6 +1034,8 @@ class Simulation:
         tpot = (t - r.first_token) / (r.osl - 1) if r.osl > 1 else 0.0
         self._metrics.finish(t, r.first_token - r.arrival, tpot)
         self._done += 1
+        self._lengths.observe(r.isl, r.osl)
+        self._policy.on_finish(str(r.idx), t)
 
     def _record(self, r: SimRequest) -> RequestRecord:
         ttft = r.first_token - r.arrival if not math.isnan(r.first_token) else math.inf
@@ -957,7 +1047,11 @@ class Simulation:
 
     def _snapshot(self) -> ClusterSnapshot:
         now = self._kernel.now
-        prefill_q = len(self._pq) + len(self._unified_pending)
+        prefill_q = len(self._unrouted)
+        for inst in self._pools["prefill"]:
+            assert isinstance(inst, PrefillInstance)
+            gate = self._gates.get(inst.iid)
+            prefill_q += len(inst.queue) + (gate.pending if gate is not None else 0)
         decode_q = len(self._kv_pending)
         for r in self._engine_pending:
             if r.generated == 0:

@@ -1,10 +1,12 @@
 """Instance models: a prefill (P) instance and a decode-capable engine (D or unified), timed by a profile.
 
 Prefill instance (:class:`PrefillInstance`)
-    Runs one prefill batch at a time, pulled from the cluster's shared prefill queue (DOPD §V-C: P instances
-    pull, so the pool is elastic by construction). A batch of prompts of lengths ``isls`` takes
+    Runs one prefill batch at a time from its own waiting queue (the prompts the router's policy sent it, in
+    the groups the router's DOPD Alg. 1 gate released): like an engine, it takes the waiting prompts first come
+    first served up to its token budget (at least one). A batch of prompts of lengths ``isls`` takes
     ``StepCost.prefill_batch_s(isls)`` seconds (:mod:`fulcrum.ratio.step_cost`, the one step-cost model); the
-    first token of every member is produced at its end.
+    first token of every member is produced at its end (a Libra split inside the prompt prefills only the head,
+    ``prefill_stop`` tokens, and produces no token).
 
 Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
     A vLLM-style engine with continuous batching and chunked prefill:
@@ -23,7 +25,13 @@ Engine instance (:class:`EngineInstance`, roles ``"decode"`` and ``"unified"``)
       add up to exactly ``ttft(isl)`` and the quadratic attention term lands on the later chunks.
     - **First token.** A request prefilled here gets its first token at the end of the step that completes
       its prefill; it decodes from the next step. A request whose KV came from a P instance already has its
-      first token (produced by the prefill) and decodes from the step boundary after it was admitted.
+      first token (produced by the prefill) and decodes from the step boundary after it was admitted. A
+      request that arrives with a partial prompt prefix (``kv_prefix`` tokens, a Libra split inside the
+      prompt) prefills the rest as a continuation of that prefix.
+    - **Handoff (the router's micro-requests).** A request with a ``planned`` next instance leaves once its
+      part here is done — after ``handoff_at`` generated tokens (a disaggregated or Libra split decision's
+      first instance A), or after prefilling ``prefill_stop < isl`` prompt tokens — and the host's
+      ``on_handoff`` moves its KV on.
     - **KV memory (grow, then preempt by recompute, like vLLM).** A request's KV footprint is its context,
       ``isl + generated`` tokens, and grows by one token per step; a request being prefilled reserves its
       whole prompt. A waiting request is admitted only when its current context fits next to the contexts
@@ -103,7 +111,7 @@ class SimRequest:
     Attributes:
         idx: position in arrival order.
         arrival: arrival time, s. isl / osl: prompt and output tokens.
-        path: "disaggregated" | "local" | "unified".
+        path: "disaggregated" | "split" | "local" | "unified" (the routing decision's kind and where it ran).
         first_token / finish: times, s (``nan`` until they happen).
         generated: output tokens produced, as of the last time the request was settled.
         kv_ready: its KV cache is on the engine it was offered to (True after a KV transfer); False means it
@@ -111,11 +119,17 @@ class SimRequest:
         phase: :class:`Phase`. pf_total / pf_done: tokens of the prefill in progress, and done.
         join_step / gen_join / base: decode bookkeeping (step index and tokens at joining; ``ctx − join_step``).
         token: bumps whenever the request leaves a decode batch (stale finish-heap entries are skipped).
-        qseq / enq: order and time of entry into the prefill queue. dest: engine a KV transfer heads to.
+        enq: when it entered the router's wait or a prefill instance's gate, s. dest: engine a KV transfer heads to.
         preemptions: times it was preempted. migrating: asked to leave its engine at the next step boundary
             (decode rescheduling).
         prefill_start: when its first prefill began (on a P instance, or admitted to an engine), s; ``nan`` until.
         prefill_iid / decode_iid: the instance that first prefilled it / the engine it finished on (-1 until).
+        planned: iid of the instance that takes the request over after its handoff (-1: none; the routing
+            decision's second instance B). handoff_at: generated tokens after which it leaves for ``planned``
+            (k + 1 for a decision with ``handoff_after = k``). prefill_stop: prompt tokens the first instance
+            prefills (``isl``, or the split token s < isl of a split inside the prompt). kv_prefix: prompt tokens
+            whose KV came with it (the head of a split inside the prompt), prefilled no more where it lands.
+            routed: a routing decision was made for it (a re-dispatch tells the policy the old one finished).
     """
 
     __slots__ = (
@@ -135,7 +149,6 @@ class SimRequest:
         "gen_join",
         "base",
         "token",
-        "qseq",
         "enq",
         "dest",
         "preemptions",
@@ -143,6 +156,11 @@ class SimRequest:
         "prefill_start",
         "prefill_iid",
         "decode_iid",
+        "planned",
+        "handoff_at",
+        "prefill_stop",
+        "kv_prefix",
+        "routed",
     )
 
     def __init__(self, idx: int, arrival: float, isl: int, osl: int) -> None:
@@ -162,7 +180,6 @@ class SimRequest:
         self.gen_join = 0
         self.base = 0
         self.token = 0
-        self.qseq = 0
         self.enq = 0.0
         self.dest: EngineInstance | None = None
         self.preemptions = 0
@@ -170,6 +187,16 @@ class SimRequest:
         self.prefill_start = math.nan
         self.prefill_iid = -1
         self.decode_iid = -1
+        self.planned = -1
+        self.handoff_at = 0
+        self.prefill_stop = isl
+        self.kv_prefix = 0
+        self.routed = False
+
+    @property
+    def partial(self) -> bool:
+        """Its first instance prefills only the head of the prompt and hands the KV on without a token."""
+        return self.planned >= 0 and self.generated == 0 and self.prefill_stop < self.isl
 
 
 class InstanceHost(Protocol):
@@ -189,6 +216,10 @@ class InstanceHost(Protocol):
 
     def on_migrate_out(self, r: SimRequest, inst: EngineInstance, t: float) -> None:
         """``r`` left ``inst`` at the step boundary ``t`` for a migration; its KV (``isl + generated``) moves."""
+
+    def on_handoff(self, r: SimRequest, inst: EngineInstance, t: float) -> None:
+        """``r`` finished its part on ``inst`` at ``t`` (``handoff_at`` tokens, or the ``prefill_stop`` head of its
+        prompt) and leaves for ``r.planned``; its KV moves."""
 
 
 class Instance:
@@ -229,11 +260,13 @@ class Instance:
 
 
 class PrefillInstance(Instance):
-    """A P instance: one prefill batch at a time (DOPD §V-C; Alg. 1 decides the batches).
+    """A P instance: one prefill batch at a time from its waiting queue (module doc).
 
-    The batch time is ``StepCost.prefill_batch_s(isls)`` seconds at the instance's TP (which the profile must
-    have measured: :class:`~fulcrum.errors.ProfileError` otherwise). The KV transfer that follows does not
-    occupy the instance (NIXL transfers are pulled by the decode side asynchronously).
+    The batch time is ``StepCost.prefill_batch_s(lengths)`` seconds over the members' ``prefill_stop`` lengths at
+    the instance's TP (which the profile must have measured: :class:`~fulcrum.errors.ProfileError` otherwise).
+    The KV transfer that follows does not occupy the instance (NIXL transfers are pulled by the decode side
+    asynchronously). ``batch_tokens`` is the token budget of one batch (the cluster keeps it at the plan's
+    ``max_prefill_batch_tokens``).
     """
 
     role = "prefill"
@@ -253,13 +286,44 @@ class PrefillInstance(Instance):
         self._kernel = kernel
         self._cost = StepCost.from_profile(profile, tp, prefill_tp_rule="exact")
         self.batch: list[SimRequest] | None = None
+        self.queue: deque[SimRequest] = deque()  #: prompts waiting for a batch, oldest first
+        self.batch_tokens = 8192  #: token budget of one batch
+        self.queued_tokens = 0  #: Σ prefill_stop over the running batch and the queue, tokens
         self._event: int | None = None
         self._busy_done = 0.0
         self._started = 0.0
 
     @property
     def load(self) -> int:
-        return len(self.batch) if self.batch else 0
+        return (len(self.batch) if self.batch else 0) + len(self.queue)
+
+    def offer(self, *rs: SimRequest) -> None:
+        """Queue ``rs`` here at ``kernel.now`` (a group released together); a batch starts at once when the
+        instance is idle."""
+        self.queue.extend(rs)
+        self.queued_tokens += sum(r.prefill_stop for r in rs)
+        if self.batch is None:
+            self._start_next()
+
+    def take_queue(self) -> list[SimRequest]:
+        """Remove and return the prompts not started yet, oldest first (the cluster re-routes them)."""
+        out = list(self.queue)
+        self.queue.clear()
+        self.queued_tokens -= sum(r.prefill_stop for r in out)
+        return out
+
+    def _start_next(self) -> None:
+        """Start the waiting prompts first come first served up to ``batch_tokens`` (at least one)."""
+        q = self.queue
+        if not q:
+            return
+        batch = [q.popleft()]
+        tokens = batch[0].prefill_stop
+        while q and tokens + q[0].prefill_stop <= self.batch_tokens:
+            r = q.popleft()
+            batch.append(r)
+            tokens += r.prefill_stop
+        self.start(batch)
 
     def busy_seconds(self, t: float) -> float:
         """Seconds spent prefilling from creation to ``t`` (the compute utilisation of BanaServe eq. 32 is its
@@ -274,7 +338,7 @@ class PrefillInstance(Instance):
     def start(self, batch: list[SimRequest]) -> float:
         """Begin prefilling ``batch`` (non-empty) at ``kernel.now``. Returns the batch time, seconds."""
         assert self.batch is None and batch
-        duration = self._cost.prefill_batch_s([r.isl for r in batch])
+        duration = self._cost.prefill_batch_s([r.prefill_stop for r in batch])
         self.batch = batch
         self._started = self._kernel.now
         for r in batch:
@@ -289,15 +353,21 @@ class PrefillInstance(Instance):
         self.batch = None
         self._event = None
         self._busy_done += self._kernel.now - self._started
+        self.queued_tokens -= sum(r.prefill_stop for r in batch)
+        self._start_next()
         self._host.on_prefill_done(self, batch)
 
     def evict_all(self) -> list[SimRequest]:
-        """Abort the running batch (forced removal); returns its requests, to be prefilled again."""
+        """Abort the running batch and empty the queue (forced removal); returns their requests, batch first,
+        to be prefilled again."""
         if self._event is not None:
             self._kernel.cancel(self._event)
             self._event = None
         batch, self.batch = self.batch or [], None
-        return batch
+        out = batch + list(self.queue)
+        self.queue.clear()
+        self.queued_tokens = 0
+        return out
 
 
 class EngineInstance(Instance):
@@ -457,8 +527,14 @@ class EngineInstance(Instance):
                 continue  # left the batch earlier (preempted)
             self._leave_decode(r)
             del self.running[r.idx]
-            r.generated = r.osl
             r.phase = Phase.OUTSIDE
+            generated = r.gen_join + (f - r.join_step)
+            if generated < r.osl:  # its part here is done: hand off to the planned instance
+                r.generated = generated
+                r.kv_ready = False
+                host.on_handoff(r, self, self._t0 + (f - self._s0) * self._dt)
+                continue
+            r.generated = r.osl
             r.decode_iid = self.iid
             host.on_finish(r, self._t0 + (f - self._s0) * self._dt)
         if self._pieces is not None:
@@ -482,6 +558,11 @@ class EngineInstance(Instance):
             popped = self.prefilling.popleft()
             assert popped is r
             self._reserved -= r.pf_total
+            if r.partial:  # the head of a split inside the prompt: no token, the KV moves on
+                del self.running[r.idx]
+                r.phase = Phase.OUTSIDE
+                self._host.on_handoff(r, self, t)
+                continue
             r.generated += 1
             r.kv_ready = True
             if math.isnan(r.first_token):
@@ -491,6 +572,11 @@ class EngineInstance(Instance):
                 r.phase = Phase.OUTSIDE
                 r.decode_iid = self.iid
                 self._host.on_finish(r, t)
+            elif r.planned >= 0 and r.generated >= r.handoff_at:
+                del self.running[r.idx]
+                r.phase = Phase.OUTSIDE
+                r.kv_ready = False
+                self._host.on_handoff(r, self, t)
             else:
                 self._join_decode(r, s)
 
@@ -515,7 +601,8 @@ class EngineInstance(Instance):
         self.n_dec += 1
         self._sum_base += r.base
         self._seq += 1
-        heapq.heappush(self._fin, (s + r.osl - r.generated, self._seq, r.token, r))
+        end = r.handoff_at if r.planned >= 0 and 0 < r.handoff_at < r.osl else r.osl  # leaves there, or finishes
+        heapq.heappush(self._fin, (s + end - r.generated, self._seq, r.token, r))
 
     def _leave_decode(self, r: SimRequest) -> None:
         r.token += 1
@@ -565,9 +652,10 @@ class EngineInstance(Instance):
                 r.phase = Phase.PREFILLING
                 if r.prefill_iid < 0:
                     r.prefill_start, r.prefill_iid = self._kernel.now, self.iid
-                r.pf_total = need
-                r.pf_done = 0
-                self._reserved += need
+                r.pf_total = r.prefill_stop if r.partial else need
+                r.pf_done = min(r.kv_prefix, r.pf_total)  # a prompt head whose KV came with it
+                r.kv_prefix = 0  # used: a later recompute (preemption) starts from 0
+                self._reserved += r.pf_total
                 self.prefilling.append(r)
 
     def _plan(self, s: int, t: float) -> None:

@@ -19,8 +19,10 @@ class RequestRecord:
         ttft_s: time to first token (arrival → first token), seconds; ``inf`` if never served.
         tpot_s: mean time per output token after the first, seconds; 0 when osl == 1; ``inf`` if unfinished.
         finish_s: completion time; ``inf`` if never finished.
-        path: "disaggregated" (P then D, KV transferred) | "local" (ultra-short prompt prefilled on the decode
-            instance) | "unified" (one instance did both).
+        path: the routing decision's kind and where it ran: "disaggregated" (A prefilled, B decoded, KV
+            transferred) | "split" (Libra micro-requests: A prefilled the prompt head or the prompt and some
+            tokens, B the rest) | "local" (colocated on a decode instance, e.g. an ultra-short prompt) |
+            "unified" (colocated on a unified instance).
         queue_s: queueing time, arrival → start of its first prefill (the shared P queue and the router, or an
             engine's waiting queue for local and unified prompts), seconds; ``inf`` if its prefill never began.
         prefill_instance: id of the instance that (first) prefilled it; -1 if none did.

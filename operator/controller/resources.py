@@ -45,12 +45,12 @@ from typing import Any
 
 import yaml
 
-from fulcrum.api.llmserve import API_VERSION, KIND, EngineKind, LLMServe, Mode, ReplicaOwner, RouterPolicy
+from fulcrum.api.llmserve import API_VERSION, KIND, EngineKind, LLMServe, Mode, ReplicaOwner
 from fulcrum.errors import ProfileError, SpecError
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.router.config import RouterConfigError, parse_config
-from fulcrum.router.policies.registry import make_policy
+from fulcrum.routing.registry import make_policy, policy_params
 from fulcrum.router.prefill_queue import QueueLayout
 from fulcrum.scaling.fulcrum import FulcrumPlanner
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams, role_bounds
@@ -500,31 +500,14 @@ def _pool_objects(serve: LLMServe, pool: str, size: PoolSize, *, uid: str, image
 def _policy_params(
     serve: LLMServe, routing: RoutingParams, profile: PerformanceProfile | None
 ) -> dict[str, Any]:
-    """The router policy's constructor parameters (``fulcrum.router.policies.registry``) from the plan."""
+    """The router policy's constructor parameters from the plan (:func:`fulcrum.routing.registry.policy_params`,
+    which ``fulcrum replay`` uses too); the profile goes by built-in name, or inline."""
     spec = serve.spec
-    policy = spec.router.policy
-    if policy is RouterPolicy.DISAGGREGATED:
-        return {
-            "ultra_short_tokens": routing.ultra_short_tokens,
-            "kv_block_tokens": spec.engine.block_size,
-            "long_request_tokens": routing.long_request_tokens,
-            # DOPD Alg. 1 groups short prompts only when the plan asks for length-aware batching
-            "batch_timeout_s": routing.batch_timeout_s if routing.length_aware_batching else 0.0,
-            "max_batch_tokens": routing.max_prefill_batch_tokens,
-        }
-    if policy is RouterPolicy.SPLIT:
-        params: dict[str, Any] = {"kv_block_tokens": spec.engine.block_size}
-        if spec.profile.name:
-            params["profile"] = spec.profile.name
-        elif profile is not None:
-            params["profile"] = profile.to_dict()
-        return params
-    if policy is RouterPolicy.LOAD_AWARE:
-        params = {"disaggregate": spec.mode is Mode.DISAGGREGATED}
-        if spec.router.prefix_pull:  # BanaServe §4.2: pull a cached prefix from its holder when cheaper
-            params.update(prefix_pull=True, kv_block_tokens=spec.engine.block_size)
-        return params
-    return {}
+    ref: str | dict[str, Any] | None = spec.profile.name or (profile.to_dict() if profile is not None else None)
+    return policy_params(
+        spec.router.policy.value, routing, disaggregated=spec.mode is Mode.DISAGGREGATED,
+        kv_block_tokens=spec.engine.block_size, profile=ref, prefix_pull=spec.router.prefix_pull,
+    )
 
 
 def _kv_connector(kind: EngineKind, target: ClusterTarget, profile: PerformanceProfile | None) -> dict[str, Any]:
@@ -565,7 +548,7 @@ def router_config(
     Raises:
         SpecError: the document is not a valid :class:`~fulcrum.router.config.RouterConfig`, or its policy
             cannot be built (the router's own validation, :func:`~fulcrum.router.config.parse_config` and
-            :func:`~fulcrum.router.policies.registry.make_policy`, names the field).
+            :func:`~fulcrum.routing.registry.make_policy`, names the field).
     """
     spec = serve.spec
     name, namespace = serve.metadata.name, serve.metadata.namespace

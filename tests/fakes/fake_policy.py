@@ -1,7 +1,7 @@
 """A FAKE routing policy for router tests: a fixed kind of decision over the available instances in turn.
 
-It implements :class:`fulcrum.router.policies.base.Policy` and records the notifications it gets; it is not one
-of Fulcrum's policies (those live in ``fulcrum.router.policies``).
+It implements :class:`fulcrum.routing.base.Policy` and records the notifications it gets; it is not one
+of Fulcrum's policies (those live in ``fulcrum.routing``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Literal
 
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
 
 __all__ = ["FakePolicy"]
 
@@ -22,6 +22,7 @@ class FakePolicy:
     """
 
     name = "fake"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self, kind: Literal["colocated", "disaggregated", "split"] = "colocated", k: int = 0,
                  pair: tuple[str, str] | None = None) -> None:

@@ -14,7 +14,7 @@ from fakes.fake_engine import FakeCluster, FakeEngine, FakeEngineSettings
 from fakes.fake_policy import FakePolicy
 from fulcrum.router.app import ROUTER, RouterState, create_app
 from fulcrum.router.config import parse_config
-from fulcrum.router.policies.base import Policy
+from fulcrum.routing.base import Policy
 
 __all__ = ["RouterHarness"]
 

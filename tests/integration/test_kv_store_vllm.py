@@ -31,8 +31,8 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.router.app import ROUTER, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
-from fulcrum.router.policies.base import InstanceView, RequestInfo, RouteDecision  # noqa: E402
-from fulcrum.router.policies.load_aware import PrefixPull  # noqa: E402
+from fulcrum.routing.base import InstanceView, PolicyCapabilities, RequestInfo, RouteDecision  # noqa: E402
+from fulcrum.routing.prefix import PrefixPull  # noqa: E402
 
 from .engines import BLOCK_SIZE, Engine, EngineSpec, engine_pair, post_json, skip_unless_vllm  # noqa: E402
 
@@ -46,10 +46,10 @@ class PullTestPolicy:
     """TEST DOUBLE policy: colocate on B and plan a pull of the prompt's block-aligned prefix (below P) from A."""
 
     name = "pull-test-double"
-    uses_prefix_hashes = False
 
     def __init__(self) -> None:
         self.pulls: dict[str, PrefixPull] = {}
+        self.capabilities = PolicyCapabilities(take_prefix_pull=self.take_prefix_pull)
 
     def route(self, req: RequestInfo, instances: Sequence[InstanceView], now: float) -> RouteDecision:
         tokens = (req.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE

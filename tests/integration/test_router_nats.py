@@ -29,8 +29,8 @@ from fakes.fake_policy import FakePolicy  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.router.app import ROUTER, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
-from fulcrum.router.policies.base import Policy  # noqa: E402
-from fulcrum.router.policies.disaggregated import DisaggregatedPolicy  # noqa: E402
+from fulcrum.routing.base import Policy  # noqa: E402
+from fulcrum.routing.disaggregated import DisaggregatedPolicy  # noqa: E402
 from fulcrum.router.prefill_queue import NatsPrefillQueue, run_prefill_worker  # noqa: E402
 
 from .servers import NatsServer, free_port, nats_server  # noqa: E402,F401  (nats_server is a fixture)

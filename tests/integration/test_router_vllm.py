@@ -39,7 +39,7 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.router.app import ROUTER, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
 
 from .engines import BLOCK_SIZE, Engine, engine_pair, post_json, skip_unless_vllm  # noqa: E402
 
@@ -51,7 +51,7 @@ USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 class ForcedDecisionPolicy:
-    """TEST DOUBLE of :class:`fulcrum.router.policies.base.Policy`: every request gets the decision kind the
+    """TEST DOUBLE of :class:`fulcrum.routing.base.Policy`: every request gets the decision kind the
     test set (``kind``, and ``k`` for splits), always with A = ``first`` and B = ``second``. Records the
     decisions it made."""
 

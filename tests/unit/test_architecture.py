@@ -57,3 +57,29 @@ def test_whole_package_type_checks_strictly(tmp_path):
         cwd=root, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_simulator_defines_no_routing_or_batching_algorithm_of_its_own():
+    """Issue 12: the simulator routes through the router's policies and batches prefills with the router's DOPD
+    Alg. 1 batcher (fulcrum.routing); it must not grow its own copy of either again."""
+    import ast
+    import re
+
+    routing_name = re.compile(r"^(route|_?route_.*|_?choose.*|.*least_loaded.*|_?pick_(decode|prefill).*)$")
+    imported_policy = False
+    for path in sorted((REPO / "simulator").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert not routing_name.match(node.name), (
+                    f"{path.name}: {node.name}() looks like a routing algorithm; use a fulcrum.routing Policy")
+            if isinstance(node, ast.ClassDef):
+                methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+                assert "take" not in methods, f"{path.name}: class {node.name} has a batching take(); use PrefillBatcher"
+                assert not node.name.endswith(("Policy", "Batcher", "Queue")), (
+                    f"{path.name}: class {node.name} duplicates fulcrum.routing")
+            if isinstance(node, ast.ImportFrom) and node.module == "fulcrum.routing.base":
+                imported_policy = imported_policy or any(a.name == "Policy" for a in node.names)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fulcrum.router"):
+                assert node.module.startswith("fulcrum.routing"), f"{path.name} imports the router's data plane"
+    assert imported_policy, "the simulator takes its Policy from fulcrum.routing.base"

@@ -204,6 +204,20 @@ def test_replay_prints_a_header_and_the_comparison_table(capsys: pytest.CaptureF
     assert any(line.startswith("static ") for line in out.splitlines())
 
 
+def test_replay_compares_routing_policies_under_one_planner(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, [*REPLAY, "--policy", "static", "--routing", "disaggregated,split,load_aware", "--json"])
+    check_policies(data, {"disaggregated", "split", "load_aware"})
+    assert data["planner"] == "static"
+    assert set(data["paths"]["disaggregated"]) <= {"disaggregated", "local"}
+    assert main([*REPLAY, "--policy", "static", "--compare", "--routing", "round_robin,least_loaded", "--no-progress"]) == 0
+    out, _ = capsys.readouterr()
+    assert "planner static; routing policies compared: round_robin, least_loaded" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("round_robin ", "least_loaded "))]
+    assert rows == ["round_robin", "least_loaded"]  # the table: a row per routing policy
+    with pytest.raises(SystemExit):
+        main([*REPLAY, "--routing", "libra"])
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.fixture
 def bad_files(tmp_path: Path) -> dict[str, Path]:

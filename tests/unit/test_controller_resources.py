@@ -348,7 +348,7 @@ def test_router_configmap_is_a_valid_router_config_with_the_planned_routing(exam
     if config.policy.name == "disaggregated":
         assert config.policy.params["ultra_short_tokens"] == target.routing.ultra_short_tokens
         assert config.policy.params["long_request_tokens"] == target.routing.long_request_tokens
-    from fulcrum.router.policies.registry import make_policy
+    from fulcrum.routing.registry import make_policy
 
     make_policy(config.policy.name, config.policy.params)  # the router can build the policy from it
     dep = _by(objects, "Deployment", f"{serve.metadata.name}-router")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, Policy, RequestInfo
-from fulcrum.router.policies.least_loaded import LeastLoadedPolicy, instance_load
-from fulcrum.router.policies.registry import POLICIES, make_policy, policy_parameters
-from fulcrum.router.policies.round_robin import RoundRobinPolicy, TieBreaker
+from fulcrum.routing.base import InstanceView, NoInstanceError, Policy, RequestInfo
+from fulcrum.routing.least_loaded import LeastLoadedPolicy, instance_load
+from fulcrum.routing.registry import POLICIES, make_policy, policy_parameters
+from fulcrum.routing.round_robin import RoundRobinPolicy, TieBreaker
 
 REQ = RequestInfo("r", prompt_tokens=100, max_tokens=64, predicted_output_tokens=50)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from fulcrum.router.batcher import PrefillBatcher
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo
-from fulcrum.router.policies.disaggregated import DisaggregatedPolicy, prefix_hit_tokens
+from fulcrum.routing.batcher import PrefillBatcher
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo
+from fulcrum.routing.disaggregated import DisaggregatedPolicy, prefix_hit_tokens
 
 
 def req(p: int, hashes: tuple[int, ...] = (), rid: str = "r", d: int = 100) -> RequestInfo:
@@ -174,6 +174,10 @@ def test_batcher_rejects_bad_settings_and_policy_builds_one_from_its_parameters(
         DisaggregatedPolicy(batch_timeout_s=-1.0)
     b = DisaggregatedPolicy(long_request_tokens=777, batch_timeout_s=0.02).new_batcher()
     assert (b.long_request_tokens, b.batch_timeout_s) == (777, 0.02)
+    # the typed capability the router and the simulator read: a batcher factory only while grouping is on
+    make = DisaggregatedPolicy(long_request_tokens=777, batch_timeout_s=0.02).capabilities.prefill_batcher
+    assert make is not None and make().long_request_tokens == 777
+    assert DisaggregatedPolicy(batch_timeout_s=0.0).capabilities.prefill_batcher is None
 
 
 def test_a_repeated_prefix_returns_to_the_instances_the_policy_sent_it_to() -> None:
@@ -181,7 +185,7 @@ def test_a_repeated_prefix_returns_to_the_instances_the_policy_sent_it_to() -> N
     fleet = [InstanceView("p1", role="prefill"), InstanceView("p2", role="prefill"),
              InstanceView("d1", role="decode", running_tokens=5_000), InstanceView("d2", role="decode", running_tokens=5_000)]
     policy = DisaggregatedPolicy(kv_block_tokens=16)
-    assert policy.uses_prefix_hashes
+    assert policy.capabilities.prefix_block_tokens == 16
     shared = tuple(range(100, 160))  # a 960-token system prompt
     first = policy.route(req(1000, shared + (1, 2), rid="a"), fleet, 0.0)
     policy.on_start(req(1000, shared + (1, 2), rid="a"), first, 0.0)

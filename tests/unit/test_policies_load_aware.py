@@ -6,14 +6,9 @@ import math
 
 import pytest
 
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.load_aware import (
-    LoadAwarePolicy,
-    PrefixIndex,
-    prompt_block_hashes,
-    pull_costs,
-    utilisation,
-)
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.load_aware import LoadAwarePolicy, utilisation
+from fulcrum.routing.prefix import PrefixIndex, prompt_block_hashes, pull_costs
 
 REQ = RequestInfo("r", prompt_tokens=1000, max_tokens=256, predicted_output_tokens=200)
 
@@ -196,7 +191,7 @@ POLICY = {"name": "load_aware", "params": {"prefix_pull": True, "min_pull_tokens
 @pytest.mark.asyncio
 async def test_the_router_pulls_a_cached_prefix_from_its_holder_where_the_engines_take_partial_prefixes(router_harness):
     from fakes.fake_engine import FakeEngineSettings, fake_encode
-    from fulcrum.router.policies.registry import make_policy
+    from fulcrum.routing.registry import make_policy
 
     h = await router_harness(n=2, settings=FakeEngineSettings(token_delay_s=0.01, bidirectional_kv_xfer=True),
                              policy=make_policy("load_aware", POLICY["params"]),
@@ -216,7 +211,7 @@ async def test_the_router_pulls_a_cached_prefix_from_its_holder_where_the_engine
 @pytest.mark.asyncio
 async def test_without_partial_prefix_support_the_router_recomputes_and_counts_why(router_harness):
     from fakes.fake_engine import FakeEngineSettings, fake_encode
-    from fulcrum.router.policies.registry import make_policy
+    from fulcrum.routing.registry import make_policy
 
     h = await router_harness(n=2, settings=FakeEngineSettings(token_delay_s=0.01),
                              policy=make_policy("load_aware", POLICY["params"]), config={"policy": POLICY})
@@ -230,7 +225,7 @@ async def test_without_partial_prefix_support_the_router_recomputes_and_counts_w
 @pytest.mark.asyncio
 async def test_a_slow_link_makes_recomputing_the_prefix_the_cheaper_choice(router_harness):
     from fakes.fake_engine import FakeEngineSettings
-    from fulcrum.router.policies.registry import make_policy
+    from fulcrum.routing.registry import make_policy
 
     h = await router_harness(n=2, settings=FakeEngineSettings(token_delay_s=0.01, bidirectional_kv_xfer=True),
                              policy=make_policy("load_aware", POLICY["params"]),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo
-from fulcrum.router.policies.split import SplitPolicy, search_split_point
-from fulcrum.router.predictor import InstancePredictor, MicroRequest, predictor_step_cost, split_micro_requests
+from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.split import SplitPolicy, search_split_point
+from fulcrum.routing.predictor import InstancePredictor, MicroRequest, predictor_step_cost, split_micro_requests
 
 PROFILE = builtin_profile("splitwise-llama2-70b-h100")  # measured Llama-2-70B on H100 (Splitwise)
 COSTS = predictor_step_cost(PROFILE, 2)
@@ -107,11 +107,25 @@ def test_partial_prefix_needs_support_on_both_instances():
     assert d.split_token == 8000 and d.reason.startswith("safe-split")
 
 
-def test_fixed_roles_bound_the_split_to_pure_disaggregation():
+def test_a_prefill_instance_never_decodes_and_without_partial_prefixes_the_split_stays_at_the_prompt():
     insts = [InstanceView("p", role="prefill", tp=2), InstanceView("d", role="decode", tp=2)]
     d = SplitPolicy(profile=PROFILE).route(req(1024, 1024), insts, 0.0)
     assert (d.kind, d.first, d.second, d.split_token) == ("disaggregated", "p", "d", 1024)
-    assert d.reason.startswith("role-bound")
+    assert d.handoff_after == 0
+
+
+def test_a_busy_prefill_instance_hands_part_of_the_prompt_to_the_decode_instance():
+    # Libra §4.1 between a P and a D instance: B prefills the prompt's tail when A is the bottleneck
+    insts = [InstanceView("p", role="prefill", tp=2, supports_partial_prefix=True),
+             InstanceView("d", role="decode", tp=2, supports_partial_prefix=True)]
+    policy = SplitPolicy(profile=PROFILE)
+    policy.route(req(10, 1, rid="seen"), insts, 0.0)  # the policy learns the instances' views
+    for i in range(6):  # load the prefill instance's virtual queue with long prompts
+        r = req(8000, 1, rid=f"busy{i}")
+        policy.on_start(r, RouteDecision("disaggregated", "p", "d", split_token=8000), 0.0)
+    d = policy.route(req(4096, 8), insts, 0.0)
+    assert d.kind == "split" and (d.first, d.second) == ("p", "d")
+    assert 0 < d.split_token < 4096 and d.handoff_after == 0
 
 
 def test_prefill_only_first_instance_may_still_take_less_of_the_prompt_but_never_decode():

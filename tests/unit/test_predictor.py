@@ -13,13 +13,13 @@ import pytest
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import profile_from_dict
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.router.length_predictor import (
+from fulcrum.routing.length_predictor import (
     BucketedQuantilePredictor,
     OutputLengthPredictor,
     PerModelLengthPredictors,
     SlidingQuantile,
 )
-from fulcrum.router.predictor import (
+from fulcrum.routing.predictor import (
     ExecutionPredictor,
     InstancePredictor,
     MicroRequest,

@@ -12,8 +12,8 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("pytest_asyncio")
 
 from fakes.fake_engine import FakeEngineSettings  # noqa: E402
-from fulcrum.router.batcher import PrefillBatcher  # noqa: E402
-from fulcrum.router.policies.disaggregated import DisaggregatedPolicy  # noqa: E402
+from fulcrum.routing.batcher import PrefillBatcher  # noqa: E402
+from fulcrum.routing.disaggregated import DisaggregatedPolicy  # noqa: E402
 from fulcrum.router.prefill_gate import PrefillGate  # noqa: E402
 
 pytestmark = pytest.mark.asyncio

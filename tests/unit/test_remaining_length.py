@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from fulcrum.router.remaining_length import (
+from fulcrum.routing.remaining_length import (
     ExcessWindow,
     HiddenStateLengthPredictor,
     RemainingLength,

@@ -15,7 +15,7 @@ pytest.importorskip("pytest_asyncio")
 from fakes.fake_engine import FakeEngineSettings, fake_encode, fake_next_token  # noqa: E402
 from fakes.sse_client import parse_stream  # noqa: E402
 from fulcrum.router.config import InstanceConfig  # noqa: E402
-from fulcrum.router.policies.registry import make_policy  # noqa: E402
+from fulcrum.routing.registry import make_policy  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 

@@ -17,6 +17,7 @@ pytest.importorskip("pytest_asyncio")
 from fakes.fake_engine import FakeEngineSettings, fake_next_token  # noqa: E402
 from fakes.fake_policy import FakePolicy  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
+from fulcrum.routing.base import NO_CAPABILITIES  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
@@ -204,12 +205,13 @@ class _CutInsidePrompt:
     """A policy that splits every request inside its prompt at token ``s`` (Libra §4.1, s < P): A = e0, B = e1."""
 
     name = "cut-inside-prompt"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self, s: int) -> None:
         self.s = s
 
     def route(self, req, instances, now):
-        from fulcrum.router.policies.base import RouteDecision
+        from fulcrum.routing.base import RouteDecision
 
         return RouteDecision("split", "e0", "e1", split_token=self.s, handoff_after=0, reason="fake split inside")
 

@@ -17,8 +17,8 @@ from fakes.fake_engine import FakeEngineSettings, fake_chat_ids, fake_encode, fa
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.rebalancing.decode_rescheduling import DecodeInstanceLoad  # noqa: E402
 from fulcrum.router.config import ReschedulingSection  # noqa: E402
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
-from fulcrum.router.remaining_length import RemainingLengthPredictor  # noqa: E402
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
+from fulcrum.routing.remaining_length import RemainingLengthPredictor  # noqa: E402
 from fulcrum.router.rescheduler import Rescheduler  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
@@ -31,6 +31,7 @@ class PinnedTestPolicy:
     """TEST DOUBLE policy: every request colocated on ``target`` (to overload one instance on purpose)."""
 
     name = "pinned-test-double"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self, target: str) -> None:
         self.target = target

@@ -15,8 +15,8 @@ pytest.importorskip("pytest_asyncio")
 from fakes.fake_engine import FakeEngineSettings  # noqa: E402
 from fulcrum.router.config import RolesSection  # noqa: E402
 from fulcrum.router.metrics import RouterMetrics  # noqa: E402
-from fulcrum.router.policies.base import InstanceView  # noqa: E402
-from fulcrum.router.policies.registry import make_policy  # noqa: E402
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView  # noqa: E402
+from fulcrum.routing.registry import make_policy  # noqa: E402
 from fulcrum.router.roles import RoleBalancer, decode_utilisation, prefill_utilisation  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
@@ -125,12 +125,13 @@ class PinnedTestPolicy:
     """TEST DOUBLE policy: every request colocated on ``target``."""
 
     name = "pinned-test-double"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self, target: str) -> None:
         self.target = target
 
     def route(self, req, instances, now):
-        from fulcrum.router.policies.base import RouteDecision
+        from fulcrum.routing.base import RouteDecision
 
         return RouteDecision("colocated", self.target, split_token=req.prompt_tokens + req.max_tokens, reason="pinned")
 

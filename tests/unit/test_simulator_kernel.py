@@ -1,4 +1,4 @@
-"""The simulator's building blocks: event kernel, DOPD Alg. 1 prefill queue, percentiles with unserved requests."""
+"""The simulator's building blocks: event kernel, a prefill instance's queue, percentiles with unserved requests."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import math
 
 import pytest
 
+from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.ratio.step_cost import nearest_tp
-from fulcrum.simulator import Kernel, PrefillQueue, Priority, percentile
-from fulcrum.simulator.instances import SimRequest
-from fulcrum.target import RoutingParams
+from fulcrum.simulator import Kernel, Priority, percentile
+from fulcrum.simulator.instances import PrefillInstance, SimRequest
 
 
 def test_events_at_the_same_time_run_by_priority_then_in_scheduling_order() -> None:
@@ -55,37 +55,28 @@ def _req(idx: int, isl: int) -> SimRequest:
     return SimRequest(idx, 0.0, isl, 10)
 
 
-def test_fcfs_batches_fill_the_token_budget_in_arrival_order() -> None:
-    q = PrefillQueue()
-    routing = RoutingParams(max_prefill_batch_tokens=1000)
+class _FakeHost:
+    """A FAKE instance host that records the prefill batches it is told of."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def on_prefill_done(self, inst: PrefillInstance, batch: list[SimRequest]) -> None:
+        self.batches.append([r.idx for r in batch])
+
+
+def test_a_prefill_instance_runs_its_queue_first_come_first_served_up_to_its_token_budget() -> None:
+    k = Kernel()
+    host = _FakeHost()
+    inst = PrefillInstance(host, k, 0, 1, builtin_profile("dopd-llama70b-fp8-h100"), 0.0, 0.0)  # type: ignore[arg-type]
+    inst.batch_tokens = 1000
     for i, isl in enumerate([400, 500, 300, 900]):
-        q.push(_req(i, isl), 0.0, routing)
-    batch, _ = q.take(0.0, routing)
-    assert batch is not None and [r.idx for r in batch] == [0, 1]
-    batch, _ = q.take(0.0, routing)
-    assert batch is not None and [r.idx for r in batch] == [2]
-    batch, _ = q.take(0.0, routing)
-    assert batch is not None and [r.idx for r in batch] == [3]
-    assert q.take(0.0, routing) == (None, None)
-
-
-def test_length_aware_queue_runs_long_prompts_alone_and_holds_short_ones_until_i_next_or_timeout() -> None:
-    q = PrefillQueue()
-    routing = RoutingParams(length_aware_batching=True, long_request_tokens=1000, batch_timeout_s=0.5)
-    q.push(_req(0, 300), 0.0, routing)
-    # a lone short prompt waits for company until its timeout
-    assert q.take(0.1, routing) == (None, 0.5)
-    q.push(_req(1, 1500), 0.2, routing)
-    batch, _ = q.take(0.2, routing)  # a long prompt does not wait behind the forming short batch
-    assert batch is not None and [r.idx for r in batch] == [1]
-    q.push(_req(2, 300), 0.3, routing)
-    q.push(_req(3, 500), 0.3, routing)
-    batch, _ = q.take(0.3, routing)  # 300 + 300 + 500 >= i_next: the group goes at once
-    assert batch is not None and [r.idx for r in batch] == [0, 2, 3]
-    q.push(_req(4, 200), 1.0, routing)
-    assert q.take(1.2, routing) == (None, 1.5)
-    batch, _ = q.take(1.5, routing)  # timed out
-    assert batch is not None and [r.idx for r in batch] == [4]
+        inst.offer(_req(i, isl))  # the first starts alone at once (idle), the others wait
+    assert inst.load == 4 and inst.queued_tokens == 2100
+    while k.step():
+        pass
+    assert host.batches == [[0], [1, 2], [3]]  # 500 + 300 fit the budget; 900 would overflow it
+    assert inst.load == 0 and inst.queued_tokens == 0
 
 
 def test_percentile_is_infinite_when_it_falls_among_unserved_requests() -> None:

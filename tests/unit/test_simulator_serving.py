@@ -13,6 +13,7 @@ from fulcrum.ratio.profile import PerformanceProfile, profile_from_dict
 from fulcrum.simulator import SimConfig, Simulation
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 from fulcrum.workload import Request
+from fulcrum.routing.least_loaded import LeastLoadedPolicy
 
 SLO = SLOSpec(ttft_ms=2000, tpot_ms=80, percentile=90)
 KV_BYTES = 1024  # per token
@@ -143,20 +144,22 @@ def test_a_local_prefill_lengthens_the_step_of_the_requests_decoding_beside_it()
 
 
 def test_length_aware_batching_groups_short_prompts_and_dispatches_long_ones_alone() -> None:
+    # the router's DOPD Alg. 1 gate (fulcrum.routing.batcher via the policy's capabilities), per prefill instance
     prof = make_profile()
     routing = {"length_aware_batching": True, "long_request_tokens": 1000, "batch_timeout_s": 0.5}
-    reqs = [Request(0.0, 100, 2), Request(0.1, 1500, 2), Request(0.2, 100, 2), Request(0.3, 100, 2)]
+    reqs = [Request(0.0, 100, 2), Request(0.01, 1500, 2), Request(0.02, 100, 2), Request(0.03, 100, 2)]
     short0, long_, short1, short2 = Simulation(reqs, prof, SLO, pd(1, 1, **routing)).finish().records
-    # the long prompt ran at once, alone
-    assert long_.ttft_s == pytest.approx(prof.ttft(1500, 1), rel=1e-12)
-    # the three short prompts went together after the long one, when the oldest had waited 0.5 s
-    start = max(0.5, 0.1 + prof.ttft(1500, 1))
-    together = start + prof.prefill_batch_time([100, 100, 100], 1)
-    for rec in (short0, short1, short2):
+    # the instance was idle: Alg. 1's empty queue releases the first short prompt at once
+    assert short0.ttft_s == pytest.approx(prof.ttft(100, 1), rel=1e-12)
+    # the long prompt passed the gate at once, alone, and ran as soon as the instance was free
+    assert long_.arrival_s + long_.ttft_s == pytest.approx(prof.ttft(100, 1) + prof.ttft(1500, 1), rel=1e-12)
+    # the two short prompts behind it were grouped and went together when the oldest had waited 0.5 s
+    together = 0.02 + 0.5 + prof.prefill_batch_time([100, 100], 1)
+    for rec in (short1, short2):
         assert rec.arrival_s + rec.ttft_s == pytest.approx(together, rel=1e-12)
-    # FCFS would have prefilled the first short prompt alone, at once
+    # without grouping the first of them would have run right after the long prompt
     fcfs = Simulation(reqs, prof, SLO, pd(1, 1)).finish().records
-    assert fcfs[0].ttft_s == pytest.approx(prof.ttft(100, 1), rel=1e-12)
+    assert fcfs[2].arrival_s + fcfs[2].ttft_s < 0.5
 
 
 def test_length_aware_batching_dispatches_a_group_as_soon_as_it_reaches_i_next() -> None:
@@ -165,15 +168,19 @@ def test_length_aware_batching_dispatches_a_group_as_soon_as_it_reaches_i_next()
     reqs = [Request(0.0, 200, 2) for _ in range(10)]
     records = Simulation(reqs, prof, SLO, pd(1, 1, **routing)).finish().records
     first_tokens = sorted({round(r.arrival_s + r.ttft_s, 12) for r in records})
-    batch = prof.prefill_batch_time([200] * 5, 1)
-    assert first_tokens == pytest.approx([batch, 2 * batch], rel=1e-9)
+    # the first goes alone (idle instance); the next five reach i_next = 1000 tokens and go at once; the last
+    # four (800 tokens) wait for the timeout
+    alone = prof.ttft(200, 1)
+    assert first_tokens == pytest.approx(
+        [alone, alone + prof.prefill_batch_time([200] * 5, 1), 10.0 + prof.prefill_batch_time([200] * 4, 1)], rel=1e-9
+    )
 
 
 def test_a_unified_pool_serves_everything_with_chunked_prefill() -> None:
     prof = make_profile()
     target = ClusterTarget(unified=PoolSize(2, 1))
     reqs = [Request(0.0, 500, 11), Request(0.0, 5000, 3), Request(50.0, 100, 1)]
-    a, b, c = Simulation(reqs, prof, SLO, target).finish().records
+    a, b, c = Simulation(reqs, prof, SLO, target, policy=lambda _: LeastLoadedPolicy()).finish().records
     assert {a.path, b.path, c.path} == {"unified"}
     assert a.ttft_s == pytest.approx(prof.ttft(500, 1), rel=1e-12)
     assert a.tpot_s == pytest.approx(sum(prof.tpot(1, 501 + k, 1) for k in range(10)) / 10, rel=1e-12)
@@ -223,12 +230,15 @@ def test_pools_without_instances_end_at_the_grace_period_with_unserved_records()
     assert s["slo_attainment"] == 0.0 and s["goodput_tokens_per_s"] == 0.0 and s["ttft_p_s"] == math.inf
 
 
-def test_prefill_without_decode_instances_gives_first_tokens_but_no_completions() -> None:
+def test_without_decode_instances_requests_wait_at_the_router() -> None:
+    # the policy finds no instance that may decode (NoInstanceError: the router's 503), so nothing starts
     prof = make_profile()
-    res = Simulation([Request(0.0, 500, 10)], prof, SLO, pd(1, 0), SimConfig(grace_s=30.0)).finish()
+    sim = Simulation([Request(0.0, 500, 10)], prof, SLO, pd(1, 0), SimConfig(grace_s=30.0))
+    sim.run_until(1.0)
+    assert sim.observe(1.0).prefill_queue == 1
+    res = sim.finish()
     (rec,) = res.records
-    assert rec.ttft_s == pytest.approx(prof.ttft(500, 1))
-    assert math.isinf(rec.finish_s) and math.isinf(rec.tpot_s)
+    assert math.isinf(rec.ttft_s) and math.isinf(rec.finish_s) and math.isinf(rec.tpot_s)
     assert res.gpu_seconds == pytest.approx(30.0)
 
 

@@ -5,6 +5,11 @@ trace bundled with Fulcrum (``azure-conv-2023``, ``azure-code-2023``, ``mooncake
 file gives the SLOs, limits, interval, start-up time and profile; without one, a default spec serving a
 70B model on H100 with DOPD's Table I profile is used.
 
+Routing: the simulator routes every request through the router's own policy (``--routing``; default the spec's
+``router.policy``). ``--routing A,B,...`` with several names replays the planner (``--policy``) once per routing
+policy and prints one table with a row per routing policy, plus the paths its requests took (split: Libra's
+micro-requests).
+
 Output: one line per policy, then the comparison table (the spec's percentile); ``--percentiles`` adds a second
 table with p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time per policy; ``--records FILE`` writes
 every request (CSV, or Parquet for a ``.parquet`` name). A warning line is printed for every SLO target a policy's
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,8 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, builtin_profile, resolve_profile
 from fulcrum.replay.distribution import check_records_path, write_records
 from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.replay.result import PolicyRun
+from fulcrum.replay.routing import ROUTING_POLICIES, parse_routing, path_counts
 from fulcrum.scaling.registry import PLANNERS
 from fulcrum.replay.table import comparison_table, infeasible_lines, percentiles_table, summary_json
 from fulcrum.traces import TRACE_FORMATS, load_trace
@@ -42,6 +50,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--policy", default="fulcrum", choices=list(PLANNERS), help="planner to run (default fulcrum)")
     p.add_argument("--compare", action="store_true", help="run every policy on the same trace and print one table, "
                    "with static-best: the cheapest static deployment reaching fulcrum's SLO attainment (a sweep)")
+    p.add_argument("--routing", type=parse_routing, metavar="NAME[,NAME...]",
+                   help=f"the router's routing policy the simulator runs ({', '.join(ROUTING_POLICIES)}; default: the "
+                   "spec's router.policy); several names: one row per routing policy under the planner of --policy")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by X (< 1 = a denser trace)")
     p.add_argument("--start", type=float, default=0.0, help="start of the trace window, seconds")
     p.add_argument("--duration", type=float, help="length of the trace window, seconds (whole trace when omitted)")
@@ -92,15 +103,18 @@ def run(args: argparse.Namespace) -> int:
     profile = resolve_spec_profile(spec, spec_path, args.profile)
     trace = load_trace(args.trace, args.format, start_s=args.start, duration_s=args.duration)
     requests = scale_arrivals(trace.requests, args.time_scale)
-    policies = list(PLANNERS) if args.compare else [args.policy]
+    routings: list[str] = args.routing or [spec.router.policy.value]
     progress = not (args.no_progress or args.json) and sys.stderr.isatty()
-    options = ReplayOptions(progress=progress, warmup_s=args.warmup)
+    options = ReplayOptions(progress=progress, warmup_s=args.warmup, routing=routings[0])
     warmup = warmup_seconds(spec, options)
+    if len(routings) > 1:
+        return _compare_routing(args, spec, profile, requests, trace.name, routings, options, warmup)
+    policies = list(PLANNERS) if args.compare else [args.policy]
     if not args.json:
         print(f"trace {trace.name}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
               f"(time scale {args.time_scale:g}); profile {profile.name}; mode {spec.mode.value}; "
-              f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}",
-              flush=True)
+              f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
+              f"routing {routings[0]}", flush=True)
         print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
     runs = []
     for name in policies:
@@ -112,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             for line in infeasible_lines(runs[-1:]):
                 print(f"  {line}", flush=True)
     extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
-                             "warmup_s": warmup}
+                             "warmup_s": warmup, "routing": routings[0]}
     if args.compare:
         from fulcrum.replay.static_best import static_best
 
@@ -145,4 +159,48 @@ def run(args: argparse.Namespace) -> int:
         print(comparison_table(runs, spec.slo, trace_name=trace.name))
         if args.percentiles:
             print(percentiles_table(runs, trace_name=trace.name))
+    return 0
+
+
+def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformanceProfile, requests: Any, trace_name: str,
+                     routings: list[str], options: ReplayOptions, warmup: float) -> int:
+    """Replay planner ``--policy`` once per routing policy; one table, a row per routing policy (named after it),
+    and the paths its requests took."""
+    if not args.json:
+        print(f"trace {trace_name}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
+              f"(time scale {args.time_scale:g}); profile {profile.name}; mode {spec.mode.value}; "
+              f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
+              f"planner {args.policy}; routing policies compared: {', '.join(routings)}", flush=True)
+        print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
+    runs: list[PolicyRun] = []
+    paths: dict[str, dict[str, int]] = {}
+    for name in routings:
+        run_ = run_policy(args.policy, requests, spec, profile, replace(options, routing=name))
+        run_ = replace(run_, policy=name)
+        runs.append(run_)
+        paths[name] = path_counts(run_.records)
+        if not args.json:
+            s = run_.summary
+            where = ", ".join(f"{k or 'never routed'} {v}" for k, v in paths[name].items())
+            print(f"  {name:<14} SLO attainment {s.slo_attainment:6.1%}  GPU-hours {s.gpu_hours:7.2f}  "
+                  f"({run_.wall_s:.1f} s; paths: {where})", flush=True)
+    if args.report:
+        from fulcrum.replay.report import write_report
+
+        written = write_report(runs, args.report, trace_name=trace_name, slo=spec.slo)
+        if not args.json:
+            print(f"report: {len(written)} files in {args.report}")
+    if args.records is not None:
+        write_records(runs, args.records, spec.slo)
+        if not args.json:
+            print(f"records: {sum(len(r.records) for r in runs)} requests in {args.records}")
+    if args.json:
+        extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
+                                 "warmup_s": warmup, "planner": args.policy, "paths": paths}
+        print(json.dumps(summary_json(runs, trace_name=trace_name, slo=spec.slo, extra=extra), indent=2, allow_nan=False))
+    else:
+        print()
+        print(comparison_table(runs, spec.slo, trace_name=trace_name))
+        if args.percentiles:
+            print(percentiles_table(runs, trace_name=trace_name))
     return 0

@@ -5,8 +5,8 @@ Four latencies per request, all in seconds (:class:`fulcrum.simulator.records.Re
 - ``ttft`` — arrival → first token, queueing included;
 - ``tpot`` — mean time per output token after the first (0 for one-token outputs);
 - ``e2e`` — arrival → last token;
-- ``queue`` — arrival → start of the request's first prefill (the router and the shared prefill queue, or an
-  engine's waiting queue for ultra-short and unified prompts).
+- ``queue`` — arrival → start of the request's first prefill (the router, a prefill instance's DOPD Alg. 1 gate
+  and queue, or an engine's waiting queue for colocated prompts).
 
 A request never served (or unfinished when the run ended) has ``inf`` for the times it never reached, and counts:
 a percentile that falls among such requests is ``inf`` (:func:`fulcrum.simulator.metrics.percentile`).

@@ -22,6 +22,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.replay.distribution import LatencyDistribution
 from fulcrum.replay.result import ForecastPoint, InfeasibleSLO, PolicyRun, PolicySummary, TimelinePoint
+from fulcrum.replay.routing import routing_factory
 from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas
 from fulcrum.scaling.planner import Planner
 from fulcrum.scaling.registry import make_planner
@@ -55,11 +56,14 @@ class ReplayOptions:
         warmup_s: score only requests arriving after this many seconds, and GPU time from then on; ``None``
             means pod start-up + 2 intervals: the cold start of the spec's initial pools, the same for every
             policy, says nothing about a planner. 0 scores the whole trace.
+        routing: the router's routing policy the simulator runs (:mod:`fulcrum.routing`; built by
+            :func:`fulcrum.replay.routing.routing_factory`); None: the spec's ``router.policy``.
     """
 
     sim: SimConfig | None = None
     progress: bool = False
     warmup_s: float | None = None
+    routing: str | None = None
 
 
 def warmup_seconds(spec: LLMServeSpec, options: ReplayOptions) -> float:
@@ -135,12 +139,14 @@ def run_planner(
         raise ValueError("the trace has no requests")
     name = name or planner.name
     wall0 = time.perf_counter()
-    sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds)
+    sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds,
+                                       max_model_len=spec.engine.max_model_len)
     current = planner.initial()
     total = external_replicas(spec)
     if total is not None:  # as the operator starts an externally owned LLMServe
         current = distribute(total, current)
-    sim = Simulation(requests, profile, spec.slo, current, sim_cfg)
+    routing = routing_factory(options.routing or spec.router.policy.value, spec, profile)
+    sim = Simulation(requests, profile, spec.slo, current, sim_cfg, policy=routing)
     loop = ControlLoop(spec, profile, current, planner=planner)
     tick = planner.tick_s
     end = requests[-1].arrival_s

@@ -7,7 +7,7 @@ output tokens N̂(r) (ARES §4); three are used by ``benchmarks/bench_rescheduli
 
 - ``oracle``: the true remaining length (the simulator knows each request's OSL) — ARES-Oracle;
 - a conditional estimate E[L − g | L > g] learnt online from finished requests
-  (``fulcrum.router.remaining_length``) — ARES with a predictor;
+  (``fulcrum.routing.remaining_length``) — ARES with a predictor;
 - ``current``: no prediction (N̂ = the horizon: every request is assumed to run on), so only the current token
   load decides — the paper's "vLLM + rescheduling" baseline.
 """

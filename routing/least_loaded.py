@@ -1,6 +1,6 @@
 """Least-loaded baseline: every request colocated on the instance with the least outstanding work.
 
-Load of an instance (from the router's own accounting in :class:`~fulcrum.router.policies.base.InstanceView`)::
+Load of an instance (from the router's own accounting in :class:`~fulcrum.routing.base.InstanceView`)::
 
     load = inflight + queued_prefill_tokens / max_num_batched_tokens
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.round_robin import TieBreaker, colocated_candidates, colocated_decision
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.round_robin import TieBreaker, colocated_candidates, colocated_decision
 
 __all__ = ["LeastLoadedPolicy", "instance_load"]
 
@@ -28,11 +28,12 @@ def instance_load(inst: InstanceView) -> float:
 class LeastLoadedPolicy:
     """Baseline: colocate each request on the available "both"/"decode" instance of least :func:`instance_load`.
 
-    ``route`` raises :class:`~fulcrum.router.policies.base.NoInstanceError` when no instance may take a whole
+    ``route`` raises :class:`~fulcrum.routing.base.NoInstanceError` when no instance may take a whole
     request.
     """
 
     name = "least_loaded"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self) -> None:
         self._ties = TieBreaker()

@@ -19,13 +19,15 @@ of one request"):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from fulcrum.router.batcher import PrefillBatcher
+from fulcrum.routing.batcher import PrefillBatcher
+from fulcrum.routing.prefix import PrefixPull
 
-__all__ = ["Role", "InstanceView", "RequestInfo", "RouteDecision", "Policy", "GroupsPrefills", "NoInstanceError"]
+__all__ = ["Role", "InstanceView", "RequestInfo", "RouteDecision", "Policy", "PolicyCapabilities", "NO_CAPABILITIES",
+           "NoInstanceError"]
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -121,32 +123,51 @@ class RouteDecision:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyCapabilities:
+    """What a policy needs from its caller (the router or the simulator) beyond ``route``, typed instead of probed.
+
+    Attributes:
+        prefill_batcher: a factory of one DOPD Alg. 1 grouper (:class:`~fulcrum.routing.batcher.PrefillBatcher`)
+            per prefill instance, when the policy groups short prompts before their prefill leg; None: every
+            prompt goes to its prefill instance at once. The grouper holds whatever items the caller gives it
+            (the router its waiting requests, the simulator :class:`RequestInfo`), reading their
+            ``prompt_tokens``.
+        prefix_block_tokens: tokens per KV block of the prompt hashes the policy reads
+            (``RequestInfo.prefix_hashes``, :func:`~fulcrum.routing.prefix.prompt_block_hashes`); None: the
+            policy reads no hashes, so the caller need not compute them.
+        take_prefix_pull: ``take_prefix_pull(request_id)`` hands over the prefix pull the last ``route`` planned
+            for that request, once (BanaServe §4.2; :class:`~fulcrum.routing.prefix.PrefixPull`), or None; this
+            field is None when the policy never plans pulls.
+    """
+
+    prefill_batcher: Callable[[], PrefillBatcher[Any]] | None = None
+    prefix_block_tokens: int | None = None
+    take_prefix_pull: Callable[[str], PrefixPull | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefix_block_tokens is not None and self.prefix_block_tokens < 1:
+            raise ValueError(f"prefix_block_tokens must be >= 1 or None, got {self.prefix_block_tokens}")
+
+
+NO_CAPABILITIES = PolicyCapabilities()
+"""A policy that needs nothing beyond ``route`` and its notifications."""
+
+
 @runtime_checkable
 class Policy(Protocol):
     """A routing policy. ``route`` must be fast (the router calls it per request) and must not block.
 
     ``route`` raises :class:`NoInstanceError` when no available instance fits. ``on_start``/``on_finish``
-    are notifications (no return value); policies without state ignore them.
+    are notifications (no return value); policies without state ignore them. ``capabilities`` says what else
+    the caller must provide or may ask (:class:`PolicyCapabilities`).
     """
 
     name: str
+    capabilities: PolicyCapabilities
 
     def route(self, req: RequestInfo, instances: Sequence[InstanceView], now: float) -> RouteDecision: ...
 
     def on_start(self, req: RequestInfo, decision: RouteDecision, now: float) -> None: ...
 
     def on_finish(self, request_id: str, now: float) -> None: ...
-
-
-@runtime_checkable
-class GroupsPrefills(Protocol):
-    """A policy that groups short prompts before their prefill leg (DOPD Alg. 1): the router runs one
-    :class:`~fulcrum.router.prefill_gate.PrefillGate` per prefill instance while ``batch_timeout_s > 0``.
-
-    ``batch_timeout_s`` is the grouping timeout in seconds (DOPD eq. 18; 0 = every prompt at once);
-    ``new_batcher`` returns a fresh grouper for one prefill instance.
-    """
-
-    batch_timeout_s: float
-
-    def new_batcher(self) -> PrefillBatcher[Any]: ...

@@ -26,25 +26,25 @@ colocates on a "both"/"decode" instance by default; with ``disaggregate=True`` i
 **Load-aware dispatch over a shared KV store** (BanaServe §4.2 "Global KV Cache Store", §4.4.2; ``prefix_pull``).
 BanaServe's store lets every instance read every cached prefix, so the router balances load alone. Fulcrum has
 no separate store; the engines' prefix caches together are one, reachable over the KV connector: the policy
-remembers which instance holds which prompt blocks (:class:`PrefixIndex`, chained block hashes of the prompts it
-routed, :func:`prompt_block_hashes`; each instance's set bounded as an LRU), still chooses the instance by load
+remembers which instance holds which prompt blocks (:class:`~fulcrum.routing.prefix.PrefixIndex`, chained block hashes of the prompts it
+routed, :func:`~fulcrum.routing.prefix.prompt_block_hashes`; each instance's set bounded as an LRU), still chooses the instance by load
 only, and when another available instance holds a longer leading prefix than the chosen one it plans a
-:class:`PrefixPull` (block-aligned, at most P − 1 tokens: the chosen instance computes the rest). The router
+:class:`~fulcrum.routing.prefix.PrefixPull` (block-aligned, at most P − 1 tokens: the chosen instance computes the rest). The router
 (``fulcrum.router.app``) executes the plan only where it pays — pulling ``tokens × kv_bytes_per_token`` over the
-link (plus a fixed overhead) must take less time than recomputing those tokens (:func:`pull_costs`) — and only
+link (plus a fixed overhead) must take less time than recomputing those tokens (:func:`~fulcrum.routing.prefix.pull_costs`) — and only
 where the engines accept a partial prefix (router config ``kv_connector.partial_prefix``); otherwise the prefix is
-recomputed and the reason counted. The plan is handed over by :meth:`LoadAwarePolicy.take_prefix_pull`.
+recomputed and the reason counted. The plan is handed over by :meth:`LoadAwarePolicy.take_prefix_pull` (``capabilities.take_prefix_pull``).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from collections.abc import Container, Iterable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Sequence
 
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.round_robin import (
+from fulcrum.routing.base import InstanceView, NoInstanceError, PolicyCapabilities, RequestInfo, RouteDecision
+from fulcrum.routing.prefix import PrefixIndex, PrefixPull
+from fulcrum.routing.round_robin import (
     TieBreaker,
     colocated_candidates,
     colocated_decision,
@@ -52,8 +52,7 @@ from fulcrum.router.policies.round_robin import (
     prefill_candidates,
 )
 
-__all__ = ["LoadAwarePolicy", "utilisation", "prompt_block_hashes", "leading_blocks", "PrefixIndex", "PrefixPull",
-           "pull_costs"]
+__all__ = ["LoadAwarePolicy", "utilisation"]
 
 
 def _clip01(x: float) -> float:
@@ -71,100 +70,6 @@ def utilisation(inst: InstanceView) -> float:
     else:
         m = _clip01(m)
     return c + m
-
-
-def prompt_block_hashes(ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Chained hashes of the prompt's full KV blocks, as vLLM's prefix caching keys them: block i's hash covers
-    every token of blocks 0..i (so equal hashes mean equal prefixes). Shape: (len(ids) // block_size,).
-
-    Raises:
-        ValueError: ``block_size < 1``.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    out: list[int] = []
-    h = 0
-    for i in range(0, len(ids) - len(ids) % block_size, block_size):
-        h = hash((h, tuple(ids[i : i + block_size])))
-        out.append(h)
-    return tuple(out)
-
-
-def leading_blocks(hashes: Sequence[int], held: Container[int] | None) -> int:
-    """How many of ``hashes`` (chained prompt block hashes), from the first, are in ``held``, blocks: with
-    chained hashes only a leading run of blocks can be reused from a prefix cache."""
-    n = 0
-    if held:
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-    return n
-
-
-class PrefixIndex:
-    """Which instance holds which prompt blocks (BanaServe §4.2's global view of the caches), from the prompts the
-    router sent them. Each instance keeps at most ``max_blocks`` hashes, least recently used out first (its own
-    cache evicts too; the index is an estimate).
-
-    Raises:
-        ValueError: ``max_blocks < 1``.
-    """
-
-    def __init__(self, max_blocks: int = 65_536) -> None:
-        if max_blocks < 1:
-            raise ValueError("max_blocks must be >= 1")
-        self.max_blocks = int(max_blocks)
-        self._held: dict[str, OrderedDict[int, None]] = {}
-
-    def record(self, instance: str, hashes: Sequence[int]) -> None:
-        """``instance`` now holds these blocks."""
-        held = self._held.setdefault(instance, OrderedDict())
-        for h in hashes:
-            held[h] = None
-            held.move_to_end(h)
-        while len(held) > self.max_blocks:
-            held.popitem(last=False)
-
-    def leading(self, instance: str, hashes: Sequence[int]) -> int:
-        """Leading blocks of ``hashes`` that ``instance`` holds, blocks."""
-        return leading_blocks(hashes, self._held.get(instance))
-
-    def best_holder(self, hashes: Sequence[int], among: Iterable[str]) -> tuple[str | None, int]:
-        """The instance of ``among`` holding the most leading blocks, and how many (None, 0 when none does)."""
-        best, n_best = None, 0
-        for iid in among:
-            n = self.leading(iid, hashes)
-            if n > n_best:
-                best, n_best = iid, n
-        return best, n_best
-
-    def forget(self, instance: str) -> None:
-        """Drop an instance (it left)."""
-        self._held.pop(instance, None)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixPull:
-    """A planned prefix pull: ``target`` loads the KV of the prompt's first ``tokens`` tokens from ``holder``.
-
-    Attributes:
-        holder: the instance holding the prefix. target: the instance the request runs on.
-        tokens: block-aligned prefix length to pull, tokens (< P). local_tokens: what ``target`` holds itself.
-    """
-
-    holder: str
-    target: str
-    tokens: int
-    local_tokens: int
-
-
-def pull_costs(tokens: int, kv_bytes_per_token: float, link_gbps: float, overhead_s: float,
-               prefill_tokens_per_s: float) -> tuple[float, float]:
-    """(seconds to pull ``tokens`` tokens of KV over the link, seconds to recompute them): tokens × bytes/token
-    over the bandwidth plus the fixed overhead, against tokens over the prefill throughput (BanaServe §4.2,
-    eq. 17's T_KV against the forward time)."""
-    return tokens * kv_bytes_per_token / (link_gbps * 1e9) + overhead_s, tokens / prefill_tokens_per_s
 
 
 class LoadAwarePolicy:
@@ -199,9 +104,12 @@ class LoadAwarePolicy:
         self.estimate_ttl_s = float(estimate_ttl_s)
         self.disaggregate = bool(disaggregate)
         self.prefix_pull = bool(prefix_pull)
-        self.uses_prefix_hashes = self.prefix_pull
-        """The router computes ``RequestInfo.prefix_hashes`` only for policies that say they use them."""
         self.kv_block_tokens = int(kv_block_tokens)
+        self.capabilities = PolicyCapabilities(
+            prefix_block_tokens=self.kv_block_tokens if self.prefix_pull else None,
+            take_prefix_pull=self.take_prefix_pull if self.prefix_pull else None,
+        )
+        """Reads prompt hashes and plans prefix pulls only with ``prefix_pull``."""
         self.min_pull_tokens = int(min_pull_tokens)
         self.index = PrefixIndex(index_blocks_per_instance)
         self._pulls: dict[str, PrefixPull] = {}

@@ -3,7 +3,7 @@
 Also home of the small pieces every policy shares: which instances may take which part of a request, and the
 round-robin tie-break Libra §4.1 uses between equally loaded instances ("round-robin dispatch to break ties").
 
-Roles (:class:`~fulcrum.router.policies.base.InstanceView.role`): a "prefill" instance only prefills (it runs
+Roles (:class:`~fulcrum.routing.base.InstanceView.role`): a "prefill" instance only prefills (it runs
 with ``max_tokens = 1`` and hands the KV cache on), a "decode" instance decodes and may also prefill a request it
 then decodes itself (DOPD §V-E runs ultra-short prompts locally on D-instances), a "both" instance does anything.
 So a colocated request may go to "both" or "decode" instances, the first half of a split to "prefill" or "both",
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
 
 __all__ = [
     "RoundRobinPolicy",
@@ -79,10 +79,11 @@ class RoundRobinPolicy:
     """Baseline: colocate each request on the next available "both"/"decode" instance in turn.
 
     Stateless apart from the turn counter; ignores load. ``route`` raises
-    :class:`~fulcrum.router.policies.base.NoInstanceError` when no instance may take a whole request.
+    :class:`~fulcrum.routing.base.NoInstanceError` when no instance may take a whole request.
     """
 
     name = "round_robin"
+    capabilities = NO_CAPABILITIES
 
     def __init__(self) -> None:
         self._turn = 0

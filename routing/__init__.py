@@ -2,5 +2,5 @@
 
 Pure: policies import no HTTP, NATS, etcd or Kubernetes code and perform no I/O (``.importlinter``). Each
 policy lives in a module named after it, with the paper section in its docstring; all implement
-:class:`fulcrum.router.policies.base.Policy`.
+:class:`fulcrum.routing.base.Policy`.
 """

@@ -15,7 +15,7 @@ already run long is likely a long one — exactly the information a prompt-only 
 away.
 
 The distribution is kept online per served model and per ISL bucket (the buckets of
-:data:`fulcrum.router.length_predictor.DEFAULT_ISL_BUCKET_EDGES`) over a sliding window of the most recent
+:data:`fulcrum.routing.length_predictor.DEFAULT_ISL_BUCKET_EDGES`) over a sliding window of the most recent
 finished requests (so it follows drift), and estimates fall back, in order, to:
 
 1. the request's ISL bucket when at least ``min_samples`` of its observations exceed g;
@@ -43,7 +43,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from fulcrum.router.length_predictor import DEFAULT_ISL_BUCKET_EDGES
+from fulcrum.routing.length_predictor import DEFAULT_ISL_BUCKET_EDGES
 
 __all__ = [
     "RemainingLength",

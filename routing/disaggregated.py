@@ -12,7 +12,7 @@ Expected prefix-cache hits. Prompt KV blocks are identified by chained hashes (v
 hash covers every token before it), so the tokens an instance can reuse are the LEADING blocks of the prompt it
 holds: ``hit_tokens = min(P, n_leading · kv_block_tokens)`` where ``n_leading`` counts
 ``RequestInfo.prefix_hashes`` from the first while each is in ``InstanceView.prefix_hashes`` (what an instance
-reports) or in the policy's own :class:`~fulcrum.router.policies.load_aware.PrefixIndex` — the blocks of the prompts
+reports) or in the policy's own :class:`~fulcrum.routing.prefix.PrefixIndex` — the blocks of the prompts
 it routed there (both the prefill and the decode instance hold a prompt's KV afterwards; least recently used out
 first; an estimate of each engine's prefix cache, as DOPD's router infers it).
 
@@ -26,18 +26,19 @@ Costs (documented, in tokens; the smallest wins, ties → fewer in-flight reques
   cost is divided by it (a fraction of the instance's memory), so unequal instances compare fairly.
 
 Length-aware prefill batching (DOPD Alg. 1) is not a per-request decision: :meth:`DisaggregatedPolicy.new_batcher`
-gives the router a :class:`~fulcrum.router.batcher.PrefillBatcher` configured from the same parameters, which the
-router's :class:`~fulcrum.router.prefill_gate.PrefillGate` runs per prefill instance (while ``batch_timeout_s > 0``).
+gives the router a :class:`~fulcrum.routing.batcher.PrefillBatcher` configured from the same parameters (through
+``capabilities.prefill_batcher``, set while ``batch_timeout_s > 0``), which the router's
+:class:`~fulcrum.router.prefill_gate.PrefillGate` and the simulator run per prefill instance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fulcrum.router.batcher import PrefillBatcher
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.policies.load_aware import PrefixIndex, leading_blocks
-from fulcrum.router.policies.round_robin import (
+from fulcrum.routing.batcher import PrefillBatcher
+from fulcrum.routing.base import InstanceView, NoInstanceError, PolicyCapabilities, RequestInfo, RouteDecision
+from fulcrum.routing.prefix import PrefixIndex, leading_blocks
+from fulcrum.routing.round_robin import (
     TieBreaker,
     colocated_decision,
     decode_candidates,
@@ -105,8 +106,11 @@ class DisaggregatedPolicy:
         self._prefill_ties = TieBreaker()
         self._decode_ties = TieBreaker()
         self.index = PrefixIndex(index_blocks_per_instance)
-        self.uses_prefix_hashes = True
-        """The router computes ``RequestInfo.prefix_hashes`` (when it knows the prompt's token ids)."""
+        self.capabilities = PolicyCapabilities(
+            prefill_batcher=self.new_batcher if self.batch_timeout_s > 0.0 else None,  # 0: every prompt at once
+            prefix_block_tokens=self.kv_block_tokens,
+        )
+        """Groups prefills (DOPD Alg. 1) while ``batch_timeout_s > 0``; reads prompt hashes of ``kv_block_tokens``."""
 
     def new_batcher(self) -> PrefillBatcher[RequestInfo]:
         """A DOPD Alg. 1 prefill grouper with this policy's ``long_request_tokens`` and ``batch_timeout_s``."""

@@ -11,9 +11,10 @@ Per request of P prompt tokens and predicted D output tokens (L = P + D):
    φ = P/L. (Libra seeds its clocks from the first request; here the profile is the offline data, so the
    predictor has timing from the start and an idle pair is already balanced by the search.)
 3. **Bounded binary search** (lines 3–10): φ starts at P/L (pure disaggregation) in [lo, hi] = [0, 1] narrowed by
-   the roles (a "prefill" A cannot decode: φ ≤ P/L; a "decode" B cannot prefill: φ ≥ P/L). Each probe splits at
+   A's role (a "prefill" A cannot decode: φ ≤ P/L; B, "decode" or "both", may prefill what A leaves of the
+   prompt, as a decode instance prefills the prompts it runs locally, DOPD §V-E). Each probe splits at
    s = ⌈φ·L⌉, asks the predictor for T_A and T_B — the instants at which each would have drained all its work
-   including its micro-request (:meth:`fulcrum.router.predictor.InstancePredictor.probe`, O(log n)) — stops when
+   including its micro-request (:meth:`fulcrum.routing.predictor.InstancePredictor.probe`, O(log n)) — stops when
    |T_A − T_B| ≤ ε, and otherwise moves φ up when A finishes first and down when B does. At most K probes; the
    best-balanced probe is kept (Alg. 1 keeps the last; the best is never worse).
 4. **Decision.** s ≥ L → colocated on A; s = 0 → colocated on B; s = P → disaggregated; s > P → split with
@@ -41,8 +42,8 @@ from typing import Any
 
 from fulcrum.ratio.profile import PerformanceProfile, profile_from_dict
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.router.policies.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision
-from fulcrum.router.predictor import ExecutionPredictor, InstancePredictor, split_micro_requests, split_parts
+from fulcrum.routing.base import NO_CAPABILITIES, InstanceView, NoInstanceError, RequestInfo, RouteDecision
+from fulcrum.routing.predictor import ExecutionPredictor, InstancePredictor, split_micro_requests, split_parts
 
 __all__ = ["SplitPolicy", "SplitSearch", "search_split_point", "resolve_profile_param"]
 
@@ -107,8 +108,8 @@ def search_split_point(
     """Libra Alg. 1 lines 3–10: bounded binary search of φ ∈ [lo, hi] balancing A's and B's drain times.
 
     Starts at φ = P/L (pure disaggregation, clipped to [lo, hi]); each probe splits at s = ⌈φ·L⌉
-    (:func:`~fulcrum.router.predictor.split_micro_requests`), predicts T_A and T_B with A's and B's
-    :meth:`~fulcrum.router.predictor.InstancePredictor.probe` (a side with no micro-request keeps its current drain
+    (:func:`~fulcrum.routing.predictor.split_micro_requests`), predicts T_A and T_B with A's and B's
+    :meth:`~fulcrum.routing.predictor.InstancePredictor.probe` (a side with no micro-request keeps its current drain
     time), stops once |T_A − T_B| ≤ ``epsilon_s``, and otherwise raises φ when A drains first, lowers it when B
     does. Returns the best-balanced of the ≤ ``max_probes`` probes. P = ``prompt_tokens``,
     D = max(``output_tokens``, 1), L = P + D. Pure: the predictors are only probed.
@@ -165,6 +166,7 @@ class SplitPolicy:
     """
 
     name = "split"
+    capabilities = NO_CAPABILITIES
 
     def __init__(
         self,
@@ -255,7 +257,7 @@ class SplitPolicy:
         if pa is None or pb is None or p <= 0:
             why = "empty prompt" if p <= 0 else "no performance profile"
             return self._count(self._decide(req, a, b, p, f"cold-start: {why}; pure disaggregation"))
-        lo = 0.0 if b.role == "both" else p / total
+        lo = 0.0  # B may decode, so it may prefill the rest of the prompt (s < P needs partial-prefix support)
         hi = 1.0 if a.role == "both" else p / total
         s, reason = self._search(req, pa, pb, lo, hi, now)
         partial_ok = a.supports_partial_prefix and b.supports_partial_prefix

@@ -1,0 +1,122 @@
+"""Build a routing policy from the router config: ``make_policy(name, params)``.
+
+Names are those of :class:`fulcrum.api.llmserve.RouterPolicy`; ``params`` are the constructor's keyword
+arguments (each policy documents them and the reason for each default):
+
+- ``round_robin``: none;
+- ``least_loaded``: none;
+- ``disaggregated``: ``ultra_short_tokens``, ``miss_weight``, ``kv_block_tokens``, ``long_request_tokens``,
+  ``batch_timeout_s``, ``max_batch_tokens``;
+- ``split``: ``profile`` (a :class:`~fulcrum.ratio.profile.PerformanceProfile`, a built-in profile name, or the
+  profile mapping format — the caller reads files), ``max_probes``, ``epsilon_s``, ``kv_block_tokens``;
+- ``load_aware``: ``load_threshold``, ``estimate_ttl_s``, ``disaggregate``.
+
+:func:`policy_params` derives those parameters from a plan (:class:`~fulcrum.target.RoutingParams`) and the
+serving spec's facts; the operator writes its result into the router's config and ``fulcrum replay`` builds the
+simulator's policy from it, so both run the same policy with the same parameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.routing.base import Policy
+from fulcrum.routing.disaggregated import DisaggregatedPolicy
+from fulcrum.routing.least_loaded import LeastLoadedPolicy
+from fulcrum.routing.load_aware import LoadAwarePolicy
+from fulcrum.routing.round_robin import RoundRobinPolicy
+from fulcrum.routing.split import SplitPolicy
+from fulcrum.target import RoutingParams
+
+__all__ = ["POLICIES", "make_policy", "policy_parameters", "policy_params"]
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    RoundRobinPolicy.name: RoundRobinPolicy,
+    LeastLoadedPolicy.name: LeastLoadedPolicy,
+    DisaggregatedPolicy.name: DisaggregatedPolicy,
+    SplitPolicy.name: SplitPolicy,
+    LoadAwarePolicy.name: LoadAwarePolicy,
+}
+"""Policy name → constructor."""
+
+
+def policy_parameters(name: str) -> dict[str, Any]:
+    """The keyword parameters of policy ``name`` and their defaults.
+
+    Raises:
+        ValueError: unknown policy (the message lists the known ones).
+    """
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    sig = inspect.signature(factory)
+    return {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """Construct policy ``name`` with keyword ``params``.
+
+    Raises:
+        ValueError: unknown policy, unknown parameter (the message names it and lists the known ones), or a
+            value the policy rejects.
+        TypeError: a value of the wrong type where the policy checks it.
+    """
+    known = policy_parameters(name)
+    given = dict(params or {})
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        listed = ", ".join(sorted(known)) or "none"
+        raise ValueError(f"unknown parameter(s) {', '.join(map(repr, unknown))} for routing policy {name!r}; known: {listed}")
+    return POLICIES[name](**given)
+
+
+def policy_params(
+    name: str,
+    routing: RoutingParams,
+    *,
+    disaggregated: bool,
+    kv_block_tokens: int,
+    profile: PerformanceProfile | str | Mapping[str, Any] | None = None,
+    prefix_pull: bool = False,
+) -> dict[str, Any]:
+    """The constructor parameters of policy ``name`` under a plan.
+
+    Args:
+        name: a policy name (:data:`POLICIES`).
+        routing: the plan's per-request parameters (ultra-short threshold, DOPD Alg. 1's i_next, timeout and
+            token budget).
+        disaggregated: the spec serves in Disaggregated mode (``load_aware`` then picks a prefill and a decode
+            instance instead of one colocated instance).
+        kv_block_tokens: the engines' KV block size, tokens (prefix hashes; the split policy's handoff nudge).
+        profile: timing data of the split policy's execution predictor (an object, a built-in name or the
+            mapping format); None: the split policy runs its cold-start path.
+        prefix_pull: BanaServe §4.2 prefix pulls (``load_aware`` only).
+
+    Raises:
+        ValueError: unknown policy (the message lists the known ones).
+    """
+    policy_parameters(name)  # unknown names fail here
+    if name == DisaggregatedPolicy.name:
+        return {
+            "ultra_short_tokens": routing.ultra_short_tokens,
+            "kv_block_tokens": kv_block_tokens,
+            "long_request_tokens": routing.long_request_tokens,
+            # DOPD Alg. 1 groups short prompts only when the plan asks for length-aware batching
+            "batch_timeout_s": routing.batch_timeout_s if routing.length_aware_batching else 0.0,
+            "max_batch_tokens": routing.max_prefill_batch_tokens,
+        }
+    if name == SplitPolicy.name:
+        params: dict[str, Any] = {"kv_block_tokens": kv_block_tokens}
+        if profile is not None:
+            params["profile"] = profile
+        return params
+    if name == LoadAwarePolicy.name:
+        params = {"disaggregate": disaggregated}
+        if prefix_pull:  # BanaServe §4.2: pull a cached prefix from its holder when cheaper
+            params.update(prefix_pull=True, kv_block_tokens=kv_block_tokens)
+        return params
+    return {}
