@@ -2,7 +2,7 @@
 
 The one place that turns a profile's latency tables into engine-step times. The simulator
 (:mod:`fulcrum.simulator.instances`), the sim-worker's engine (:mod:`fulcrum.worker.sim_engine`), the router's
-execution predictor (:mod:`fulcrum.router.predictor`, Libra §4.1) and the local scheduler's latency-table priors
+execution predictor (:mod:`fulcrum.routing.predictor`, Libra §4.1) and the local scheduler's latency-table priors
 (:mod:`fulcrum.worker.latency_table`, Libra §4.2 Alg. 2) all call :class:`StepCost`; none of them reads a
 profile's latencies itself (``tests/unit/test_architecture_step_cost.py`` keeps it so).
 

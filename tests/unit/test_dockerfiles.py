@@ -230,6 +230,6 @@ def test_the_build_context_leaves_out_environments_and_history_but_keeps_what_pi
     patterns = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
                 if ln.strip() and not ln.startswith("#")}
     assert {".git", ".venv-*", "**/__pycache__", "tests"} <= patterns
-    for needed in ("pyproject.toml", "README.md", "src", "router", "operator", "worker", "simulator",
+    for needed in ("pyproject.toml", "README.md", "src", "router", "routing", "operator", "worker", "simulator",
                    "worker-image", "worker-image/constraints.txt"):
         assert needed not in patterns

@@ -11,7 +11,7 @@ pytest.importorskip("pytest_asyncio")
 
 from fakes.fake_policy import FakePolicy  # noqa: E402
 from fulcrum.router import app as router_app  # noqa: E402
-from fulcrum.router.policies.base import RouteDecision  # noqa: E402
+from fulcrum.routing.base import RouteDecision  # noqa: E402
 from fulcrum.router.relay import Outcome  # noqa: E402
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 4}

@@ -10,7 +10,7 @@ import pytest
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.ratio.step_cost import StepCost, nearest_tp
-from fulcrum.router.predictor import ExecutionPredictor, MicroRequest, simulate_virtual_batches
+from fulcrum.routing.predictor import ExecutionPredictor, MicroRequest, simulate_virtual_batches
 from fulcrum.simulator.instances import EngineInstance, Instance, PrefillInstance, SimRequest
 from fulcrum.simulator.kernel import Kernel
 from fulcrum.worker.latency_table import StepKey, StepLatencyTable
