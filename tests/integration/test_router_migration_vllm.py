@@ -27,7 +27,7 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.router.app import ROUTER, RouterState, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
-from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
+from fulcrum.routing.base import InstanceView, NoInstanceError, PolicyCapabilities, RequestInfo, RouteDecision  # noqa: E402
 
 from .engines import BLOCK_SIZE, Engine, engine_pair, skip_unless_vllm  # noqa: E402
 
@@ -42,6 +42,7 @@ class PinnedTestPolicy:
     """TEST DOUBLE policy: every request colocated on instance A."""
 
     name = "pinned-test-double"
+    capabilities = PolicyCapabilities()  # no prefill grouping, no prefix hashes, no pulls
 
     def route(self, req: RequestInfo, instances: Sequence[InstanceView], now: float) -> RouteDecision:
         if not any(v.id == "A" and v.available for v in instances):

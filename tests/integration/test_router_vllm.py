@@ -39,7 +39,7 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
 from fulcrum.router.app import ROUTER, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
-from fulcrum.routing.base import InstanceView, NoInstanceError, RequestInfo, RouteDecision  # noqa: E402
+from fulcrum.routing.base import InstanceView, NoInstanceError, PolicyCapabilities, RequestInfo, RouteDecision  # noqa: E402
 
 from .engines import BLOCK_SIZE, Engine, engine_pair, post_json, skip_unless_vllm  # noqa: E402
 
@@ -56,6 +56,7 @@ class ForcedDecisionPolicy:
     decisions it made."""
 
     name = "forced-decision-test-double"
+    capabilities = PolicyCapabilities()  # no prefill grouping, no prefix hashes, no pulls
 
     def __init__(self, first: str, second: str) -> None:
         self.first = first
