@@ -1,0 +1,673 @@
+"""The operator's handler LOGIC on :class:`fulcrum.controller.objects.InMemoryObjects` (no HTTP, no API server).
+
+What is tested here is what :class:`fulcrum.controller.handlers.Controller` decides: the objects and target a
+reconcile applies, the status fields, conditions and Events of an interval, which pods a drain picks and when it
+lowers the replicas, what a spec change (during a drain too), an operator restart, a deletion and an API failure
+do. The control loop's own rules (hold when blind, the external replica owner, drain before scale-in, the
+planner the spec names) are tested on the in-memory cluster (tests/unit/test_control_loop.py); what the
+Kubernetes adapter does over HTTP (request shapes, server-side apply, idempotence, retries, 404/409, the kopf
+operator as a whole) in tests/unit/test_controller_api_objects.py; the same scenarios on a real API server in
+e2e/test_local_*.py.
+
+The handler methods are called directly (the kopf wrappers only forward to them; ``test_kopf_*`` checks the
+wiring). Pod ``/metrics`` are served by the controller's injected ``fetch`` from :class:`PodMetrics`;
+Prometheus is faked at the query-client seam (canned PromQL answers) except where it is down (a real closed
+port). Time is injected: no test sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import socket
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kopf")
+
+from fulcrum.cluster import Cluster, ObservationError
+from fulcrum.controller.apply import KubeApiError
+from fulcrum.controller.drain import DELETION_COST_ANNOTATION, DRAINED_DELETION_COST
+from fulcrum.controller.handlers import Controller, ControllerSettings, KubernetesCluster, register
+from fulcrum.controller.metrics import OperatorMetrics
+from fulcrum.controller.objects import InMemoryObjects, KubeObjects
+from fulcrum.controller.observe import ALL_QUERIES
+from fulcrum.target import Pool
+
+pytestmark = pytest.mark.asyncio
+
+NS = "default"
+NAME = "llama"
+KEY = f"{NS}/{NAME}"
+POD_LABELS = {"app.kubernetes.io/name": "fulcrum", "fulcrum.dev/llmserve": NAME,
+              "app.kubernetes.io/component": "worker"}
+
+
+def llmserve(**spec_over: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "tiny"},
+        "engine": {"kind": "sim"},
+        "mode": "Disaggregated",
+        "scaling": {"intervalSeconds": 10, "cooldownSeconds": 0, "podStartupSeconds": 0, "maxStep": 4,
+                    "drainTimeoutSeconds": 30},
+        "profile": {"name": "dopd-llama70b-fp8-h100"},
+    }
+    spec.update(spec_over)
+    return {"apiVersion": "fulcrum.dev/v1alpha1", "kind": "LLMServe",
+            "metadata": {"name": NAME, "namespace": NS, "generation": 1}, "spec": spec}
+
+
+class FakePrometheus:
+    """FAKE Prometheus query client: canned answers per series (requests/s, tokens)."""
+
+    def __init__(self, rate: float, isl: float = 1000.0, osl: float = 150.0, interval_s: float = 10.0) -> None:
+        self.rate, self.isl, self.osl, self.interval_s = rate, isl, osl, interval_s
+        self.queries: list[str] = []
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        self.queries.append(query)
+        n = self.rate * self.interval_s
+
+        def one(v: float) -> list[dict[str, Any]]:
+            return [{"metric": {}, "value": [0, str(v)]}]
+
+        if "_bucket" in query:
+            return []
+        if "requests_admitted" in query or "input_tokens_count" in query or "predicted_output_tokens_count" in query:
+            return one(n)
+        if "input_tokens_sum" in query:
+            return one(n * self.isl)
+        if "output_tokens_count" in query:
+            return one(0.0)
+        if "predicted_output_tokens_sum" in query:
+            return one(n * self.osl)
+        return one(0.0)
+
+
+class FakePrometheusWithHistory(FakePrometheus):
+    """FAKE Prometheus that also answers range queries: the same load in every past interval."""
+
+    def __init__(self, rate: float, **kw: Any) -> None:
+        super().__init__(rate, **kw)
+        self.ranges: list[tuple[float, float, str]] = []
+
+    def custom_query_range(self, query: str, start_time: datetime, end_time: datetime, step: str,
+                           params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        self.ranges.append((start_time.timestamp(), end_time.timestamp(), step))
+        answer = self.custom_query(query)
+        if not answer:
+            return []
+        t0, t1, dt = start_time.timestamp(), end_time.timestamp(), float(step.removesuffix("s"))
+        times = [t0 + k * dt for k in range(int(round((t1 - t0) / dt)) + 1)]
+        return [{"metric": answer[0]["metric"], "values": [[t, answer[0]["value"][1]] for t in times]}]
+
+
+class PodMetrics:
+    """FAKE pod ``/metrics``: the controller's ``fetch`` answers a vLLM-like page for a pod added here (by its IP),
+    with ``vllm:num_requests_running``/``waiting`` from :attr:`loads`."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, tuple[float, float]] = {}
+        self._by_ip: dict[str, str] = {}
+
+    def add_pod(self, objs: InMemoryObjects, name: str, pool: str, *, running: float = 0.0, waiting: float = 0.0,
+                ready: bool = True) -> None:
+        ip = f"10.0.0.{len(self._by_ip) + 1}"
+        self._by_ip[ip] = name
+        self.loads[name] = (running, waiting)
+        objs.put({"apiVersion": "v1", "kind": "Pod",
+                  "metadata": {"name": name, "namespace": NS, "labels": {**POD_LABELS, "fulcrum.dev/pool": pool},
+                               "annotations": {}},
+                  "spec": {"containers": [{"name": "worker", "ports": [{"name": "http", "containerPort": 8000}]}]},
+                  "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+
+    def idle(self) -> None:
+        """Every in-flight request finishes."""
+        for pod in self.loads:
+            self.loads[pod] = (0.0, 0.0)
+
+    async def fetch(self, url: str, timeout_s: float) -> str:
+        ip = url.split("//", 1)[1].split(":", 1)[0]
+        if ip not in self._by_ip:
+            raise OSError(f"GET {url}: connection refused")
+        running, waiting = self.loads[self._by_ip[ip]]
+        return (f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+                f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n')
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def objs() -> InMemoryObjects:
+    return InMemoryObjects()
+
+
+def make_controller(objs: KubeObjects, prom: Any = None, *, url: str | None = "http://prom.invalid",
+                    clock: Clock | None = None, pods: PodMetrics | None = None, **settings: Any) -> Controller:
+    clock = clock or Clock()
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    async def no_sleep(s: float) -> None:
+        clock.t += s
+        await asyncio.sleep(0)
+
+    return Controller(objs, ControllerSettings(image="fulcrum:test", prometheus_url=url, drain_poll_s=1.0, **settings),
+                      metrics=OperatorMetrics(), prometheus=(lambda _u: prom) if prom is not None else None,
+                      clock=clock, monotonic=clock, sleep=no_sleep, fetch=(pods or PodMetrics()).fetch,
+                      now=lambda: t0 + timedelta(seconds=clock.t - 1_000_000.0))
+
+
+def seed(objs: InMemoryObjects, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    return objs.put(copy.deepcopy(body or llmserve()))
+
+
+def live(objs: InMemoryObjects) -> dict[str, Any]:
+    got = objs.get("fulcrum.dev/v1alpha1", "LLMServe", NS, NAME)
+    assert got is not None
+    return got
+
+
+def replicas(objs: InMemoryObjects, pool: str) -> int:
+    return int(objs.objects[("Deployment", NS, f"{NAME}-{pool}")]["spec"]["replicas"])
+
+
+def cond(body: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in body["status"]["conditions"] if c["type"] == type_)
+
+
+def router_yaml(objs: InMemoryObjects) -> str:
+    return str(objs.objects[("ConfigMap", NS, f"{NAME}-router")]["data"]["router.yaml"])
+
+
+def names(objs: InMemoryObjects, kind: str) -> set[str]:
+    return {name for (k, ns, name) in objs.objects if k == kind and ns == NS}
+
+
+async def test_a_new_llmserve_gets_its_pools_router_and_a_ready_status(objs: InMemoryObjects) -> None:
+    seed(objs)
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is True
+    assert names(objs, "Deployment") == {"llama-prefill", "llama-decode", "llama-router"}
+    assert names(objs, "ConfigMap") == {"llama-router"}
+    owner = objs.objects[("Deployment", NS, "llama-prefill")]["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "LLMServe" and owner["uid"] == live(objs)["metadata"]["uid"]
+    st = live(objs)["status"]
+    assert st["pools"]["prefill"] == {"ready": 1, "desired": 1, "tp": 1}
+    assert st["observedGeneration"] == 1 and st["replicas"] == 2
+    assert "fulcrum.dev/llmserve=llama" in st["selector"]
+    assert cond(live(objs), "Ready")["status"] == "True"
+    assert cond(live(objs), "ForecastReady")["status"] == "False"
+
+
+async def test_a_hand_edit_of_pool_replicas_is_reverted_with_one_event_per_revert(objs: InMemoryObjects) -> None:
+    seed(objs)
+    c = make_controller(objs)
+    await c.reconcile(live(objs))
+    objs.objects[("Deployment", NS, "llama-decode")]["spec"]["replicas"] = 7
+    await c.reconcile(live(objs))
+    assert replicas(objs, "decode") == 1
+    reverted = objs.by_reason("ReplicasReverted")
+    assert len(reverted) == 1 and reverted[0]["type"] == "Warning" and "7" in reverted[0]["message"]
+    await c.reconcile(live(objs))
+    assert len(objs.by_reason("ReplicasReverted")) == 1
+
+
+async def test_an_invalid_spec_is_reported_as_degraded_and_nothing_is_applied(objs: InMemoryObjects) -> None:
+    seed(objs, llmserve(slo={"ttftMs": -5}))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is False
+    assert objs.writes == 0 and names(objs, "Deployment") == set()
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and d["reason"] == "InvalidSpec" and "ttftMs" in d["message"]
+    assert cond(live(objs), "Ready")["status"] == "False"
+    assert len(objs.by_reason("InvalidSpec")) == 1
+
+
+async def test_load_scales_out_with_an_event_and_the_numbers_in_status_and_metrics(objs: InMemoryObjects) -> None:
+    seed(objs)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    c = make_controller(objs, prom, clock=clock)
+    await c.reconcile(live(objs))
+    clock.t += 10
+    assert await c.interval(live(objs)) is True
+    st = live(objs)["status"]
+    assert st["pools"]["prefill"]["desired"] > 1
+    assert st["pools"]["prefill"]["desired"] == replicas(objs, "prefill")
+    assert st["forecast"]["rate"] >= 0 and st["plan"]["ratio"] > 0
+    assert st["lastObservation"]["rate"] == pytest.approx(20.0)
+    outs = objs.by_reason("ScaledOut")
+    assert outs and all("→" in e["message"] and e["involvedObject"]["name"] == NAME for e in outs)
+    assert cond(live(objs), "Degraded")["status"] == "False"
+    m = c.metrics.registry
+    assert m.get_sample_value("fulcrum_operator_planned_instances", {"llmserve": KEY, "pool": "prefill"}) \
+        == st["pools"]["prefill"]["desired"]
+    assert m.get_sample_value("fulcrum_operator_scale_events_total",
+                              {"llmserve": KEY, "pool": "prefill", "direction": "out"}) == 1.0
+    assert any("fulcrum_router_requests_admitted_total" in q for q in prom.queries)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_prometheus_down_holds_the_pools_and_reports_degraded_once(objs: InMemoryObjects) -> None:
+    seed(objs)
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    await c.reconcile(live(objs))
+    clock.t += 10
+    await c.interval(live(objs))
+    before = {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()}
+    down = make_controller(objs, None, url=f"http://127.0.0.1:{_closed_port()}", clock=clock)
+    for _ in range(4):  # more than the scale-in window: blind intervals never scale in
+        clock.t += 10
+        await down.interval(live(objs))
+    st = live(objs)["status"]
+    assert {p: v["desired"] for p, v in st["pools"].items()} == before
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and d["reason"] == "ObservationUnavailable" and "Prometheus" in d["message"]
+    assert len(objs.by_reason("ObservationUnavailable")) == 1
+    assert objs.by_reason("ScaledIn") == []
+
+
+async def _scale_out_to(objs: InMemoryObjects, c: Controller, clock: Clock) -> dict[str, Any]:
+    await c.reconcile(live(objs))
+    clock.t += 10
+    await c.interval(live(objs))
+    return dict(live(objs)["status"]["pools"])
+
+
+def _deletion_cost(objs: InMemoryObjects, pod: str) -> int:
+    return int(objs.objects[("Pod", NS, pod)]["metadata"]["annotations"].get(DELETION_COST_ANNOTATION, "0"))
+
+
+async def _scale_in(objs: InMemoryObjects, *, requests_finish: bool) -> tuple[Controller, int, int, list[str]]:
+    """Scale out under load, give the pods loads, drop the load until a scale-in; (controller, n, new n, victims)."""
+    seed(objs)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    pods = PodMetrics()
+    c = make_controller(objs, prom, clock=clock, pods=pods)
+    n = (await _scale_out_to(objs, c, clock))["prefill"]["desired"]
+    assert n >= 3
+    for i in range(n):
+        pods.add_pod(objs, f"llama-prefill-{i}", "prefill", running=5.0, waiting=1.0)
+    pods.loads["llama-prefill-1"] = (0.0, 0.0)  # the idle one
+    pods.loads["llama-prefill-2"] = (1.0, 0.0)  # almost idle: drained, and waited for
+    prom.rate = 0.05
+
+    async def sleep(s: float) -> None:  # while the operator waits, the in-flight requests finish (or not)
+        clock.t += s
+        if requests_finish:
+            pods.idle()
+
+    c.sleep = sleep
+    for _ in range(6):
+        clock.t += 10
+        await c.interval(live(objs))
+        await c.settle(KEY)  # drains run in the background; this one has ended
+        if objs.by_reason("ScaledIn"):
+            break
+    assert objs.by_reason("ScaledIn"), "expected a scale-in"
+    new_n = live(objs)["status"]["pools"]["prefill"]["desired"]
+    assert new_n < n and replicas(objs, "prefill") == new_n
+    loads = {"llama-prefill-1": 0.0, "llama-prefill-2": 1.0}
+    expected = sorted((f"llama-prefill-{i}" for i in range(n)), key=lambda p: (loads.get(p, 6.0), p))[: n - new_n]
+    costs = {f"llama-prefill-{i}": _deletion_cost(objs, f"llama-prefill-{i}") for i in range(n)}
+    assert {p for p, cost in costs.items() if cost == DRAINED_DELETION_COST} == set(expected)
+    assert {"llama-prefill-1", "llama-prefill-2"} <= set(expected)
+    return c, n, new_n, expected
+
+
+async def test_scale_in_drains_the_least_loaded_pods_before_lowering_replicas(objs: InMemoryObjects) -> None:
+    _, n, new_n, expected = await _scale_in(objs, requests_finish=True)
+    assert "draining" not in router_yaml(objs)  # unmarked once the replicas dropped
+    assert live(objs)["status"]["draining"] == []
+    assert cond(live(objs), "Degraded")["status"] == "False"
+    ins = [e for e in objs.by_reason("ScaledIn") if e["message"].startswith("prefill:")]
+    assert len(ins) == 1 and f"{n}→{new_n}" in ins[0]["message"] and all(p in ins[0]["message"] for p in expected)
+
+
+async def test_a_drain_that_times_out_is_reported_and_the_scale_in_still_happens(objs: InMemoryObjects) -> None:
+    _, n, new_n, _ = await _scale_in(objs, requests_finish=False)
+    timeouts = objs.by_reason("DrainTimeout")
+    assert len(timeouts) == 1 and timeouts[0]["type"] == "Warning"
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and "drain timed out" in d["message"]
+    assert new_n < n
+
+
+async def test_a_restarted_operator_converges_from_status_without_rewriting(objs: InMemoryObjects) -> None:
+    seed(objs)
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    pools = await _scale_out_to(objs, c, clock)
+    writes = objs.writes
+    restarted = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    await restarted.reconcile(live(objs))
+    assert objs.writes == writes
+    assert {p: (v["desired"], v["tp"]) for p, v in live(objs)["status"]["pools"].items()} == \
+        {p: (v["desired"], v["tp"]) for p, v in pools.items()}
+    t = restarted.runtimes[KEY].loop.current
+    assert t.prefill.replicas == pools["prefill"]["desired"] and t.decode.replicas == pools["decode"]["desired"]
+
+
+async def test_a_deleted_llmserve_ends_its_loop_cleanly(objs: InMemoryObjects) -> None:
+    seed(objs)
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=1.0), clock=clock)
+    await c.reconcile(live(objs))
+    body = live(objs)
+    del objs.objects[("LLMServe", NS, NAME)]
+    clock.t += 10
+    assert await c.interval(body) is False
+    assert await c.deleted(body) == []  # every child is owned by the LLMServe: the garbage collector takes them
+    assert KEY not in c.runtimes
+    objs.objects[("ConfigMap", NS, "llama-router")]["metadata"]["ownerReferences"] = []
+    assert await c.deleted(body) == ["ConfigMap/llama-router"]
+    objs.fail["list"] = KubeApiError(503, "down")
+    assert await c.deleted(body) == []  # a failing API only skips the check
+
+
+async def test_kopf_registry_holds_the_change_daemon_and_delete_handlers(objs: InMemoryObjects) -> None:
+    import kopf
+
+    registry = kopf.OperatorRegistry()
+    register(registry, make_controller(objs))
+    ids = {h.id for h in registry._spawning.get_all_handlers()} | {h.id for h in registry._changing.get_all_handlers()}
+    assert {"control-loop", "reconcile", "forget"} <= ids
+
+
+async def test_an_unreachable_tpot_target_is_reported_once_and_the_plan_stays_under_the_gpu_cap(
+        objs: InMemoryObjects) -> None:
+    body = llmserve(slo={"ttftMs": 5000, "tpotMs": 80})
+    body["spec"]["scaling"].update(maxGPUs=32)
+    seed(objs, body)
+    # 12,000-token prompts, 1,000 output tokens: one request's decode step on Table I's TP=2 is ~80.2 ms
+    prom = FakePrometheus(rate=0.5, isl=12000.0, osl=1000.0)
+    clock = Clock()
+    c = make_controller(objs, prom, clock=clock)
+    await c.reconcile(live(objs))
+    for _ in range(2):
+        clock.t += 10
+        await c.interval(live(objs))
+    st = live(objs)["status"]
+    feasible = cond(live(objs), "SLOFeasible")
+    assert feasible["status"] == "False" and feasible["reason"] == "TPOTInfeasible"
+    assert "TPOT target 80 ms cannot be met" in feasible["message"]
+    assert st["plan"]["sloInfeasible"][0]["metric"] == "tpot" and st["plan"]["sloInfeasible"][0]["bestSeconds"] > 0.08
+    assert st["plan"]["gpus"] < 32
+    warnings = objs.by_reason("SLOInfeasible")
+    assert len(warnings) == 1 and warnings[0]["type"] == "Warning" and "maxGPUs=32" in warnings[0]["message"]
+    prom.isl, prom.osl = 1000.0, 150.0  # the long prompts are gone: in reach again, once the forecast follows
+    for _ in range(30):
+        clock.t += 10
+        await c.interval(live(objs))
+        if cond(live(objs), "SLOFeasible")["status"] == "True":
+            break
+    assert cond(live(objs), "SLOFeasible")["reason"] == "Feasible"
+    assert len(objs.by_reason("SLOFeasible")) == 1 and len(objs.by_reason("SLOInfeasible")) == 1
+
+
+async def test_an_external_replica_owner_gets_its_total_split_by_the_planned_ratio(objs: InMemoryObjects) -> None:
+    body = llmserve()
+    body["spec"]["scaling"].update(replicaOwner="External", replicas=5)
+    seed(objs, body)
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    await c.reconcile(live(objs))
+    p, d = replicas(objs, "prefill"), replicas(objs, "decode")
+    assert p + d == 5 and p >= 1 and d >= 1
+    clock.t += 10
+    await c.interval(live(objs))  # heavy load: the total stays the external one
+    pools = live(objs)["status"]["pools"]
+    assert pools["prefill"]["desired"] + pools["decode"]["desired"] >= 5  # a pool that shrinks drains first
+    await c.settle(KEY)  # the drain wrote the status when it ended
+    pools = live(objs)["status"]["pools"]
+    assert pools["prefill"]["desired"] + pools["decode"]["desired"] == 5
+    assert live(objs)["status"]["plan"]["ratio"] > 1  # the split follows the planned P/D ratio
+    assert pools["prefill"]["desired"] >= pools["decode"]["desired"]
+
+
+async def test_a_switch_to_unified_mode_replaces_the_pools_and_deletes_the_old_ones(objs: InMemoryObjects) -> None:
+    seed(objs, llmserve(profile={"name": "splitwise-llama2-70b-h100"}))
+    c = make_controller(objs)
+    await c.reconcile(live(objs))
+    body = live(objs)
+    body["spec"]["mode"] = "Unified"
+    body["metadata"]["generation"] = 2
+    objs.put(body)
+    await c.reconcile(live(objs))
+    assert names(objs, "Deployment") == {"llama-unified", "llama-router"}
+    assert names(objs, "Service") == {"llama-unified", "llama-router"}
+    st = live(objs)["status"]
+    assert st["pools"]["unified"]["desired"] >= 1
+    assert st["pools"]["prefill"]["desired"] == st["pools"]["decode"]["desired"] == 0
+    assert st["observedGeneration"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prometheus-url", "prometheus:9090"], "must start with http"),
+    (["--kubeconfig", "/nonexistent/kubeconfig"], "no such file"),
+    (["--metrics-port", "70000"], "must be in 0..65535"),
+])
+async def test_fulcrum_operator_rejects_bad_flags_with_one_line_and_exit_2(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from fulcrum.cli import main
+
+    assert main(["operator", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+async def test_operator_wide_connectors_fill_an_empty_spec_and_never_override_one(objs: InMemoryObjects) -> None:
+    import yaml
+
+    seed(objs)
+    c = make_controller(objs, url=None, default_etcd="etcd.fulcrum:2379", default_nats="nats://nats:4222")
+    assert await c.reconcile(live(objs)) is True
+    router = yaml.safe_load(router_yaml(objs))
+    assert router["registry"] == "etcd" and router["etcd"]["endpoint"] == "etcd.fulcrum:2379"
+    prefill = objs.objects[("Deployment", NS, "llama-prefill")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert prefill[prefill.index("--etcd") + 1] == "etcd.fulcrum:2379"
+    # the spec's own connector wins
+    body = llmserve()
+    body["spec"]["connectors"] = {"etcd": "my-etcd:2379"}
+    assert c._parse(body).spec.connectors.etcd == "my-etcd:2379"
+
+
+async def test_an_operator_restart_forecasts_from_the_history_prometheus_kept(objs: InMemoryObjects) -> None:
+    seed(objs)
+    clock = Clock()
+    cold = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)  # no range queries: starts cold
+    await cold.reconcile(live(objs))
+    clock.t += 10
+    await cold.interval(live(objs))
+    assert cond(live(objs), "ForecastReady")["status"] == "False"
+
+    prom = FakePrometheusWithHistory(rate=20.0)
+    restarted = make_controller(objs, prom, clock=clock)  # a new operator process: a new loop, no history
+    clock.t += 10
+    await restarted.interval(live(objs))
+    assert cond(live(objs), "ForecastReady")["status"] == "True"
+    start, end, step = prom.ranges[0]
+    assert (end, step) == (clock.t - 10, "10s") and end - start == 10 * 63  # 64 intervals, the newest a step ago
+    n = len(prom.ranges)
+    assert 1 < n <= len(ALL_QUERIES)  # one range query per template, for all 64 intervals at once
+    clock.t += 10
+    await restarted.interval(live(objs))
+    assert len(prom.ranges) == n  # warmed once per loop, not every interval
+
+
+async def _drain_in_flight(objs: InMemoryObjects) -> tuple[Controller, FakePrometheus, Clock, PodMetrics, int]:
+    """Scale out under load with busy pods, drop the load until a prefill drain starts; the clock stands still
+    while the drain polls, so it stays in flight until the test frees the pods or the plan stops it."""
+    seed(objs)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    pods = PodMetrics()
+    c = make_controller(objs, prom, clock=clock, pods=pods)
+    n = (await _scale_out_to(objs, c, clock))["prefill"]["desired"]
+    for i in range(n):
+        pods.add_pod(objs, f"llama-prefill-{i}", "prefill", running=5.0, waiting=1.0)
+
+    async def sleep(s: float) -> None:
+        await asyncio.sleep(0.002)
+
+    c.sleep = sleep
+    prom.rate = 0.05
+    rt = c.runtimes[KEY]
+    for _ in range(6):
+        clock.t += 10
+        await c.interval(live(objs))
+        if Pool.PREFILL in rt.drains:
+            break
+    assert Pool.PREFILL in rt.drains, "expected a prefill drain"
+    for _ in range(10_000):  # let it mark its pods: until the router's config lists them
+        marked = [p for p in rt.draining if p.startswith("llama-prefill-")]
+        if marked and all(f"- {p}" in router_yaml(objs) for p in marked):
+            break
+        await asyncio.sleep(0.002)
+    else:
+        pytest.fail("the drain never marked its pods")
+    return c, prom, clock, pods, n
+
+
+async def test_a_drain_runs_in_the_background_and_the_loop_goes_on(objs: InMemoryObjects) -> None:
+    c, prom, clock, pods, n = await _drain_in_flight(objs)
+    rt = c.runtimes[KEY]
+    assert replicas(objs, "prefill") == n  # not lowered while its pods are busy
+    victims = [p for p in rt.draining if p.startswith("llama-prefill-")]
+    assert victims and all(f"- {p}" in router_yaml(objs) for p in victims)
+    clock.t += 10
+    assert await c.interval(live(objs)) is True  # the next interval runs during the drain
+    st = live(objs)["status"]
+    assert set(victims) <= set(st["draining"]) and cond(live(objs), "Progressing")["reason"] == "Draining"
+    assert st["pools"]["prefill"]["desired"] == n and replicas(objs, "prefill") == n
+    pods.idle()  # the in-flight requests finish: the drain ends by itself and says so
+    await c.settle(KEY)
+    assert replicas(objs, "prefill") < n and objs.by_reason("ScaledIn")
+    st = live(objs)["status"]
+    assert st["pools"]["prefill"]["desired"] == replicas(objs, "prefill")
+    assert not [p for p in st["draining"] if p in victims]
+
+
+async def test_a_burst_during_a_drain_stops_it_and_the_pods_serve_again(objs: InMemoryObjects) -> None:
+    c, prom, clock, _, n = await _drain_in_flight(objs)
+    rt = c.runtimes[KEY]
+    victims = [p for p in rt.draining if p.startswith("llama-prefill-")]
+    assert victims
+    prom.rate = 40.0
+    clock.t += 10
+    await c.interval(live(objs))
+    assert Pool.PREFILL not in rt.drains
+    assert any("prefill" in e["message"] for e in objs.by_reason("DrainCancelled"))
+    assert not any(f"- {p}" in router_yaml(objs) for p in victims)  # back in the router's rotation
+    assert replicas(objs, "prefill") >= n
+    assert not [p for p in live(objs)["status"]["draining"] if p in victims]
+    assert not [e for e in objs.by_reason("ScaledIn") if e["message"].startswith("prefill")]
+    await c.deleted(live(objs))  # whatever still drains is cancelled with the LLMServe
+    assert not rt.drains
+
+
+async def test_a_spec_change_during_a_drain_does_not_scale_the_pool_in(objs: InMemoryObjects) -> None:
+    c, _, _, pods, n = await _drain_in_flight(objs)
+    body = live(objs)
+    body["spec"]["slo"] = {"ttftMs": 3000, "tpotMs": 80}
+    body["metadata"]["generation"] = 2
+    objs.put(body)
+    assert await c.reconcile(live(objs)) is True
+    assert replicas(objs, "prefill") == n
+    assert Pool.PREFILL in c.runtimes[KEY].drains  # the drain goes on under the new spec
+    pods.idle()
+    await c.settle(KEY)
+    assert replicas(objs, "prefill") < n
+
+
+async def test_a_drain_that_fails_is_logged_and_reported_and_the_pool_keeps_its_replicas(
+        objs: InMemoryObjects, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import fulcrum.controller.handlers as handlers
+
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a bug in the drain")
+
+    monkeypatch.setattr(handlers, "drain_pool", broken)
+    seed(objs)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    c = make_controller(objs, prom, clock=clock)
+    n = (await _scale_out_to(objs, c, clock))["prefill"]["desired"]
+    prom.rate = 0.05
+    for _ in range(6):
+        clock.t += 10
+        await c.interval(live(objs))
+        await c.settle(KEY)
+        if "drain failed" in cond(live(objs), "Degraded")["message"]:
+            break
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and "drain failed: RuntimeError: a bug in the drain" in d["message"]
+    assert replicas(objs, "prefill") == n
+    assert "drain of prefill failed unexpectedly" in caplog.text
+
+
+async def test_the_kubernetes_cluster_is_a_cluster_over_the_deployments_and_prometheus(objs: InMemoryObjects) -> None:
+    seed(objs)
+    c = make_controller(objs, FakePrometheus(rate=20.0))
+    await c.reconcile(live(objs))
+    rt = c.runtimes[KEY]
+    cluster = KubernetesCluster(c, rt, live(objs), asyncio.get_running_loop())
+    assert isinstance(cluster, Cluster)
+    ready = await asyncio.to_thread(cluster.ready)
+    assert ready.prefill == objs.objects[("Deployment", NS, "llama-prefill")]["status"]["readyReplicas"]
+    obs = await asyncio.to_thread(cluster.observe, 10.0)
+    assert obs.rate_rps == pytest.approx(20.0) and obs.ready == ready
+    bigger = rt.applied.with_replicas(Pool.PREFILL, rt.applied.prefill.replicas + 2)
+    await asyncio.to_thread(cluster.apply, bigger, "test: two more")
+    assert replicas(objs, "prefill") == bigger.prefill.replicas
+    assert cluster.draining() == {}
+    blind = KubernetesCluster(make_controller(objs, url=None), rt, live(objs), asyncio.get_running_loop())
+    rt.observer = None
+    with pytest.raises(ObservationError, match="no Prometheus configured"):
+        blind.observe(10.0)
+
+
+async def test_an_api_failing_during_an_intervals_apply_raises_from_the_interval_and_the_next_one_applies(
+        objs: InMemoryObjects) -> None:
+    seed(objs)
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    await c.reconcile(live(objs))
+    before = replicas(objs, "prefill")
+    objs.fail["apply_all"] = KubeApiError(500, "injected")
+    clock.t += 10
+    with pytest.raises(KubeApiError):
+        await c.interval(live(objs))  # raised in the interval's thread, re-raised here (the daemon logs it)
+    assert replicas(objs, "prefill") == before
+    del objs.fail["apply_all"]
+    clock.t += 10
+    assert await c.interval(live(objs)) is True
+    assert replicas(objs, "prefill") > before
+
+
+async def test_a_failing_event_post_is_logged_and_the_interval_goes_on(
+        objs: InMemoryObjects, caplog: pytest.LogCaptureFixture) -> None:
+    seed(objs)
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    await c.reconcile(live(objs))
+    objs.fail["post_event"] = KubeApiError(403, "forbidden")
+    clock.t += 10
+    assert await c.interval(live(objs)) is True
+    assert live(objs)["status"]["pools"]["prefill"]["desired"] > 1 and objs.events == []
+    assert "could not post event ScaledOut" in caplog.text
