@@ -627,7 +627,7 @@ async def test_the_kubernetes_cluster_is_a_cluster_over_the_deployments_and_prom
     await c.reconcile(live(objs))
     rt = c.runtimes[KEY]
     cluster = KubernetesCluster(c, rt, live(objs), asyncio.get_running_loop())
-    assert isinstance(cluster, Cluster)
+    assert isinstance(cluster, Cluster) and isinstance(objs, KubeObjects)
     ready = await asyncio.to_thread(cluster.ready)
     assert ready.prefill == objs.objects[("Deployment", NS, "llama-prefill")]["status"]["readyReplicas"]
     obs = await asyncio.to_thread(cluster.observe, 10.0)
