@@ -36,10 +36,6 @@ class KubeObjects(Protocol):
         """The object, or None when it does not exist."""
         ...
 
-    def list(self, api_version: str, kind: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
-        """Objects of a kind in a namespace whose labels match ``label_selector`` (``k=v`` terms, comma-separated)."""
-        ...
-
     def apply_all(self, objs: Iterable[Mapping[str, Any]]) -> ApplyReport:
         """Apply the operator's objects (it owns them whole); what was written, unchanged, and which hand edits of
         a Deployment's replicas were reverted."""
@@ -63,6 +59,11 @@ class KubeObjects(Protocol):
         from another manager; False when the pod is gone."""
         ...
 
+    # ``list`` last in each class: the method's name would hide the builtin in the annotations after it
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace whose labels match ``label_selector`` (``k=v`` terms, comma-separated)."""
+        ...
+
 
 class ApiObjects:
     """:class:`KubeObjects` over the Kubernetes API: ``kube`` (retries inside) and an :class:`Applier` (field
@@ -75,10 +76,6 @@ class ApiObjects:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """GET the object; None on 404."""
         return self.kube.get(api_version, kind, namespace, name)
-
-    def list(self, api_version: str, kind: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
-        """GET the collection with ``labelSelector``."""
-        return self.kube.list(api_version, kind, namespace, label_selector)
 
     def apply_all(self, objs: Iterable[Mapping[str, Any]]) -> ApplyReport:
         """:meth:`Applier.apply_all` (server-side apply, in dependency order)."""
@@ -114,6 +111,10 @@ class ApiObjects:
                 return False
             raise
         return True
+
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+        """GET the collection with ``labelSelector``."""
+        return self.kube.list(api_version, kind, namespace, label_selector)
 
 
 def _matches(labels: Mapping[str, str], selector: str) -> bool:
@@ -185,13 +186,6 @@ class InMemoryObjects:
         self._check("get")
         obj = self.objects.get((kind, namespace, name))
         return copy.deepcopy(obj) if obj is not None else None
-
-    def list(self, api_version: str, kind: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
-        """Copies of the stored objects of ``kind`` in ``namespace`` matching the selector, by name."""
-        self._check("list")
-        return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
-                if k == kind and ns == namespace and _matches((o.get("metadata") or {}).get("labels") or {},
-                                                              label_selector)]
 
     def apply_all(self, objs: Iterable[Mapping[str, Any]]) -> ApplyReport:
         """Store every object (class doc); the report ``ApiObjects`` would give."""
@@ -266,6 +260,13 @@ class InMemoryObjects:
     def by_reason(self, reason: str | None = None) -> list[dict[str, Any]]:
         """The Events posted with ``reason`` (all when None), in order."""
         return [e for e in self.events if reason is None or e.get("reason") == reason]
+
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+        """Copies of the stored objects of ``kind`` in ``namespace`` matching the selector, by name."""
+        self._check("list")
+        return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
+                if k == kind and ns == namespace and _matches((o.get("metadata") or {}).get("labels") or {},
+                                                              label_selector)]
 
 
 def _replicas(obj: Mapping[str, Any] | None) -> int | None:
