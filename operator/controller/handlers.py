@@ -305,7 +305,7 @@ class Controller:
         counts: dict[str, int] = {}
         for pool in Pool:
             dep = self.objects.get("apps/v1", "Deployment", serve.metadata.namespace,
-                                pool_deployment_name(serve.metadata.name, pool))
+                                   pool_deployment_name(serve.metadata.name, pool))
             counts[pool.value] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
         return ReadyCounts(**counts)
 

@@ -21,9 +21,11 @@ import asyncio
 import copy
 import socket
 from datetime import datetime, timedelta, timezone
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("kopf")
 
@@ -105,12 +107,24 @@ class FakePrometheusWithHistory(FakePrometheus):
 
 
 class PodMetrics:
-    """FAKE pod ``/metrics``: the controller's ``fetch`` answers a vLLM-like page for a pod added here (by its IP),
-    with ``vllm:num_requests_running``/``waiting`` from :attr:`loads`."""
+    """FAKE pod ``/metrics``: the controller's ``fetch`` answers a vLLM-like page for a worker pod added here (by
+    its IP), with ``vllm:num_requests_running``/``waiting`` from :attr:`loads`, and for a router pod its
+    ``fulcrum_router_instance_draining`` of every worker (1 for those its ``sees`` returns)."""
 
     def __init__(self) -> None:
         self.loads: dict[str, tuple[float, float]] = {}
         self._by_ip: dict[str, str] = {}
+        self._routers: dict[str, Callable[[], Iterable[str]]] = {}
+        self.fetched: list[str] = []
+
+    def add_router(self, objs: InMemoryObjects, name: str, sees: Callable[[], Iterable[str]]) -> None:
+        ip = f"10.0.1.{len(self._routers) + 1}"
+        self._routers[ip] = sees
+        objs.put({"apiVersion": "v1", "kind": "Pod",
+                  "metadata": {"name": name, "namespace": NS,
+                               "labels": {"fulcrum.dev/llmserve": NAME, "app.kubernetes.io/component": "router"}},
+                  "spec": {"containers": [{"name": "router", "ports": [{"name": "http", "containerPort": 8080}]}]},
+                  "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}})
 
     def add_pod(self, objs: InMemoryObjects, name: str, pool: str, *, running: float = 0.0, waiting: float = 0.0,
                 ready: bool = True) -> None:
@@ -129,7 +143,12 @@ class PodMetrics:
             self.loads[pod] = (0.0, 0.0)
 
     async def fetch(self, url: str, timeout_s: float) -> str:
+        self.fetched.append(url)
         ip = url.split("//", 1)[1].split(":", 1)[0]
+        if ip in self._routers:
+            seen = set(self._routers[ip]())
+            return "# TYPE fulcrum_router_instance_draining gauge\n" + "".join(
+                f'fulcrum_router_instance_draining{{instance="{p}"}} {int(p in seen)}\n' for p in self.loads)
         if ip not in self._by_ip:
             raise OSError(f"GET {url}: connection refused")
         running, waiting = self.loads[self._by_ip[ip]]
@@ -292,17 +311,21 @@ def _deletion_cost(objs: InMemoryObjects, pod: str) -> int:
     return int(objs.objects[("Pod", NS, pod)]["metadata"]["annotations"].get(DELETION_COST_ANNOTATION, "0"))
 
 
-async def _scale_in(objs: InMemoryObjects, *, requests_finish: bool) -> tuple[Controller, int, int, list[str]]:
-    """Scale out under load, give the pods loads, drop the load until a scale-in; (controller, n, new n, victims)."""
+async def _scale_in(objs: InMemoryObjects, *, requests_finish: bool, router_lags: bool = False,
+                    pods: PodMetrics | None = None) -> tuple[Controller, int, int, list[str]]:
+    """Scale out under load, give the pods loads, drop the load until a scale-in; (controller, n, new n, victims).
+    One router replica reports the draining list of the router ConfigMap (or, lagging, none of it)."""
     seed(objs)
     prom = FakePrometheus(rate=20.0)
     clock = Clock()
-    pods = PodMetrics()
+    pods = pods or PodMetrics()
     c = make_controller(objs, prom, clock=clock, pods=pods)
     n = (await _scale_out_to(objs, c, clock))["prefill"]["desired"]
     assert n >= 3
     for i in range(n):
         pods.add_pod(objs, f"llama-prefill-{i}", "prefill", running=5.0, waiting=1.0)
+    pods.add_router(objs, "llama-router-0",
+                    (lambda: ()) if router_lags else (lambda: yaml.safe_load(router_yaml(objs)).get("draining") or ()))
     pods.loads["llama-prefill-1"] = (0.0, 0.0)  # the idle one
     pods.loads["llama-prefill-2"] = (1.0, 0.0)  # almost idle: drained, and waited for
     prom.rate = 0.05
@@ -337,6 +360,20 @@ async def test_scale_in_drains_the_least_loaded_pods_before_lowering_replicas(ob
     assert cond(live(objs), "Degraded")["status"] == "False"
     ins = [e for e in objs.by_reason("ScaledIn") if e["message"].startswith("prefill:")]
     assert len(ins) == 1 and f"{n}→{new_n}" in ins[0]["message"] and all(p in ins[0]["message"] for p in expected)
+
+
+async def test_a_drain_waits_for_every_router_to_report_its_victims_draining(objs: InMemoryObjects) -> None:
+    pods = PodMetrics()
+    await _scale_in(objs, requests_finish=True, pods=pods)  # its router reloads at once: confirmed
+    assert objs.by_reason("DrainUnconfirmed") == []
+    assert "http://10.0.1.1:8080/metrics" in pods.fetched  # the router replica was asked
+
+
+async def test_a_router_that_never_reloads_is_named_in_a_warning_and_the_scale_in_goes_on(objs: InMemoryObjects) -> None:
+    _, n, new_n, expected = await _scale_in(objs, requests_finish=True, router_lags=True)
+    lag = objs.by_reason("DrainUnconfirmed")
+    assert len(lag) >= 1 and lag[0]["type"] == "Warning" and "llama-router-0" in lag[0]["message"]
+    assert new_n < n and replicas(objs, "prefill") == new_n
 
 
 async def test_a_drain_that_times_out_is_reported_and_the_scale_in_still_happens(objs: InMemoryObjects) -> None:
