@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -165,6 +166,7 @@ class InMemoryObjects:
 
     def __post_init__(self) -> None:
         self._names = itertools.count(1)
+        self._lock = threading.RLock()  # the Controller calls from worker threads (an interval's, the drains')
         self._applied: set[tuple[str, str, str]] = set()
 
     def _check(self, op: str) -> None:
@@ -173,100 +175,109 @@ class InMemoryObjects:
             raise err
 
     def put(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Store ``obj`` as is (a copy; namespace ``default`` and uid ``uid-NAME`` unless given); returns the stored copy."""
+        """Store ``obj`` as is (a copy; namespace ``default`` and uid ``uid-NAME`` unless given); the stored copy."""
         stored = copy.deepcopy(dict(obj))
         meta = stored.setdefault("metadata", {})
         meta.setdefault("namespace", "default")
         meta.setdefault("uid", f"uid-{meta['name']}")
-        self.objects[(str(stored.get("kind")), meta["namespace"], meta["name"])] = stored
+        with self._lock:
+            self.objects[(str(stored.get("kind")), meta["namespace"], meta["name"])] = stored
         return copy.deepcopy(stored)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """A copy of the stored object, or None."""
-        self._check("get")
-        obj = self.objects.get((kind, namespace, name))
-        return copy.deepcopy(obj) if obj is not None else None
+        with self._lock:
+            self._check("get")
+            obj = self.objects.get((kind, namespace, name))
+            return copy.deepcopy(obj) if obj is not None else None
 
     def apply_all(self, objs: Iterable[Mapping[str, Any]]) -> ApplyReport:
         """Store every object (class doc); the report ``ApiObjects`` would give."""
-        self._check("apply_all")
-        report = ApplyReport()
-        for obj in objs:
-            meta = obj.get("metadata") or {}
-            key = (str(obj.get("kind")), str(meta.get("namespace", "default")), str(meta.get("name")))
-            live = self.objects.get(key)
-            desired = copy.deepcopy(dict(obj))
-            if live is not None and "status" in live:
-                desired["status"] = copy.deepcopy(live["status"])
-            label = f"{key[0]}/{key[2]}"
-            if live is not None and _strip(live) == _strip(desired):
-                report.unchanged.append(label)
-            else:
-                want, have = _replicas(desired), _replicas(live)
-                if (live is not None and want is not None and have is not None and want != have
-                        and _strip(live, "replicas") == _strip(desired, "replicas")):
-                    report.reverted.append((key[2], have, want))  # only the replica count was edited
-                self.writes += 1
-                report.written.append(label)
-            if key[0] == "Deployment" and self.auto_ready:
-                desired.setdefault("status", {})["readyReplicas"] = int((desired.get("spec") or {}).get("replicas") or 0)
-            self.objects[key] = desired
-            self._applied.add(key)
-        return report
+        with self._lock:
+            self._check("apply_all")
+            report = ApplyReport()
+            for obj in objs:
+                meta = obj.get("metadata") or {}
+                key = (str(obj.get("kind")), str(meta.get("namespace", "default")), str(meta.get("name")))
+                live = self.objects.get(key)
+                desired = copy.deepcopy(dict(obj))
+                if live is not None and "status" in live:
+                    desired["status"] = copy.deepcopy(live["status"])
+                label = f"{key[0]}/{key[2]}"
+                if live is not None and _strip(live) == _strip(desired):
+                    report.unchanged.append(label)
+                else:
+                    want, have = _replicas(desired), _replicas(live)
+                    if (live is not None and want is not None and have is not None and want != have
+                            and _strip(live, "replicas") == _strip(desired, "replicas")):
+                        report.reverted.append((key[2], have, want))  # only the replica count was edited
+                    self.writes += 1
+                    report.written.append(label)
+                if key[0] == "Deployment" and self.auto_ready:
+                    desired.setdefault("status", {})["readyReplicas"] = _replicas(desired) or 0
+                self.objects[key] = desired
+                self._applied.add(key)
+            return report
 
     def prune(self, namespace: str, label_selector: str, keep: Iterable[Mapping[str, Any]]) -> list[str]:
         """Delete the Deployments and Services applied here under the selector and not in ``keep``."""
-        self._check("prune")
-        wanted = {(str(o.get("kind")), str((o.get("metadata") or {}).get("name"))) for o in keep}
-        deleted = []
-        for key in sorted(self._applied):
-            kind, ns, name = key
-            obj = self.objects.get(key)
-            if (kind not in ("Deployment", "Service") or ns != namespace or (kind, name) in wanted or obj is None
-                    or not _matches((obj.get("metadata") or {}).get("labels") or {}, label_selector)):
-                continue
-            del self.objects[key]
-            self._applied.discard(key)
-            self.writes += 1
-            deleted.append(f"{kind}/{name}")
-        return deleted
+        with self._lock:
+            self._check("prune")
+            wanted = {(str(o.get("kind")), str((o.get("metadata") or {}).get("name"))) for o in keep}
+            deleted = []
+            for key in sorted(self._applied):
+                kind, ns, name = key
+                obj = self.objects.get(key)
+                if (kind not in ("Deployment", "Service") or ns != namespace or (kind, name) in wanted or obj is None
+                        or not _matches((obj.get("metadata") or {}).get("labels") or {}, label_selector)):
+                    continue
+                del self.objects[key]
+                self._applied.discard(key)
+                self.writes += 1
+                deleted.append(f"{kind}/{name}")
+            return deleted
 
     def write_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> bool:
         """Merge ``status`` into the stored LLMServe's; False when none is stored."""
-        self._check("write_status")
-        obj = self.objects.get((_LLMSERVE[1], namespace, name))
-        if obj is None:
-            return False
-        obj["status"] = _merge(obj.get("status") or {}, dict(status))
-        return True
+        with self._lock:
+            self._check("write_status")
+            obj = self.objects.get((_LLMSERVE[1], namespace, name))
+            if obj is None:
+                return False
+            obj["status"] = _merge(obj.get("status") or {}, dict(status))
+            return True
 
     def post_event(self, event: Mapping[str, Any]) -> None:
         """Append the Event (named ``generateName`` + a counter) to :attr:`events`."""
-        self._check("post_event")
-        ev = copy.deepcopy(dict(event))
-        meta = ev.setdefault("metadata", {})
-        meta.setdefault("name", f"{meta.get('generateName', 'event.')}{next(self._names)}")
-        self.events.append(ev)
+        with self._lock:
+            self._check("post_event")
+            ev = copy.deepcopy(dict(event))
+            meta = ev.setdefault("metadata", {})
+            meta.setdefault("name", f"{meta.get('generateName', 'event.')}{next(self._names)}")
+            self.events.append(ev)
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
         """Merge the annotations into the stored pod's; False when it is gone."""
-        self._check("annotate_pod")
-        pod = self.objects.get(("Pod", namespace, name))
-        if pod is None:
-            return False
-        pod.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
-        return True
+        with self._lock:
+            self._check("annotate_pod")
+            pod = self.objects.get(("Pod", namespace, name))
+            if pod is None:
+                return False
+            pod.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
+            return True
 
     def by_reason(self, reason: str | None = None) -> list[dict[str, Any]]:
         """The Events posted with ``reason`` (all when None), in order."""
-        return [e for e in self.events if reason is None or e.get("reason") == reason]
+        with self._lock:
+            return [e for e in self.events if reason is None or e.get("reason") == reason]
 
     def list(self, api_version: str, kind: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
         """Copies of the stored objects of ``kind`` in ``namespace`` matching the selector, by name."""
-        self._check("list")
-        return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
-                if k == kind and ns == namespace and _matches((o.get("metadata") or {}).get("labels") or {},
-                                                              label_selector)]
+        with self._lock:
+            self._check("list")
+            return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
+                    if k == kind and ns == namespace and _matches((o.get("metadata") or {}).get("labels") or {},
+                                                                  label_selector)]
 
 
 def _replicas(obj: Mapping[str, Any] | None) -> int | None:

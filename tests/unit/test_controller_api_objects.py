@@ -188,8 +188,9 @@ async def test_a_mode_switch_deletes_only_the_objects_the_operator_applied(api: 
     seed(api, llmserve(profile={"name": "splitwise-llama2-70b-h100"}))
     c = make_controller(kube)
     await c.reconcile(live(api))
-    api.put("deployments", {"apiVersion": "apps/v1", "kind": "Deployment",  # someone else's, with the same label
-                            "metadata": {"name": "llama-sidecar", "namespace": NS, "labels": {"fulcrum.dev/llmserve": NAME}},
+    labels = {"fulcrum.dev/llmserve": NAME}  # someone else's Deployment, with the same label
+    api.put("deployments", {"apiVersion": "apps/v1", "kind": "Deployment",
+                            "metadata": {"name": "llama-sidecar", "namespace": NS, "labels": labels},
                             "spec": {"replicas": 1}})
     body = live(api)
     body["spec"]["mode"] = "Unified"
@@ -225,7 +226,8 @@ async def test_the_drains_pod_annotation_never_forces_and_a_gone_pod_is_false(
     assert req.query == {"fieldManager": DRAIN_FIELD_MANAGER} and req.content_type.startswith("application/apply-patch")
     assert req.body == {"apiVersion": "v1", "kind": "Pod", "metadata": {
         "name": "p0", "namespace": NS, "annotations": {DELETION_COST_ANNOTATION: "-1000000"}}}
-    assert api.get("pods", NS, "p0")["metadata"]["annotations"][DELETION_COST_ANNOTATION] == "-1000000"  # type: ignore[index]
+    pod = api.get("pods", NS, "p0")
+    assert pod is not None and pod["metadata"]["annotations"][DELETION_COST_ANNOTATION] == "-1000000"
     api.fail("PATCH", "/pods/gone", 404)
     assert objects.annotate_pod(NS, "gone", {DELETION_COST_ANNOTATION: "-1000000"}) is False
     api.fail("PATCH", "/pods/p0", 409, times=5)  # a conflict with another manager: retried, then raised

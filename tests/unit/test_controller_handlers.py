@@ -369,7 +369,8 @@ async def test_a_drain_waits_for_every_router_to_report_its_victims_draining(obj
     assert "http://10.0.1.1:8080/metrics" in pods.fetched  # the router replica was asked
 
 
-async def test_a_router_that_never_reloads_is_named_in_a_warning_and_the_scale_in_goes_on(objs: InMemoryObjects) -> None:
+async def test_a_router_that_never_reloads_is_named_in_a_warning_and_the_scale_in_goes_on(
+        objs: InMemoryObjects) -> None:
     _, n, new_n, expected = await _scale_in(objs, requests_finish=True, router_lags=True)
     lag = objs.by_reason("DrainUnconfirmed")
     assert len(lag) >= 1 and lag[0]["type"] == "Warning" and "llama-router-0" in lag[0]["message"]
