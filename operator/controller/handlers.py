@@ -1,7 +1,8 @@
 """The kopf handlers: reconcile an ``LLMServe`` and run its control loop every ``spec.scaling.intervalSeconds``.
 
-:class:`Controller` holds the logic as plain async methods (tests call them directly, with the Kubernetes API
-faked at the HTTP layer); :func:`register` binds them to kopf:
+:class:`Controller` holds the logic as plain async methods over :class:`~fulcrum.controller.objects.KubeObjects`
+(the objects it reads and writes: the Kubernetes API in the operator, an in-memory store in the logic tests, which
+call the methods directly); :func:`register` binds them to kopf:
 
 - **create / update (spec) / resume** → :meth:`Controller.reconcile`: validate the spec with the pydantic model
   (a bad spec that slipped past the CRD schema → condition Degraded/InvalidSpec, a Warning Event, nothing
@@ -49,10 +50,11 @@ from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.scaling.loop import ControlLoop, LoopOutcome, distribute, external_replicas
 from fulcrum.target import ClusterTarget, Pool
 
-from fulcrum.controller.apply import Applier, ApplyReport, DRAIN_FIELD_MANAGER, KubeApiError, KubeClient
+from fulcrum.controller.apply import ApplyReport, KubeApiError
 from fulcrum.controller.drain import (DELETION_COST_ANNOTATION, DrainResult, PodLoad, drain_pool, draining_from_metrics,
                                      load_from_metrics)
 from fulcrum.controller.metrics import OperatorMetrics
+from fulcrum.controller.objects import KubeObjects
 from fulcrum.controller.observe import PrometheusObserver, QueryClient, Selectors
 from fulcrum.controller.resources import (
     LABEL_COMPONENT,
@@ -159,7 +161,8 @@ class Controller:
     """The reconcile and interval logic (module doc); one per operator process.
 
     Args:
-        kube: the Kubernetes client (retries inside).
+        objects: the Kubernetes objects it reads and writes (:class:`~fulcrum.controller.objects.ApiObjects` in
+            the operator, :class:`~fulcrum.controller.objects.InMemoryObjects` in the logic tests).
         settings: operator-wide settings.
         metrics: where ``fulcrum_operator_*`` go.
         prometheus: makes a query client for a URL (default ``prometheus_api_client.PrometheusConnect``).
@@ -171,7 +174,7 @@ class Controller:
 
     def __init__(
         self,
-        kube: KubeClient,
+        objects: KubeObjects,
         settings: ControllerSettings,
         *,
         metrics: OperatorMetrics | None = None,
@@ -182,8 +185,7 @@ class Controller:
         now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
         fetch: Callable[[str, float], Awaitable[str]] = fetch_text,
     ) -> None:
-        self.kube = kube
-        self.applier = Applier(kube)
+        self.objects = objects
         self.settings = settings
         self.metrics = metrics or OperatorMetrics()
         self._prometheus = prometheus or _prometheus_connect
@@ -214,7 +216,7 @@ class Controller:
             return builtin_profile(ref.name)
         if ref.path:
             return load_profile(ref.path)
-        cm = self.kube.get("v1", "ConfigMap", serve.metadata.namespace, str(ref.config_map))
+        cm = self.objects.get("v1", "ConfigMap", serve.metadata.namespace, str(ref.config_map))
         if cm is None:
             raise ProfileError(f"profile ConfigMap {ref.config_map} not found in {serve.metadata.namespace}")
         text = (cm.get("data") or {}).get("profile.yaml")
@@ -281,9 +283,9 @@ class Controller:
 
     async def _apply_locked(self, rt: _Runtime, body: Mapping[str, Any], target: ClusterTarget) -> ApplyReport:
         objs = self._objects(rt, body, target)
-        report = await asyncio.to_thread(self.applier.apply_all, objs)
+        report = await asyncio.to_thread(self.objects.apply_all, objs)
         rt.applied = target
-        pruned = await asyncio.to_thread(self.applier.prune, rt.serve.metadata.namespace,
+        pruned = await asyncio.to_thread(self.objects.prune, rt.serve.metadata.namespace,
                                          f"{LABEL_LLMSERVE}={rt.serve.metadata.name}", objs)
         for what in pruned:
             log.info("%s: deleted %s (no longer part of the spec)", _key(body), what)
@@ -302,8 +304,8 @@ class Controller:
         """
         counts: dict[str, int] = {}
         for pool in Pool:
-            dep = self.kube.get("apps/v1", "Deployment", serve.metadata.namespace,
-                                pool_deployment_name(serve.metadata.name, pool))
+            dep = self.objects.get("apps/v1", "Deployment", serve.metadata.namespace,
+                                   pool_deployment_name(serve.metadata.name, pool))
             counts[pool.value] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
         return ReadyCounts(**counts)
 
@@ -325,21 +327,15 @@ class Controller:
             "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
         }
         try:
-            await asyncio.to_thread(self.kube.create, ev)
+            await asyncio.to_thread(self.objects.post_event, ev)
         except KubeApiError as err:
             log.warning("could not post event %s on %s: %s", reason, _key(body), err)
 
     async def _write_status(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
         """Merge-patch the status subresource; False when the LLMServe is gone (404)."""
         meta = body.get("metadata", {})
-        try:
-            await asyncio.to_thread(self.kube.merge_patch, API_VERSION, KIND, str(meta.get("namespace", "default")),
-                                    str(meta.get("name")), {"status": dict(status)}, "status")
-        except KubeApiError as err:
-            if err.status == 404:
-                return False
-            raise
-        return True
+        return await asyncio.to_thread(self.objects.write_status, str(meta.get("namespace", "default")),
+                                       str(meta.get("name")), status)
 
     async def _invalid(self, body: Mapping[str, Any], err: Exception) -> None:
         key = _key(body)
@@ -538,7 +534,7 @@ class Controller:
             return
         ns, name = key.split("/", 1)
         try:
-            body = await asyncio.to_thread(self.kube.get, API_VERSION, KIND, ns, name)
+            body = await asyncio.to_thread(self.objects.get, API_VERSION, KIND, ns, name)
             if body is None:
                 return
             ready = await self._ready_counts(rt.serve)
@@ -574,7 +570,7 @@ class Controller:
             for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"),
                                       ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
                                       ("rbac.authorization.k8s.io/v1", "RoleBinding")):
-                for obj in self.kube.list(api_version, kind, ns, sel):
+                for obj in self.objects.list(api_version, kind, ns, sel):
                     owners = (obj.get("metadata") or {}).get("ownerReferences") or ()
                     if not any(o.get("uid") == uid for o in owners):
                         orphans.append(f"{kind}/{obj['metadata']['name']}")
@@ -651,7 +647,8 @@ class KubernetesCluster:
 
 
 class _KubeDrainIO:
-    """:class:`fulcrum.controller.drain.DrainIO` over the Kubernetes API and the pods' ``/metrics``."""
+    """:class:`fulcrum.controller.drain.DrainIO` over the Controller's Kubernetes objects (the router ConfigMap,
+    the pods, their deletion cost) and the pods' and routers' ``/metrics`` (its ``fetch``)."""
 
     def __init__(self, controller: Controller, rt: _Runtime, body: Mapping[str, Any], key: str) -> None:
         self.c = controller
@@ -668,7 +665,7 @@ class _KubeDrainIO:
 
     async def _pods(self, pool: str | None = None) -> list[dict[str, Any]]:
         sel = f"{LABEL_LLMSERVE}={self.name}" + (f",{LABEL_POOL}={pool}" if pool else "")
-        pods = await asyncio.to_thread(self.c.kube.list, "v1", "Pod", self.ns, sel)
+        pods = await asyncio.to_thread(self.c.objects.list, "v1", "Pod", self.ns, sel)
         return [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
 
     async def _load(self, pod: Mapping[str, Any]) -> float:
@@ -711,7 +708,7 @@ class _KubeDrainIO:
 
     async def routers_lagging(self, pods: Sequence[str]) -> list[str]:
         sel = f"{LABEL_LLMSERVE}={self.name},{LABEL_COMPONENT}=router"
-        routers = await asyncio.to_thread(self.c.kube.list, "v1", "Pod", self.ns, sel)
+        routers = await asyncio.to_thread(self.c.objects.list, "v1", "Pod", self.ns, sel)
         lagging = []
         for r in routers:
             ip = (r.get("status") or {}).get("podIP")
@@ -737,14 +734,8 @@ class _KubeDrainIO:
             await self.c._apply_locked(rt, self.body, rt.applied)
 
     async def set_deletion_cost(self, pods: Sequence[str], cost: int) -> None:
-        for name in pods:
-            obj = {"apiVersion": "v1", "kind": "Pod",
-                   "metadata": {"name": name, "namespace": self.ns, "annotations": {DELETION_COST_ANNOTATION: str(cost)}}}
-            try:
-                await asyncio.to_thread(self.c.kube.server_side_apply, obj, field_manager=DRAIN_FIELD_MANAGER, force=False)
-            except KubeApiError as err:
-                if err.status != 404:  # a pod already gone needs no cost
-                    raise
+        for name in pods:  # a pod already gone needs no cost (annotate_pod returns False)
+            await asyncio.to_thread(self.c.objects.annotate_pod, self.ns, name, {DELETION_COST_ANNOTATION: str(cost)})
 
     async def scale(self, pool: str, replicas: int) -> None:
         rt = self.rt

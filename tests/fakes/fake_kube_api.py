@@ -14,10 +14,11 @@ cluster: it keeps objects in memory and implements only the paths the operator u
 
 Extras for tests: every request is logged (:attr:`FakeKubeApi.requests`); :meth:`FakeKubeApi.fail` makes the
 next N matching calls answer a status (409/500 …); ``auto_ready`` sets a Deployment's ``status.readyReplicas``
-to its ``spec.replicas`` on every write (an instantly ready cluster); pods added with :meth:`add_pod` serve a
-vLLM-like ``/metrics`` (``vllm:num_requests_running``/``waiting`` from :attr:`pod_loads`) on their own port,
-and when a pool Deployment's replicas drop, the pods with the lowest ``pod-deletion-cost`` are deleted, as the
-ReplicaSet controller does. :meth:`kubeconfig` writes a kubeconfig pointing at the fake.
+to its ``spec.replicas`` on every write (an instantly ready cluster). :meth:`kubeconfig` writes a kubeconfig
+pointing at the fake.
+
+Only the tests of the Kubernetes adapter use it (tests/unit/test_controller_api_objects.py: what goes over the
+wire); the Controller's logic is tested on ``fulcrum.controller.objects.InMemoryObjects``.
 """
 
 from __future__ import annotations
@@ -119,7 +120,6 @@ class FakeKubeApi:
     auto_ready: bool = True
     objects: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)  # (plural, ns, name)
     requests: list[RequestLog] = field(default_factory=list)
-    pod_loads: dict[str, tuple[float, float]] = field(default_factory=dict)
     url: str = ""
 
     def __post_init__(self) -> None:
@@ -129,7 +129,6 @@ class FakeKubeApi:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
-        self._pod_ports: dict[int, str] = {}
 
     # ------------------------------------------------------------------------------------------ control
     def start(self) -> "FakeKubeApi":
@@ -160,7 +159,6 @@ class FakeKubeApi:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{port}"
-        self._api_port = port
 
     async def _shutdown(self) -> None:
         self._stopping.set()  # ends open watch streams
@@ -220,33 +218,8 @@ class FakeKubeApi:
         return [r for r in self.requests if r.method in ("PATCH", "POST", "PUT", "DELETE") and r.status < 300
                 and "/events" not in r.path]
 
-    def add_pod(self, name: str, labels: dict[str, str], *, ns: str = "default", running: float = 0.0,
-                waiting: float = 0.0, ready: bool = True) -> None:
-        """A pod with its own ``/metrics`` port on 127.0.0.1 (loads in :attr:`pod_loads`)."""
-        assert self._loop is not None
-        fut = asyncio.run_coroutine_threadsafe(self._open_pod_port(name), self._loop)
-        port = fut.result(10)
-        self.pod_loads[name] = (running, waiting)
-        self.put("pods", {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns, "labels": dict(labels), "annotations": {}},
-            "spec": {"containers": [{"name": "worker", "ports": [{"name": "http", "containerPort": port}]}]},
-            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-        })
-
-    async def _open_pod_port(self, name: str) -> int:
-        assert self._runner is not None
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-        self._pod_ports[port] = name
-        return port
-
     # ------------------------------------------------------------------------------------------ serving
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        sock = request.transport.get_extra_info("sockname") if request.transport else None
-        if sock and sock[1] != self._api_port:
-            return self._pod_metrics(self._pod_ports.get(sock[1], ""))
         raw = await request.read()
         ctype = request.headers.get("Content-Type", "")
         try:
@@ -314,14 +287,6 @@ class FakeKubeApi:
             pass
         return resp
 
-    def _pod_metrics(self, pod: str) -> web.Response:
-        running, waiting = self.pod_loads.get(pod, (0.0, 0.0))
-        text = ("# HELP vllm:num_requests_running Requests running.\n# TYPE vllm:num_requests_running gauge\n"
-                f'vllm:num_requests_running{{model_name="m"}} {running}\n'
-                "# HELP vllm:num_requests_waiting Requests waiting.\n# TYPE vllm:num_requests_waiting gauge\n"
-                f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n')
-        return web.Response(text=text, content_type="text/plain")
-
     @staticmethod
     def _status(code: int, message: str) -> web.Response:
         return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
@@ -374,7 +339,6 @@ class FakeKubeApi:
                 return self._status(400, "fieldManager is required for apply patch")
             if live is None:
                 live = {"metadata": {"uid": str(uuid.uuid4())}}
-            old_replicas = (live.get("spec") or {}).get("replicas")
             new = _merge(live, body)
             managers = new["metadata"].setdefault("managedFields", [])
             if not any(m.get("manager") == query["fieldManager"] for m in managers):
@@ -382,7 +346,6 @@ class FakeKubeApi:
         elif ctype.startswith("application/merge-patch"):
             if live is None:
                 return self._status(404, f"{plural} {name} not found")
-            old_replicas = (live.get("spec") or {}).get("replicas")
             if sub == "status":
                 new = copy.deepcopy(live)
                 new["status"] = _merge(live.get("status") or {}, (body or {}).get("status") or {})
@@ -391,7 +354,6 @@ class FakeKubeApi:
         elif ctype.startswith("application/json-patch"):
             if live is None:
                 return self._status(404, f"{plural} {name} not found")
-            old_replicas = (live.get("spec") or {}).get("replicas")
             try:
                 new = _json_patch(live, body or [])
             except (KeyError, IndexError, ValueError) as err:
@@ -402,24 +364,4 @@ class FakeKubeApi:
         if plural == "deployments" and self.auto_ready:
             new.setdefault("status", {})["readyReplicas"] = int((new.get("spec") or {}).get("replicas") or 0)
         self.objects[key] = new
-        if plural == "deployments":
-            self._replicaset(ns, new, old_replicas)
         return web.json_response(new)
-
-    def _replicaset(self, ns: str, dep: dict[str, Any], old: Any) -> None:
-        """Delete the lowest-cost pods of a shrunk pool, as the ReplicaSet controller does."""
-        new = (dep.get("spec") or {}).get("replicas")
-        if not isinstance(new, int) or not isinstance(old, int) or new >= old:
-            return
-        sel = (dep.get("spec") or {}).get("selector", {}).get("matchLabels") or {}
-        pods = [(k, o) for k, o in self.objects.items() if k[0] == "pods" and k[1] == ns
-                and all((o["metadata"].get("labels") or {}).get(a) == b for a, b in sel.items())]
-        if len(pods) <= new:
-            return
-
-        def cost(item: tuple[tuple[str, str, str], dict[str, Any]]) -> tuple[int, str]:
-            ann = item[1]["metadata"].get("annotations") or {}
-            return int(ann.get("controller.kubernetes.io/pod-deletion-cost", "0")), item[0][2]
-
-        for k, _ in sorted(pods, key=cost)[: len(pods) - new]:
-            del self.objects[k]

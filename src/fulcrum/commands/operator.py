@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from fulcrum.controller.apply import KubeClient
     from fulcrum.controller.handlers import Controller, ControllerSettings, register
     from fulcrum.controller.metrics import OperatorMetrics
+    from fulcrum.controller.objects import ApiObjects
 
     for name in ("liveness_port", "metrics_port"):
         port = getattr(args, name)
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = OperatorMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=host, registry=metrics.registry)
-    controller = Controller(KubeClient(api_client),
+    controller = Controller(ApiObjects(KubeClient(api_client)),
                             ControllerSettings(image=args.image, prometheus_url=url or None,
                                                drain_poll_s=args.drain_poll_seconds,
                                                default_etcd=args.etcd_endpoint, default_nats=args.nats_url),
