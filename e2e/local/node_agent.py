@@ -54,7 +54,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .cluster import die_with_parent
+from .cluster import REPO as _REPO, die_with_parent
 from .service_proxy import LoopbackAllocator, ServiceProxies, informer
 
 __all__ = ["CANNOT_RUN", "CONFIG_ERROR", "CannotRun", "NodeAgent", "PodRunner", "expand"]
@@ -417,9 +417,17 @@ class PodRunner:
 
         Every source is first bind-mounted onto a private tmpfs at ``STAGING`` and only then onto its mountPath
         (parents before children): a mountPath that covers a source's folder (an emptyDir at ``/tmp`` while the
-        pod folders live under ``/tmp``) would otherwise hide the sources mounted after it.
+        pod folders live under ``/tmp``) would otherwise hide the sources mounted after it. The host folders the
+        program itself runs from — this Python environment and the repository an editable install points into —
+        are bound back over any mountPath that covers them (a checkout under ``/tmp`` would otherwise vanish
+        under the chart operator's ``/tmp`` emptyDir: "fulcrum: not found").
         """
-        mounts = sorted(self._mounts(c), key=lambda m: len(Path(m[1]).parts))
+        mounts = self._mounts(c)
+        dests = [Path(d) for _, d in mounts]
+        for keep in sorted({Path(sys.prefix).resolve(), _REPO}):
+            if any(d == keep or d in keep.parents for d in dests):
+                mounts.append((keep, str(keep)))
+        mounts = sorted(mounts, key=lambda m: len(Path(m[1]).parts))
         lines = ["set -e", f"mkdir -p {STAGING}", f"mount -t tmpfs -o size=1m fulcrum-staging {STAGING}"]
         for i, (src, _) in enumerate(mounts):
             stage = f"{STAGING}/{i}"
