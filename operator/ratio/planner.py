@@ -35,6 +35,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+from scipy import special
+
 from fulcrum.api.llmserve import LLMServeSpec, Mode, SLOSpec
 from fulcrum.errors import PlanningError
 from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity
@@ -50,6 +53,7 @@ __all__ = [
     "PlannerSettings",
     "WorkloadEstimate",
     "Plan",
+    "unified_tpot_miss",
     "RatioPlan",
     "plan",
     "plan_disaggregated",
@@ -388,13 +392,51 @@ def plan_disaggregated(
     )
 
 
+def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, osl: LengthDistribution,
+                      tpot_slo: float) -> float:
+    """Share of requests whose TPOT misses ``tpot_slo`` on a unified instance (chunked prefill mixed into decode).
+
+    A request of OSL o decodes for o − 1 steps, a window of W = (o − 1)·``step_s`` seconds. Every prompt that
+    arrives meanwhile (Poisson, rate ``lam``) adds its prefill time (mean ``prefill_s``) to those steps, so its
+    TPOT is t_d + k·E[T_prefill]/(o − 1), k ~ Poisson(λ·W). It misses when k > (SLO − t_d)·(o − 1)/E[T_prefill]:
+    P = Σ_o w_o · P(Poisson(λW_o) > K_o) over the OSL distribution (requests of one token have no TPOT). The mean
+    of this TPOT is t_d/(1 − ρ_p), the mean-step model; what this adds is its tail, which short outputs behind
+    long prompts dominate (Libra §3 on prefill–decode interference; the prompt lengths' own spread is left out).
+
+    Args:
+        lam: arrival rate at the instance, requests/s.
+        t_d: decode step time without prefill at the batch and context, seconds.
+        step_s: mean decode step with the prefill share mixed in, seconds.
+        prefill_s: mean prefill time of one prompt, seconds.
+        osl: output-length distribution, tokens.
+        tpot_slo: TPOT target, seconds.
+
+    Returns:
+        The probability of a TPOT miss, in [0, 1].
+    """
+    if t_d > tpot_slo:
+        return 1.0
+    if lam <= 0 or prefill_s <= 0:
+        return 0.0
+    n = np.maximum(np.asarray(osl.points, dtype=float) - 1.0, 0.0)
+    w = np.asarray(osl.weights, dtype=float)
+    has = n >= 1.0
+    if not has.any():
+        return 0.0
+    k = np.floor((tpot_slo - t_d) * n[has] / prefill_s)
+    miss = special.pdtrc(k, lam * n[has] * step_s)  # P(Poisson(m) > k)
+    return float(np.clip(np.dot(w[has], miss), 0.0, 1.0))
+
+
 def _unified_rate_per_instance(
     profile: PerformanceProfile, tp: int, workload: WorkloadEstimate, cap: DecodeCapacity, slo: SLOSpec, q: float
 ) -> tuple[float, float]:
     """Largest arrival rate (req/s) one unified instance sustains within both SLOs, and its step time there.
 
     Per second the instance spends ρ_p = λ·E[T_prefill] on prefill chunks; decode steps stretch by 1/(1 − ρ_p):
-    step = t_d(B, ctx)/(1 − ρ_p) with B = λ·E[OSL]·step (Little). TTFT at the percentile ≈ T_prefill(ISL_q)/(1 − ρ_d)
+    step = t_d(B, ctx)/(1 − ρ_p) with B = λ·E[OSL]·step (Little). The mean step must meet the TPOT SLO, and the
+    share of requests whose own TPOT misses it (:func:`unified_tpot_miss`: the prompts prefilled during a short
+    output's few steps) must stay within 1 − percentile. TTFT at the percentile ≈ T_prefill(ISL_q)/(1 − ρ_d)
     where ρ_d is the decode share of time. Bisection on λ.
     """
     ttft_slo, tpot_slo = slo.ttft_ms / 1e3, slo.tpot_ms / 1e3
@@ -415,6 +457,9 @@ def _unified_rate_per_instance(
                 break
             b = b_new
         if b > cap.cc or step > tpot_slo:
+            return None
+        t_d = profile.tpot(max(b, 1.0), cap.context_tokens, tp)
+        if unified_tpot_miss(lam, t_d, step, es, workload.osl, tpot_slo) > 1.0 - q:
             return None
         rho_d = 1.0 - rho_p
         ttft = s_q / max(1.0 - min(rho_d * 0.5, 0.9), 0.1)  # half of decode time interleaves with prefill chunks

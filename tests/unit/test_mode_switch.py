@@ -16,7 +16,7 @@ from fulcrum.simulator import SimConfig, Simulation
 from fulcrum.workload import Request
 
 FEASIBLE = {"Disaggregated": True, "Unified": True}
-S = ModeSwitchSettings(agree_ticks=3, min_dwell_s=600.0, horizon_s=900.0)
+S = ModeSwitchSettings(agree_ticks=3, min_dwell_s=600.0, horizon_s=900.0, min_saving_fraction=0.0)
 
 
 def tick(state: ModeState, t: float, dis: int, uni: int, **kw: object):
@@ -53,6 +53,20 @@ def test_a_saving_that_does_not_pay_back_the_start_up_is_not_taken() -> None:
     assert tick(st, 1000.0, 11, 10).phase == "steady"
     st = ModeState("Disaggregated", since_s=0.0, savings=(3.0, 3.0))
     assert tick(st, 1000.0, 13, 10).phase == "start"  # 3 GPUs: 2,700 GPU·s > 1,200
+
+
+def test_a_near_tie_between_the_two_plans_is_not_switched_on() -> None:
+    strict = ModeSwitchSettings(agree_ticks=3, min_dwell_s=600.0, horizon_s=900.0, min_saving_fraction=0.3)
+    st = ModeState("Disaggregated", since_s=0.0, savings=(2.0, 2.0))
+    d = tick(st, 1000.0, 8, 6, settings=strict)  # 2 of 8 GPUs: 25% < 30%, although 1,800 GPU·s > 720
+    assert d.phase == "steady" and "25%" in d.reason
+    assert tick(st, 1000.0, 6, 4, settings=strict).phase == "start"  # 2 of 6: 33%
+    # an infeasible serving plan is left whatever the share
+    feas = {"Disaggregated": False, "Unified": True}
+    st = ModeState("Disaggregated", since_s=0.0, savings=(math.inf, math.inf))
+    assert tick(st, 1000.0, 8, 8, settings=strict, feasible=feas).phase == "start"
+    with pytest.raises(ValueError, match="min_saving_fraction"):
+        ModeSwitchSettings(min_saving_fraction=1.0)
 
 
 def test_an_infeasible_serving_mode_is_left_for_a_feasible_one_whatever_the_gpus() -> None:

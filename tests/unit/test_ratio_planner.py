@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from fulcrum.api import SLOSpec, parse_llmserve
@@ -19,6 +20,7 @@ from fulcrum.ratio.planner import (
     plan_ratio,
     plan_unified,
     ultra_short_threshold,
+    unified_tpot_miss,
 )
 from fulcrum.ratio.queueing import erlang_c, mean_wait, min_servers_for_ttft, wait_quantile
 from fulcrum.target import role_bounds
@@ -169,6 +171,39 @@ def test_auto_mode_picks_the_plan_with_fewer_gpus(splitwise):
     uni = plan(w, splitwise, parse_llmserve({**base, "mode": "Unified"}).spec)
     auto = plan(w, splitwise, parse_llmserve({**base, "mode": "Auto"}).spec)
     assert auto.gpus == min(dis.gpus, uni.gpus)
+
+
+def test_unified_tpot_miss_is_the_poisson_tail_of_prefills_during_a_requests_decode():
+    # OSL 11 → 10 decode steps of 50 ms (a 0.5-s window); prompts arrive at 1/s, each 0.2 s of prefill; t_d 30 ms,
+    # SLO 100 ms: the request misses when more than floor(0.07·10/0.2) = 3 prompts arrive in its window.
+    d = LengthDistribution.point(11)
+    want = 1.0 - math.exp(-0.5) * (1 + 0.5 + 0.5**2 / 2 + 0.5**3 / 6)
+    assert unified_tpot_miss(1.0, 0.03, 0.05, 0.2, d, 0.1) == pytest.approx(want, rel=1e-9)
+    # the same by drawing the arrivals (seeded)
+    rng = np.random.default_rng(7)
+    k = rng.poisson(0.5, 200_000)
+    assert unified_tpot_miss(1.0, 0.03, 0.05, 0.2, d, 0.1) == pytest.approx(np.mean(0.03 + k * 0.2 / 10 > 0.1), abs=5e-4)
+    assert unified_tpot_miss(0.0, 0.03, 0.05, 0.2, d, 0.1) == 0.0
+    assert unified_tpot_miss(1.0, 0.12, 0.15, 0.2, d, 0.1) == 1.0  # the decode step alone misses
+    assert unified_tpot_miss(1.0, 0.03, 0.05, 0.2, LengthDistribution.point(1), 0.1) == 0.0  # one token: no TPOT
+    # more load, or shorter outputs behind the same prompts, miss more often
+    assert unified_tpot_miss(2.0, 0.03, 0.05, 0.2, d, 0.1) > unified_tpot_miss(1.0, 0.03, 0.05, 0.2, d, 0.1)
+    assert unified_tpot_miss(1.0, 0.03, 0.05, 0.2, LengthDistribution.point(3), 0.1) > unified_tpot_miss(
+        1.0, 0.03, 0.05, 0.2, d, 0.1)
+
+
+def test_short_outputs_behind_long_prompts_make_unified_cost_more_than_disaggregated(splitwise):
+    # Azure code-like lengths (long prompts, short answers): a short answer decoding beside a long prompt's chunks
+    # misses TPOT; the unified plan must carry that tail, so Auto keeps Disaggregated (issue 13: Auto had switched
+    # to Unified and served 53% there against Disaggregated's 82%).
+    w = WorkloadEstimate(4.0, LengthDistribution.from_quantiles([0.25, 0.5, 0.75, 0.9], [600, 1500, 3000, 5000],
+                                                                mean=2000),
+                         LengthDistribution.from_quantiles([0.25, 0.5, 0.75, 0.9], [4, 12, 30, 60], mean=28))
+    base = {"model": {"name": "m"}, "profile": {"name": "splitwise-llama2-70b-h100"}}
+    uni = plan(w, splitwise, parse_llmserve({**base, "mode": "Unified"}).spec)
+    dis = plan(w, splitwise, parse_llmserve({**base, "mode": "Disaggregated"}).spec)
+    assert uni.gpus > dis.gpus
+    assert plan(w, splitwise, parse_llmserve({**base, "mode": "Auto"}).spec).mode == "Disaggregated"
 
 
 def test_auto_mode_falls_back_to_disaggregated_when_unified_cannot_be_planned(table_i):
