@@ -114,6 +114,8 @@ class FulcrumPlanner:
         max_headroom: float = 2.0,
         residual_window: int = 60,
         min_residuals: int = 5,
+        min_level: float = 0.5,
+        attainment_window: int = 15,
     ) -> None:
         """
         Args:
@@ -129,6 +131,10 @@ class FulcrumPlanner:
                 interval; long enough for a P90 quantile, short enough to follow a change of regime).
             min_residuals: residuals needed before their quantile replaces the forecaster's prediction bound
                 (5: with fewer the quantile is the maximum of a handful; until then the bound over-provisions).
+            min_level: lowest level the residual quantile is taken at when the SLO is met with room to spare
+                (0.5: the median error, about DOPD's point forecast; :meth:`_adapt_level`).
+            attainment_window: intervals of observed SLO attainment the headroom level follows (15: a quarter
+                hour at the shipped 60-s interval).
         """
         self.spec = spec
         self.profile = profile
@@ -161,6 +167,10 @@ class FulcrumPlanner:
         self._residuals: dict[int, deque[float]] = {}
         self._residual_window = residual_window
         self._mode: ModeState | None = None
+        self._slo_q = spec.slo.percentile / 100.0
+        self._level = self._slo_q
+        self.min_level = min_level
+        self._attained: deque[tuple[int, float]] = deque(maxlen=attainment_window)
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -190,7 +200,7 @@ class FulcrumPlanner:
         percentile (requests/s), or the forecaster's upper bound while too few residuals are known."""
         mean = _finite(fc.rate.mean, 0.0)
         self._due.setdefault(steps, deque()).append((self._tick + steps, mean))
-        q = self.spec.slo.percentile / 100.0
+        q = self._level
         res = self._residuals.get(steps, deque())
         if len(res) >= self.min_residuals:
             return max(mean + residual_quantile(res, q), 0.0), f"residual P{q * 100:g}"
@@ -201,10 +211,37 @@ class FulcrumPlanner:
             return max(mean + residual_quantile(res1, q) * math.sqrt(steps), 0.0), f"1-step residual P{q * 100:g}·√{steps}"
         return _finite(fc.rate.upper, mean), f"P{self.spec.scaling.forecaster.prediction_level * 100:g} bound"
 
+    @property
+    def headroom_level(self) -> float:
+        """The level (0–1) of the residual quantile the rate is planned at now (:meth:`_adapt_level`)."""
+        return self._level
+
+    def _adapt_level(self, obs: Observation) -> None:
+        """Follow the observed SLO attainment with the level of the residual quantile planned for.
+
+        The SLO percentile q is the level while the SLO is at risk; when the attainment pooled over the last
+        ``attainment_window`` intervals (at least 100 completions) exceeds q + (1 − q)/2 (95% for a P90 SLO), the
+        headroom is more than the SLO needs and the level steps down by 0.05 per interval, to ``min_level``; the
+        moment it falls under q + (1 − q)/5 (92%) the level returns to q at once. A load the forecaster predicts
+        well is then planned near its point forecast (what DOPD Alg. 2 does), an erratic one at the percentile.
+        """
+        if obs.completed > 0 and math.isfinite(obs.slo_attainment):
+            self._attained.append((obs.completed, obs.slo_attainment))
+        n = sum(c for c, _ in self._attained)
+        if n < 100:
+            return
+        a = sum(c * x for c, x in self._attained) / n
+        q = self._slo_q
+        if a < q + (1.0 - q) / 5.0:
+            self._level = q
+        elif a > q + (1.0 - q) / 2.0:
+            self._level = max(self.min_level, self._level - 0.05)
+
     def estimate(self, obs: Observation) -> tuple[WorkloadEstimate, dict[str, dict[str, float]], str]:
         """The workload to plan for after observing ``obs`` (steps 1–2 of the module doc)."""
         self.forecaster.observe(obs)
         self._score_forecasts(obs)
+        self._adapt_level(obs)
         if math.isfinite(obs.rate_rps):
             self._recent_rates.append(max(obs.rate_rps, 0.0))
         level = self.spec.scaling.forecaster.prediction_level

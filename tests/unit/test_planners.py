@@ -100,6 +100,30 @@ def test_fulcrum_plans_carry_their_inputs_and_forecasts(table_i):
     assert "forecast" in d.reason or "hold" in d.reason
 
 
+def test_the_headroom_level_follows_the_observed_slo_attainment(table_i):
+    # P90 SLO: met with room to spare (> 95%, 240 completions an interval) → the residual quantile steps down
+    # 0.05 per interval to the median;
+    # attainment pooled over the last 15 intervals under 92% → back to P90 at once
+    planner = FulcrumPlanner(SPEC, table_i)
+    cur = planner.initial()
+    levels = []
+    for i in range(12):
+        d = planner.step(obs(60 * (i + 1), 4.0, slo_attainment=0.99), cur)
+        cur = d.target
+        levels.append(round(planner.headroom_level, 2))
+    assert levels[:2] == [0.85, 0.8] and levels[-1] == 0.5 and levels == sorted(levels, reverse=True)
+    assert "residual P50" in d.reason or "cold start" in d.reason
+    for i in range(12, 14):
+        planner.step(obs(60 * (i + 1), 4.0, slo_attainment=0.6), cur)
+    assert planner.headroom_level == 0.5  # pooled: (12 × 0.99 + 2 × 0.6) / 14 = 0.93, still above 92%
+    planner.step(obs(60 * 15, 4.0, slo_attainment=0.6), cur)
+    assert planner.headroom_level == 0.9  # (12 × 0.99 + 3 × 0.6) / 15 = 0.91 < 92%: full headroom again
+    # too few completions to judge: the level does not move
+    quiet = FulcrumPlanner(SPEC, table_i)
+    quiet.step(obs(60, 0.5, slo_attainment=1.0), quiet.initial())
+    assert quiet.headroom_level == 0.9
+
+
 def test_the_reactive_guard_adds_prefill_on_a_ttft_miss_with_a_queue(table_i):
     planner = FulcrumPlanner(SPEC, table_i)
     before = planner.initial()

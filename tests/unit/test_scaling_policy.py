@@ -136,3 +136,35 @@ def test_an_empty_planned_pool_is_a_scale_in_not_a_tp_change():
     assert out[0] == PoolSize(5, 2) and out[1] == PoolSize(5, 2)  # not emptied at once
     assert out[2] == PoolSize(0, 2)
     assert cur.prefill == PoolSize(3, 2)  # the new pool starts at the planned TP
+
+
+def test_a_scale_out_soon_after_a_scale_in_lengthens_that_pools_window_and_calm_shortens_it_again():
+    # base window: max(3 ticks × 60 s, 300 s) = 300 s; at most 4× = 1,200 s
+    from fulcrum.target import Pool
+
+    s = ScalingSettings(hysteresis_ticks=3, cooldown_s=300, max_window_factor=4.0)
+    state, cur, t = ScalingState(), target(3, 1), 0.0
+    events: list[tuple[float, int, float | None]] = []
+
+    def step(p: int) -> None:
+        nonlocal state, cur, t
+        t += 60.0
+        before = (cur.prefill.replicas, state.window_s.get(Pool.PREFILL))
+        cur, state, _ = apply_scaling_policy(target(p, 1), cur, now_s=t, obs=obs(t), state=state, settings=s)
+        if (cur.prefill.replicas, state.window_s.get(Pool.PREFILL)) != before:
+            events.append((t, cur.prefill.replicas, state.window_s.get(Pool.PREFILL)))
+
+    for p in [3] * 5 + [2] * 6 + [3] + [2] * 12 + [3] + [2] * 21 + [3] + [2] * 75:
+        step(p)
+    assert events == [
+        (600.0, 2, None),     # 300 s of plans for 2 (the base window): scale-in
+        (720.0, 3, 600.0),    # the burst is back within the window: that scale-in was premature → 600 s
+        (1320.0, 2, 600.0),   # now 600 s of plans before scaling in
+        (1500.0, 3, 1200.0),  # premature again → 1,200 s (the cap)
+        (2700.0, 2, 1200.0),
+        (2820.0, 3, 1200.0),  # premature again: the window stays at the cap
+        (4020.0, 2, 1200.0),
+        (5280.0, 2, 600.0),   # two windows (2,400 s) without a premature scale-in: halved
+        (6540.0, 2, 300.0),   # and again, back to the base
+    ]
+    assert Pool.DECODE not in state.window_s  # the decode pool never scaled out after a scale-in
