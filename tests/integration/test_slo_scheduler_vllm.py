@@ -117,7 +117,10 @@ def test_steps_under_mixed_load_never_exceed_their_prefill_budget_and_the_table_
     # none exceeded its budget (above) and that no long prompt went in whole beside decodes (below).
     chunk_steps = steps_with_prefill_in("8.0", "16.0")
     assert chunk_steps >= 1, chunk_steps
-    assert steps_with_prefill_in("512.0", "+Inf") <= 1  # only a step without running decodes may go beyond
+    # Only a step without running decodes may go beyond the floor: once the decodes have finished (on a busy
+    # machine the 160 tokens can end before both prompts are in), each long prompt's rest may go in one step
+    # (CI saw 2 such steps twice); never more than one per long prompt.
+    assert steps_with_prefill_in("512.0", "+Inf") <= LONG_PROMPTS
 
     # the table filled from measured steps: the floor-sized mixed steps landed in their buckets
     table = table_from_metrics_text(after)
