@@ -9,6 +9,10 @@ Three targets serve the same requests from the same backend:
   ``token_count: estimate`` (no extra round trip: like for like with vllm-router, which does not tokenize) on
   uvloop (when installed) and on the standard asyncio loop, and with ``token_count: tokenize`` (one
   ``/tokenize`` call per request, the default, for exact lengths);
+- ``aiohttp floor (bare proxy)``: the least an aiohttp server and client can do per relayed request (read the
+  body, post it on a pooled session, answer the bytes; no validation, routing, metrics or retries) on uvloop:
+  the floor of the project's rule to use aiohttp for HTTP rather than code of its own, measured so that the
+  ratios say how much of the gap to vllm-router is the library and how much is Fulcrum;
 - ``vllm-router``: ``vllm-router --policy round_robin`` (``pip install vllm-router``; when it cannot be started
   the benchmark says so and prints only ours).
 
@@ -122,6 +126,51 @@ def serve_backend(port: int) -> None:
         loop.run_forever()
     finally:
         server.close()
+
+
+def serve_floor(port: int, backend: str) -> None:
+    """Run the aiohttp floor until killed: the least an aiohttp server + client can do per relayed request (read
+    the body, post it upstream on a pooled session, answer the upstream's bytes; streams relayed chunk by chunk).
+    No validation, routing, metrics or retries: what Fulcrum's router adds is its cost over this."""
+    import aiohttp
+    from aiohttp import web
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        session: aiohttp.ClientSession = request.app["session"]
+        async with session.post(backend + request.path, data=raw, headers={"Content-Type": "application/json"}) as r:
+            if r.content_type != "text/event-stream":
+                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            async for chunk in r.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def startup(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                                               cookie_jar=aiohttp.DummyCookieJar())
+
+    async def cleanup(app: web.Application) -> None:
+        await app["session"].close()
+
+    app = web.Application()
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    app.router.add_post("/v1/completions", relay)
+    app.router.add_get("/health", health)
+    loop = None
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        pass
+    web.run_app(app, host="127.0.0.1", port=port, print=None, loop=loop)
 
 
 # ----------------------------------------------------------------------------------------------- processes
@@ -301,9 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-tokens", type=int, default=2000, help="events per stream in the relay run")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the targets")
     ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-floor", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--floor-backend", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_backend:
         serve_backend(args.serve_backend)
+        return 0
+    if args.serve_floor:
+        serve_floor(args.serve_floor, args.floor_backend)
         return 0
 
     bport = free_port()
@@ -341,6 +395,15 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(p)
             targets[name] = f"http://127.0.0.1:{port}"
             pids[name] = p.pid
+        port = free_port()
+        p = start([sys.executable, __file__, "--serve-floor", str(port), "--floor-backend", backend],
+                  f"http://127.0.0.1:{port}/health", 30)
+        if p is None:
+            notes.append("the aiohttp floor did not start")
+        else:
+            procs.append(p)
+            targets["aiohttp floor (bare proxy)"] = f"http://127.0.0.1:{port}"
+            pids["aiohttp floor (bare proxy)"] = p.pid
         exe = shutil.which("vllm-router")
         if exe is None:
             notes.append("vllm-router is not installed (pip install vllm-router): only Fulcrum's router was measured")
@@ -381,6 +444,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ours} / vllm-router requests/s: {o.rps / v.rps:.2f}x (aim >= 0.75x)")
             print(f"{ours} / vllm-router CPU per request: {o.cpu_us / v.cpu_us:.2f}x (aim <= 2x)")
             print(f"{ours} / vllm-router relay tokens/s: {o.tokens_per_s / v.tokens_per_s:.2f}x (aim > 1x)")
+            if "aiohttp floor (bare proxy)" in results:
+                f = results["aiohttp floor (bare proxy)"]
+                print(f"aiohttp floor / vllm-router: requests/s {f.rps / v.rps:.2f}x, CPU per request "
+                      f"{f.cpu_us / v.cpu_us:.2f}x (the least any aiohttp server + client relay costs)")
+        if "aiohttp floor (bare proxy)" in results:
+            f = results["aiohttp floor (bare proxy)"]
+            print(f"{ours} / aiohttp floor: requests/s {o.rps / f.rps:.2f}x, CPU per request {o.cpu_us / f.cpu_us:.2f}x "
+                  f"(what routing, validation, metrics and retries add)")
         print(f"{ours} added p99 latency: {o.p99_ms - d.p99_ms:.3f} ms (aim <= 1 ms)")
     for n in notes:
         print("note:", n)
