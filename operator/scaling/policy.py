@@ -17,10 +17,10 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
   scale-in whatever TP the plan writes for it (an empty pool's TP means nothing);
 - the GPU budget (maxGPUs) is never exceeded.
 
-- the stabilisation window **adapts per pool** to how the load has behaved: a scale-out within the window's
-  length after the pool's last scale-in shows that scale-in was premature (a burst came back before the
-  window would have), and doubles the pool's window, up to ``max_window_factor`` × the base; two windows'
-  length without such a change halve it back towards the base. A bursty load thus keeps the
+- the stabilisation window **adapts per pool** to how the load has behaved: a scale-out within the longest
+  window (``max_window_factor`` × the base) after the pool's last scale-in shows that scale-in was premature (a
+  burst came back before a longer window would have), and doubles the pool's window, up to that longest one;
+  twice the longest window without such a change halves it back towards the base. A bursty load thus keeps the
   capacity its bursts keep asking for between them (what a static deployment sized for the peak does), and a
   steady or slowly varying load scales in after the base window (issue 13: a fixed 5-minute window made
   Fulcrum pay a start-up per burst on the Azure code trace; a fixed 15-minute one cost 6% more GPU-hours on the
@@ -139,7 +139,7 @@ def apply_scaling_policy(
     def grew(name: Pool) -> None:
         """A scale-out: a premature last scale-in (within the window) doubles the pool's window."""
         w = windows.get(name, base_s)
-        if now_s - last_in.get(name, -math.inf) <= w:
+        if now_s - last_in.get(name, -math.inf) <= settings.max_window_factor * base_s:
             windows[name] = min(2.0 * w, settings.max_window_factor * base_s)
             changed[name] = now_s
 
@@ -151,8 +151,8 @@ def apply_scaling_policy(
         # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last
         # max(hysteresis_ticks intervals, cooldown) seconds; a scale-in goes no lower than the highest of them.
         window_s = windows.get(name, base_s)
-        if window_s > base_s and now_s - changed.get(name, -math.inf) > 2.0 * window_s:
-            window_s = windows[name] = max(base_s, window_s / 2.0)  # two windows of calm: halve it
+        if window_s > base_s and now_s - changed.get(name, -math.inf) > 2.0 * settings.max_window_factor * base_s:
+            window_s = windows[name] = max(base_s, window_s / 2.0)  # two longest windows of calm: halve it
             changed[name] = now_s
         timed = tuple((t, c) for t, c in recent.get(name, ()) if t > now_s - window_s) + ((now_s, want.replicas),)
         recent[name] = timed

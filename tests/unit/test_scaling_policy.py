@@ -154,17 +154,17 @@ def test_a_scale_out_soon_after_a_scale_in_lengthens_that_pools_window_and_calm_
         if (cur.prefill.replicas, state.window_s.get(Pool.PREFILL)) != before:
             events.append((t, cur.prefill.replicas, state.window_s.get(Pool.PREFILL)))
 
-    for p in [3] * 5 + [2] * 6 + [3] + [2] * 12 + [3] + [2] * 21 + [3] + [2] * 75:
+    for p in [3] * 5 + [2] * 6 + [3] + [2] * 12 + [3] + [2] * 21 + [3] + [2] * 160:
         step(p)
     assert events == [
         (600.0, 2, None),     # 300 s of plans for 2 (the base window): scale-in
-        (720.0, 3, 600.0),    # the burst is back within the window: that scale-in was premature → 600 s
+        (720.0, 3, 600.0),    # the burst is back within the longest window: that scale-in was premature → 600 s
         (1320.0, 2, 600.0),   # now 600 s of plans before scaling in
         (1500.0, 3, 1200.0),  # premature again → 1,200 s (the cap)
         (2700.0, 2, 1200.0),
         (2820.0, 3, 1200.0),  # premature again: the window stays at the cap
         (4020.0, 2, 1200.0),
-        (5280.0, 2, 600.0),   # two windows (2,400 s) without a premature scale-in: halved
-        (6540.0, 2, 300.0),   # and again, back to the base
+        (5280.0, 2, 600.0),   # two longest windows (2,400 s) without a premature scale-in: halved
+        (7740.0, 2, 300.0),   # and again, back to the base
     ]
     assert Pool.DECODE not in state.window_s  # the decode pool never scaled out after a scale-in
