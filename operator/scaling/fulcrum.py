@@ -171,6 +171,7 @@ class FulcrumPlanner:
         self._level = self._slo_q
         self.min_level = min_level
         self._attained: deque[tuple[int, float]] = deque(maxlen=attainment_window)
+        self._planned_rates: deque[tuple[float, float]] = deque()  # (time s, rate req/s) over the switch horizon
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -296,7 +297,7 @@ class FulcrumPlanner:
         if self.spec.mode == Mode.AUTO:
             plans = self._plans(workload)
             if len(plans) == 2:
-                return self._step_auto(obs, current, plans, fc, why)
+                return self._step_auto(obs, current, plans, fc, why, workload)
             p = plans["Disaggregated"]
         else:
             p = plan(workload, self.profile, self.spec, self.settings)
@@ -308,11 +309,27 @@ class FulcrumPlanner:
         reason = "; ".join(reasons) if reasons else "hold"
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=plan_numbers(p))
 
+    def _peak_confirms(self, serving: ModeName, workload: WorkloadEstimate) -> tuple[bool, str]:
+        """Whether the other mode is still cheaper (and feasible where the serving one is) at the highest rate
+        planned for over the switch horizon (:func:`decide_mode`'s ``confirm``)."""
+        peak = max([r for _, r in self._planned_rates] + [workload.rate_rps])
+        plans = self._plans(WorkloadEstimate(peak, workload.isl, workload.osl, workload.arrival_cv2))
+        other = other_mode(serving)
+        if other not in plans or (plans[serving].feasible and not plans[other].feasible):
+            return False, f"{other} cannot serve the horizon's peak of {peak:.2f} req/s within the SLOs"
+        if plans[other].gpus >= plans[serving].gpus and plans[serving].feasible:
+            return False, (f"at the horizon's peak of {peak:.2f} req/s {other} needs {plans[other].gpus} GPUs, "
+                           f"{serving} {plans[serving].gpus}")
+        return True, ""
+
     def _step_auto(
         self, obs: Observation, current: ClusterTarget, plans: dict[ModeName, Plan], fc: dict[str, dict[str, float]],
-        why: str,
+        why: str, workload: WorkloadEstimate,
     ) -> Decision:
         """One Auto-mode tick: the mode switch (:func:`decide_mode`), then the scaling policy on its pools."""
+        self._planned_rates.append((obs.time_s, workload.rate_rps))
+        while self._planned_rates and self._planned_rates[0][0] < obs.time_s - self.mode_switch.horizon_s:
+            self._planned_rates.popleft()
         state = self._mode or ModeState(serving="Unified" if current.unified.replicas else "Disaggregated")
         serving = state.serving
         to = state.switching_to
@@ -330,6 +347,7 @@ class FulcrumPlanner:
             room=serving_gpus + plans[other].gpus <= self.spec.scaling.max_gpus,
             startup_s=self.spec.scaling.pod_startup_seconds,
             settings=self.mode_switch,
+            confirm=lambda serving: self._peak_confirms(serving, workload),
         )
         self._mode = md.state
         now_serving = md.state.serving

@@ -16,7 +16,10 @@ the old mode drain after. :func:`decide_mode` therefore switches only when
   (the GPU-seconds the new pools are held before serving);
 - the serving mode has served for at least ``min_dwell_s`` (hysteresis);
 - there is no SLO pressure (a backlog or a missed SLO makes both plans grow with the backlog, not the load);
-- both deployments fit ``maxGPUs`` at once (make-before-break needs room for both).
+- both deployments fit ``maxGPUs`` at once (make-before-break needs room for both);
+- the caller's last check agrees (``confirm``: the ``fulcrum`` planner asks whether the other mode is still
+  the cheaper one at the highest rate planned for over the horizon, so a lull in a bursty load does not move
+  it to the mode that serves the next burst worse).
 
 A switch then runs **make-before-break**: phase ``start`` provisions the new mode's pools while the old ones
 keep serving and may not shrink (phase ``starting`` each tick after); when every instance of the new pools is
@@ -30,7 +33,7 @@ Pure: no I/O, no clock (the caller passes ``now_s``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -127,6 +130,7 @@ def decide_mode(
     room: bool,
     startup_s: float,
     settings: ModeSwitchSettings = ModeSwitchSettings(),
+    confirm: Callable[[ModeName], tuple[bool, str]] | None = None,
 ) -> ModeDecision:
     """Advance the Auto-mode switch by one tick (see the module doc).
 
@@ -141,6 +145,9 @@ def decide_mode(
         room: the serving pools and the other mode's plan fit ``maxGPUs`` together.
         startup_s: pod start-up, seconds (the cost side: GPU-seconds held before serving).
         settings: tunables.
+        confirm: a last check, called with the serving mode only when every other condition for a switch holds
+            (the planner's: is the other mode still the cheaper one at the peak load of the horizon?); returns
+            (go, reason). None: no such check.
 
     Returns:
         The decision: phase ``steady`` (serve ``state.serving`` only), ``start`` / ``starting`` (keep serving
@@ -177,5 +184,9 @@ def decide_mode(
         return ModeDecision(
             st, "steady", f"{state.serving}: saving {benefit:.0f} GPU·s over {settings.horizon_s:.0f} s ≤ start-up {cost:.0f}"
         )
+    if confirm is not None:
+        go, why = confirm(state.serving)
+        if not go:
+            return ModeDecision(st, "steady", f"{state.serving}: {why}")
     new = ModeState(serving=state.serving, since_s=state.since_s, switching_to=other, started_s=now_s)
     return ModeDecision(new, "start", f"switch {state.serving}→{other}: saves {min(recent):g} GPUs (≥ {cost:.0f} GPU·s start-up)")

@@ -69,6 +69,45 @@ def test_a_near_tie_between_the_two_plans_is_not_switched_on() -> None:
         ModeSwitchSettings(min_saving_fraction=1.0)
 
 
+def test_the_callers_last_check_can_veto_a_switch_and_runs_only_when_all_else_holds() -> None:
+    calls: list[str] = []
+
+    def veto(serving: str) -> tuple[bool, str]:
+        calls.append(serving)
+        return False, "at the horizon's peak Unified needs more"
+
+    old = ModeState("Disaggregated", since_s=0.0, savings=(2.0, 2.0))
+    d = tick(old, 1000.0, 6, 4, confirm=veto)
+    assert d.phase == "steady" and "horizon's peak" in d.reason and d.state.switching_to is None
+    assert d.state.savings[-1] == 2.0  # the tick still counts towards the agreement
+    assert tick(old, 1000.0, 6, 4, confirm=veto, pressure=True).phase == "steady"
+    assert calls == ["Disaggregated"]  # not asked under pressure
+    assert tick(old, 1000.0, 6, 4, confirm=lambda m: (True, "")).phase == "start"
+
+
+def test_the_fulcrum_planner_stays_in_its_mode_through_a_lull_between_bursts(splitwise) -> None:
+    # Auto serving Disaggregated: 20 minutes of bursts at 8 req/s, then a lull at 0.5 req/s. In the lull the
+    # Unified plan is the cheaper, but not at the bursts' rate while the 15-minute horizon still holds them: the
+    # switch waits until the horizon has only the lull in it (without the check it came 5 ticks into the lull).
+    spec = parse_llmserve({"model": {"name": "m"}, "mode": "Auto", "profile": {"name": "splitwise-llama2-70b-h100"},
+                           "scaling": {"maxGPUs": 64, "minGPUs": 0}}).spec
+    planner = FulcrumPlanner(spec, splitwise)
+    cur = planner.initial()
+    switched = []
+    for i in range(40):
+        rate = 8.0 if i < 20 else 0.5
+        n = int(rate * 60)
+        o = Observation(time_s=60.0 * (i + 1), interval_s=60.0, arrivals=n, mean_isl=2000.0, mean_osl=30.0,
+                        completed=n, ttft_attainment=1.0, tpot_attainment=1.0, slo_attainment=1.0,
+                        ready=ReadyCounts(prefill=cur.prefill.replicas, decode=cur.decode.replicas,
+                                          unified=cur.unified.replicas))
+        d = planner.step(o, cur)
+        cur = d.target
+        if d.numbers.detail.get("mode_phase") == "start":
+            switched.append((i, d.reason))
+    assert switched and switched[0][0] >= 20 + 15, switched
+
+
 def test_an_infeasible_serving_mode_is_left_for_a_feasible_one_whatever_the_gpus() -> None:
     st = ModeState("Unified", since_s=0.0)
     feas = {"Disaggregated": True, "Unified": False}
