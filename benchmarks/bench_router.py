@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+FLOOR = "aiohttp floor (bare proxy)"
 
 
 # ----------------------------------------------------------------------------------------------- fake backend
@@ -381,44 +382,35 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             loops = ["asyncio"]
             notes.append("uvloop is not installed: Fulcrum's router ran on the standard asyncio loop only")
+        def add_target(name: str, cmd: list[str], port: int, timeout: float, failed: str) -> None:
+            p = start(cmd, f"http://127.0.0.1:{port}/health", timeout)
+            if p is None:
+                notes.append(failed)
+                return
+            procs.append(p)
+            targets[name] = f"http://127.0.0.1:{port}"
+            pids[name] = p.pid
+
         for mode, loop in [("estimate", lp) for lp in loops] + [("tokenize", loops[0])]:
             port = free_port()
             cfg = tmp / f"router-{mode}.yaml"
             fulcrum_config(cfg, backend, mode)
-            p = start([sys.executable, "-m", "fulcrum", "router", "--config", str(cfg), "--host", "127.0.0.1",
-                       "--port", str(port), "--log-level", "warning", "--loop", loop],
-                      f"http://127.0.0.1:{port}/health", 60)
             name = f"fulcrum ({mode}, {loop})"
-            if p is None:
-                notes.append(f"{name} did not start")
-                continue
-            procs.append(p)
-            targets[name] = f"http://127.0.0.1:{port}"
-            pids[name] = p.pid
+            add_target(name, [sys.executable, "-m", "fulcrum", "router", "--config", str(cfg), "--host", "127.0.0.1",
+                              "--port", str(port), "--log-level", "warning", "--loop", loop],
+                       port, 60, f"{name} did not start")
         port = free_port()
-        p = start([sys.executable, __file__, "--serve-floor", str(port), "--floor-backend", backend],
-                  f"http://127.0.0.1:{port}/health", 30)
-        if p is None:
-            notes.append("the aiohttp floor did not start")
-        else:
-            procs.append(p)
-            targets["aiohttp floor (bare proxy)"] = f"http://127.0.0.1:{port}"
-            pids["aiohttp floor (bare proxy)"] = p.pid
+        add_target(FLOOR, [sys.executable, __file__, "--serve-floor", str(port), "--floor-backend", backend],
+                   port, 30, "the aiohttp floor did not start")
         exe = shutil.which("vllm-router")
         if exe is None:
             notes.append("vllm-router is not installed (pip install vllm-router): only Fulcrum's router was measured")
         else:
             port = free_port()
-            p = start([exe, "--worker-urls", backend, "--policy", "round_robin", "--host", "127.0.0.1",
-                       "--port", str(port), "--log-level", "error", "--disable-retries", "--disable-circuit-breaker",
-                       "--health-check-interval-secs", "30"],
-                      f"http://127.0.0.1:{port}/health", 60)
-            if p is None:
-                notes.append("vllm-router could not be started: only Fulcrum's router was measured")
-            else:
-                procs.append(p)
-                targets["vllm-router"] = f"http://127.0.0.1:{port}"
-                pids["vllm-router"] = p.pid
+            add_target("vllm-router", [exe, "--worker-urls", backend, "--policy", "round_robin", "--host", "127.0.0.1",
+                                       "--port", str(port), "--log-level", "error", "--disable-retries",
+                                       "--disable-circuit-breaker", "--health-check-interval-secs", "30"],
+                       port, 60, "vllm-router could not be started: only Fulcrum's router was measured")
         results = asyncio.run(measure_all(targets, pids, args))
     finally:
         for p in reversed(procs):
@@ -444,12 +436,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ours} / vllm-router requests/s: {o.rps / v.rps:.2f}x (aim >= 0.75x)")
             print(f"{ours} / vllm-router CPU per request: {o.cpu_us / v.cpu_us:.2f}x (aim <= 2x)")
             print(f"{ours} / vllm-router relay tokens/s: {o.tokens_per_s / v.tokens_per_s:.2f}x (aim > 1x)")
-            if "aiohttp floor (bare proxy)" in results:
-                f = results["aiohttp floor (bare proxy)"]
+            if FLOOR in results:
+                f = results[FLOOR]
                 print(f"aiohttp floor / vllm-router: requests/s {f.rps / v.rps:.2f}x, CPU per request "
                       f"{f.cpu_us / v.cpu_us:.2f}x (the least any aiohttp server + client relay costs)")
-        if "aiohttp floor (bare proxy)" in results:
-            f = results["aiohttp floor (bare proxy)"]
+        if FLOOR in results:
+            f = results[FLOOR]
             print(f"{ours} / aiohttp floor: requests/s {o.rps / f.rps:.2f}x, CPU per request {o.cpu_us / f.cpu_us:.2f}x "
                   f"(what routing, validation, metrics and retries add)")
         print(f"{ours} added p99 latency: {o.p99_ms - d.p99_ms:.3f} ms (aim <= 1 ms)")
