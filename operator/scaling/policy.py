@@ -15,8 +15,7 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
   check); the pool then steps down to the highest of those recent plans, by at most ``max_step``;
 - a TP change replaces the pool at once (new instances start, old ones drain); a pool planned empty is a
   scale-in whatever TP the plan writes for it (an empty pool's TP means nothing);
-- the GPU budget (maxGPUs) is never exceeded.
-
+- the GPU budget (maxGPUs) is never exceeded;
 - the stabilisation window **adapts per pool** to how the load has behaved: a scale-out within the longest
   window (``max_window_factor`` × the base) after the pool's last scale-in shows that scale-in was premature (a
   burst came back before a longer window would have), and doubles the pool's window, up to that longest one;
@@ -135,12 +134,12 @@ def apply_scaling_policy(
     windows = dict(state.window_s)
     changed = dict(state.window_changed_s)
     base_s = max(settings.hysteresis_ticks * obs.interval_s, settings.cooldown_s)
+    longest_s = settings.max_window_factor * base_s
 
     def grew(name: Pool) -> None:
-        """A scale-out: a premature last scale-in (within the window) doubles the pool's window."""
-        w = windows.get(name, base_s)
-        if now_s - last_in.get(name, -math.inf) <= settings.max_window_factor * base_s:
-            windows[name] = min(2.0 * w, settings.max_window_factor * base_s)
+        """A scale-out: a last scale-in within the longest window was premature and doubles the pool's window."""
+        if now_s - last_in.get(name, -math.inf) <= longest_s:
+            windows[name] = min(2.0 * windows.get(name, base_s), longest_s)
             changed[name] = now_s
 
     pools: dict[Pool, PoolSize] = {}
@@ -148,10 +147,10 @@ def apply_scaling_policy(
     for name in Pool:
         want = planned.pool(name)
         have = current.pool(name)
-        # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the last
-        # max(hysteresis_ticks intervals, cooldown) seconds; a scale-in goes no lower than the highest of them.
+        # Stabilisation window (as Kubernetes' HPA scale-down window): the plans of the pool's adaptive window,
+        # at least max(hysteresis_ticks intervals, cooldown) seconds; a scale-in goes no lower than the highest.
         window_s = windows.get(name, base_s)
-        if window_s > base_s and now_s - changed.get(name, -math.inf) > 2.0 * settings.max_window_factor * base_s:
+        if window_s > base_s and now_s - changed.get(name, -math.inf) > 2.0 * longest_s:
             window_s = windows[name] = max(base_s, window_s / 2.0)  # two longest windows of calm: halve it
             changed[name] = now_s
         timed = tuple((t, c) for t, c in recent.get(name, ()) if t > now_s - window_s) + ((now_s, want.replicas),)
