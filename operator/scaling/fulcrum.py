@@ -309,11 +309,14 @@ class FulcrumPlanner:
         reason = "; ".join(reasons) if reasons else "hold"
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=plan_numbers(p))
 
-    def _peak_confirms(self, serving: ModeName, workload: WorkloadEstimate) -> tuple[bool, str]:
+    def _peak_confirms(self, serving: ModeName, workload: WorkloadEstimate, plans: dict[ModeName, Plan]
+                       ) -> tuple[bool, str]:
         """Whether the other mode is still cheaper (and feasible where the serving one is) at the highest rate
-        planned for over the switch horizon (:func:`decide_mode`'s ``confirm``)."""
-        peak = max([r for _, r in self._planned_rates] + [workload.rate_rps])
-        plans = self._plans(WorkloadEstimate(peak, workload.isl, workload.osl, workload.arrival_cv2))
+        planned for over the switch horizon (:func:`decide_mode`'s ``confirm``); ``plans`` are this tick's, at
+        ``workload``, reused when this tick's rate is the peak."""
+        peak = max(r for _, r in self._planned_rates)
+        if peak > workload.rate_rps:
+            plans = self._plans(WorkloadEstimate(peak, workload.isl, workload.osl, workload.arrival_cv2))
         other = other_mode(serving)
         if other not in plans or (plans[serving].feasible and not plans[other].feasible):
             return False, f"{other} cannot serve the horizon's peak of {peak:.2f} req/s within the SLOs"
@@ -347,7 +350,7 @@ class FulcrumPlanner:
             room=serving_gpus + plans[other].gpus <= self.spec.scaling.max_gpus,
             startup_s=self.spec.scaling.pod_startup_seconds,
             settings=self.mode_switch,
-            confirm=lambda serving: self._peak_confirms(serving, workload),
+            confirm=lambda serving: self._peak_confirms(serving, workload, plans),
         )
         self._mode = md.state
         now_serving = md.state.serving
