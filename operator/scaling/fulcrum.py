@@ -12,7 +12,10 @@ Each tick (``spec.scaling.intervalSeconds``):
    ``min_residuals`` forecasts of a horizon have been scored, the one-step residuals' quantile × √h stands in,
    and before those the forecaster's upper prediction bound at ``forecaster.predictionLevel``. In cold start (too
    little history for the model) the last observation is the forecast; it is scored like one (so residuals exist
-   when the model is ready) and planned for with its own residual quantile. Lengths are forecast distributions (quantiles rescaled to the
+   when the model is ready) and planned for with its own residual quantile. Once the model is ready the rate is
+   capped at the highest rate observed over the last ``peak_window`` intervals, unless the point forecast is
+   higher: a bursty load's residual quantile is its burst height, and mean + that would plan for bursts nobody
+   has seen (the cap is off in cold start, whose few intervals say little of the peak). Lengths are forecast distributions (quantiles rescaled to the
    forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate needed to drain it within one interval.
 3. **plan** with :func:`fulcrum.ratio.planner.plan` (eqs. 11–18, TP, Kingman headroom); in Auto mode both modes
    are planned and :func:`fulcrum.scaling.mode.decide_mode` decides whether to switch (cost-weighed, with dwell
@@ -116,6 +119,7 @@ class FulcrumPlanner:
         min_residuals: int = 5,
         min_level: float = 0.5,
         attainment_window: int = 15,
+        peak_window: int = 60,
     ) -> None:
         """
         Args:
@@ -135,6 +139,9 @@ class FulcrumPlanner:
                 (0.5: the median error, about DOPD's point forecast; :meth:`_adapt_level`).
             attainment_window: intervals of observed SLO attainment the headroom level follows (15: a quarter
                 hour at the shipped 60-s interval).
+            peak_window: intervals over which the highest observed rate caps the headroom (60: an hour at the
+                shipped 60-s interval): the rate planned for is at most that peak, or the point forecast where
+                the forecast itself is higher (a rising load keeps its forecast, not its error band).
         """
         self.spec = spec
         self.profile = profile
@@ -160,6 +167,7 @@ class FulcrumPlanner:
         self.max_headroom = max_headroom
         self.min_residuals = min_residuals
         self._recent_rates: deque[float] = deque([0.0], maxlen=3)
+        self._peak_rates: deque[float] = deque([0.0], maxlen=max(1, peak_window))
         self._tick = 0
         # horizon (steps) → forecast means awaiting their actual: (tick due, mean rate req/s)
         self._due: dict[int, deque[tuple[int, float]]] = {}
@@ -245,6 +253,7 @@ class FulcrumPlanner:
         self._adapt_level(obs)
         if math.isfinite(obs.rate_rps):
             self._recent_rates.append(max(obs.rate_rps, 0.0))
+            self._peak_rates.append(max(obs.rate_rps, 0.0))
         level = self.spec.scaling.forecaster.prediction_level
         backlog_rate = obs.prefill_queue / self.tick_s if self.tick_s > 0 else 0.0
         fc_h = self.forecaster.forecast(self.horizon_steps, level)
@@ -271,7 +280,12 @@ class FulcrumPlanner:
         # term) and its error variance is inflated, so the raw bound would provision for many times the load:
         # the planned rate is capped at max_headroom × the highest rate observed over the last intervals.
         base = max(self._recent_rates)
-        rate = min(max(r_h, r_1), self.max_headroom * base) + backlog_rate
+        rate = min(max(r_h, r_1), self.max_headroom * base)
+        # The error band is no reason to plan above every rate seen in the last peak_window intervals: a bursty
+        # load's residual quantile is the height of its bursts, added to a mean that already holds part of one
+        # (planning 15 req/s for bursts of 8). Above the peak only the point forecast counts (a rising trend).
+        point = max(_finite(fc_h.rate.mean, 0.0), _finite(fc_1.rate.mean, 0.0))
+        rate = min(rate, max(max(self._peak_rates), point)) + backlog_rate
         return (
             workload_from_forecast(fc_h, rate),
             forecast_dict(fc_h),
