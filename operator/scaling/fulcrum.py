@@ -27,6 +27,7 @@ Each tick (``spec.scaling.intervalSeconds``):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from typing import Any
@@ -167,8 +168,9 @@ class FulcrumPlanner:
         self.last_plan: Plan | None = None
         self.max_headroom = max_headroom
         self.min_residuals = min_residuals
-        self._recent_rates: deque[float] = deque([0.0], maxlen=3)
-        self._peak_rates: deque[float] = deque([0.0], maxlen=max(1, peak_window))
+        # observed rates, req/s, newest last: the last 3 feed the max_headroom cap, the last peak_window the peak cap
+        self._peak_window = max(1, peak_window)
+        self._rates: deque[float] = deque([0.0], maxlen=max(3, self._peak_window))
         self._tick = 0
         # horizon (steps) → forecast means awaiting their actual: (tick due, mean rate req/s)
         self._due: dict[int, deque[tuple[int, float]]] = {}
@@ -253,8 +255,7 @@ class FulcrumPlanner:
         self._score_forecasts(obs)
         self._adapt_level(obs)
         if math.isfinite(obs.rate_rps):
-            self._recent_rates.append(max(obs.rate_rps, 0.0))
-            self._peak_rates.append(max(obs.rate_rps, 0.0))
+            self._rates.append(max(obs.rate_rps, 0.0))
         level = self.spec.scaling.forecaster.prediction_level
         backlog_rate = obs.prefill_queue / self.tick_s if self.tick_s > 0 else 0.0
         fc_h = self.forecaster.forecast(self.horizon_steps, level)
@@ -280,13 +281,14 @@ class FulcrumPlanner:
         # Right after a level shift a model refitted on a short window can extrapolate the jump (a positive MA
         # term) and its error variance is inflated, so the raw bound would provision for many times the load:
         # the planned rate is capped at max_headroom × the highest rate observed over the last intervals.
-        base = max(self._recent_rates)
+        base = max(itertools.islice(reversed(self._rates), 3))
         rate = min(max(r_h, r_1), self.max_headroom * base)
         # The error band is no reason to plan above every rate seen in the last peak_window intervals: a bursty
         # load's residual quantile is the height of its bursts, added to a mean that already holds part of one
         # (planning 15 req/s for bursts of 8). Above the peak only the point forecast counts (a rising trend).
         point = max(_finite(fc_h.rate.mean, 0.0), _finite(fc_1.rate.mean, 0.0))
-        rate = min(rate, max(max(self._peak_rates), point)) + backlog_rate
+        peak = max(itertools.islice(reversed(self._rates), self._peak_window))
+        rate = min(rate, max(peak, point)) + backlog_rate
         return (
             workload_from_forecast(fc_h, rate),
             forecast_dict(fc_h),
