@@ -30,7 +30,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode
 from fulcrum.errors import PlanningError
@@ -53,16 +56,13 @@ __all__ = [
 MODE_POOLS: dict[ModeName, tuple[Pool, ...]] = {"Disaggregated": Pool.disaggregated(), "Unified": (Pool.UNIFIED,)}
 
 
-def residual_quantile(residuals: "deque[float] | list[float]", q: float) -> float:
+def residual_quantile(residuals: Sequence[float], q: float) -> float:
     """The empirical ``q``-quantile of forecast residuals (observed − forecast, requests/s), linear between
-    order statistics (numpy's default). Raises ValueError on an empty sequence."""
+    order statistics (:func:`numpy.quantile`'s default); ``q`` is clipped to [0, 1]. Raises ValueError on an
+    empty sequence."""
     if not residuals:
         raise ValueError("no residuals")
-    xs = sorted(residuals)
-    pos = min(max(q, 0.0), 1.0) * (len(xs) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.quantile(np.asarray(residuals, dtype=float), min(max(q, 0.0), 1.0)))
 
 
 def _finite(x: float, default: float) -> float:
@@ -222,6 +222,11 @@ class FulcrumPlanner:
         if len(res1) >= self.min_residuals:
             return max(mean + residual_quantile(res1, q) * math.sqrt(steps), 0.0), f"1-step residual P{q * 100:g}·√{steps}"
         return _finite(fc.rate.upper, mean), f"P{self.spec.scaling.forecaster.prediction_level * 100:g} bound"
+
+    def residuals(self, steps: int) -> tuple[float, ...]:
+        """The forecast residuals scored so far ``steps`` intervals ahead (observed − forecast rate, requests/s),
+        oldest first, at most ``residual_window`` of them; empty before the first is due."""
+        return tuple(self._residuals.get(steps, ()))
 
     @property
     def headroom_level(self) -> float:

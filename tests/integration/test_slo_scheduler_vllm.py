@@ -144,12 +144,16 @@ def test_offline_profiling_fills_the_table_from_measured_steps(request: pytest.F
     model = build_tiny_model(tmp_path / "tiny-model")
     metrics_port = free_port()
     env = {"FULCRUM_SCHEDULER_METRICS_PORT": str(metrics_port), **fulcrum_worker_pythonpath(tmp_path)}
+    # The decodes must still run when the prompt's first token reaches the client. On a loaded 2-core machine the
+    # API server lags the engine core by over 1,000 tiny-model steps at times (a CI run failed at the default
+    # caps 256, 512, 1,024, 3 times): caps 480, 960, 1,920, the most the tiny model's 2,048 positions allow
+    # (64 + 1,920 < 2,048).
     spec = EngineSpec("profile", cpu=0, kv_role=None, max_model_len=2048, extra_env=env,
                       extra_args=("--scheduler-cls", SCHEDULER_CLS, "--max-num-batched-tokens", "2048"))
     with Engine(spec, model, tmp_path) as eng:
         table = asyncio.run(profile_steps(
             eng.url, f"http://127.0.0.1:{metrics_port}/metrics", model="tiny",
-            prefill_tokens=[64, 1024], decode_counts=[2, 4], contexts=[64],
+            prefill_tokens=[64, 1024], decode_counts=[2, 4], contexts=[64], decode_tokens=480,
         ))
     assert len(table) == table.measured_entries >= 4
     # every composition ran the 1024-token prompt beside all its decodes, with decode-only steps around it:

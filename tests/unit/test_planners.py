@@ -173,8 +173,8 @@ def test_bursts_are_planned_at_the_highest_rate_seen_not_at_the_mean_plus_their_
             continue
         point = max(planner.forecaster.forecast(k, 0.9).rate.mean for k in (1, planner.horizon_steps))
         assert r <= max(seen, point) + 1e-9
-        res = planner._residuals.get(planner.horizon_steps)
-        if res is not None and len(res) >= planner.min_residuals:
+        res = planner.residuals(planner.horizon_steps)
+        if len(res) >= planner.min_residuals:
             uncapped.append(point + residual_quantile(res, planner.headroom_level))
     assert max(uncapped) > 1.3 * seen  # the band alone would have planned well above every burst
     seen_need = plan(WorkloadEstimate.from_means(seen, 1000.0, 200.0), table_i, SPEC).prefill.replicas
