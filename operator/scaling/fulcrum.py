@@ -16,8 +16,8 @@ Each tick (``spec.scaling.intervalSeconds``):
    capped at the highest rate observed over the last ``peak_window`` intervals, unless the point forecast is
    higher: a bursty load's residual quantile is its burst height, and mean + that would plan for bursts nobody
    has seen. The cap is off in cold start: a few intervals say little of the peak (capping there cost attainment
-   on the conversation traces, where the first minutes are not the busiest). Lengths are forecast distributions (quantiles rescaled to the
-   forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate needed to drain it within one interval.
+   on the conversation traces, where the first minutes are not the busiest). Lengths are forecast distributions
+   (quantiles rescaled to the forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate needed to drain it within one interval.
 3. **plan** with :func:`fulcrum.ratio.planner.plan` (eqs. 11–18, TP, Kingman headroom); in Auto mode both modes
    are planned and :func:`fulcrum.scaling.mode.decide_mode` decides whether to switch (cost-weighed, with dwell
    time, make-before-break).
