@@ -9,16 +9,27 @@ For a decode instance of tensor-parallel size TP serving requests of mean length
 
 Fulcrum adds one check the paper leaves to profiling: the largest batch whose *measured* step time at context
 ISL + OSL/2 still meets the TPOT SLO (``cc_slo``), found by bisection on the profile's decode table.
+
+Eq. (13) sizes memory for the *mean* context; the KV cache of a decode instance holds a *random* sum of contexts.
+:func:`kv_instances_needed` sizes for a quantile of it instead (Fulcrum's addition, issue 13): with Poisson
+arrivals the requests in decode form an M/G/∞ population of mean L = λ·E[OSL]·t_d (Little's law), so the
+tokens it holds are compound-Poisson, mean L·m1 and variance L·m2, where m1 and m2 are the first two moments of
+one in-flight request's context (ISL + tokens generated so far) sampled over its time in decode
+(:func:`kv_context_moments`). Overflowing the cache is not a gentle slowdown: vLLM preempts the newest request and
+recomputes it later, which lengthens every step and the queue (the simulator does the same), so the planner's
+level (``PlannerSettings.kv_occupancy_quantile``, 0.95) sits above a P90 SLO's.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
+from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.profile import GiB, PerformanceProfile
 
-__all__ = ["DecodeCapacity", "decode_capacity", "slo_batch_limit"]
+__all__ = ["DecodeCapacity", "decode_capacity", "kv_context_moments", "kv_instances_needed", "slo_batch_limit"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +150,52 @@ def decode_capacity(
         step_s=step,
         limited_by=limited_by,
     )
+
+
+def kv_context_moments(isl: LengthDistribution, osl: LengthDistribution) -> tuple[float, float]:
+    """First two moments (tokens, tokens²) of the KV context of one request in decode, time-weighted.
+
+    A request of prompt x and output o spends o steps in decode with context x + k at step k, so over its time
+    there its context has E = x + o/2 and E[c²] = x² + x·o + o²/3; a random in-flight request is drawn with
+    weight o (longer outputs stay longer). With ISL and OSL independent:
+    m1 = E[x] + E[o²]/(2E[o]) and m2 = E[x²] + E[x]·E[o²]/E[o] + E[o³]/(3E[o]).
+    Returns (0, 0) when the mean output length is not positive.
+    """
+    eo = osl.mean()
+    if eo <= 0:
+        return 0.0, 0.0
+    eo2 = osl.expect(lambda o: o * o)
+    eo3 = osl.expect(lambda o: o * o * o)
+    ex = isl.mean()
+    ex2 = isl.expect(lambda x: x * x)
+    return ex + eo2 / (2.0 * eo), ex2 + ex * eo2 / eo + eo3 / (3.0 * eo)
+
+
+def kv_instances_needed(in_flight: float, m1: float, m2: float, capacity_tokens: float, quantile: float) -> float:
+    """Decode instances (continuous) whose KV caches hold the ``quantile`` of a compound-Poisson KV demand.
+
+    Each of n instances serves in_flight/n = y requests on average; its cache holds y·m1 tokens on average with
+    variance y·m2 (module doc). The largest y with y·m1 + z·√(y·m2) ≤ ``capacity_tokens`` (z the standard normal
+    ``quantile``) is y* = s², s = (−z√m2 + √(z²·m2 + 4·m1·C)) / (2·m1); the need is in_flight / y*.
+
+    Args:
+        in_flight: mean requests in decode over the pool, L = λ·E[OSL]·t_d.
+        m1, m2: :func:`kv_context_moments`, tokens and tokens².
+        capacity_tokens: one instance's KV cache, tokens (eq. 11 / M_token).
+        quantile: level of the KV demand the caches must hold, in (0, 1).
+
+    Returns:
+        Instances needed (≥ 0; 0 when nothing is in flight, ``inf`` when the cache holds no tokens).
+
+    Raises:
+        ValueError: ``quantile`` outside (0, 1).
+    """
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
+    if in_flight <= 0 or m1 <= 0:
+        return 0.0
+    if capacity_tokens <= 0:
+        return math.inf
+    z = max(NormalDist().inv_cdf(quantile), 0.0)
+    root = (-z * math.sqrt(m2) + math.sqrt(z * z * m2 + 4.0 * m1 * capacity_tokens)) / (2.0 * m1)
+    return in_flight / (root * root)

@@ -40,7 +40,7 @@ from scipy import special
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode, SLOSpec
 from fulcrum.errors import PlanningError
-from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity
+from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity, kv_context_moments, kv_instances_needed
 from fulcrum.ratio.feasibility import SLOInfeasible, relaxed_slo, slo_feasibility
 from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.profile import PerformanceProfile
@@ -77,6 +77,13 @@ class PlannerSettings:
         batching_alpha: α of eq. (18), the share of the expected wait a short prompt may spend being grouped.
         max_model_len: longest context, tokens; a P-instance must hold one such prompt's KV.
         max_tp: largest TP considered (GPUs per node).
+        kv_occupancy_quantile: level of the KV-cache demand a decode (or unified) pool must hold
+            (:func:`fulcrum.ratio.capacity.kv_instances_needed`; eq. (13) alone sizes for the mean). An overflow
+            preempts and recomputes requests, which slows every step, so the level sits above the SLO percentile:
+            0.95 is the lowest of 0.9/0.95/0.99 whose plans met a P90 SLO at every steady Poisson rate of
+            ``benchmarks/bench_plan_calibration.py`` (0.9 planned one decode instance at 5 req/s of the synthetic
+            trace's lengths on the Splitwise profile, and those pools reached 60%; 0.99 added a second decode
+            instance already at 4.5 req/s, where one reaches 99%).
         infeasible_slo_slack: a target the profile cannot meet at any count is planned as best · (1 + slack):
             0.1 lies within a profile's run-to-run noise, and since a memory-bound decode step of a few tens of
             requests costs little more than one request's (DOPD Table I), D-instances still batch instead of
@@ -92,6 +99,7 @@ class PlannerSettings:
     batching_alpha: float = 0.5
     max_model_len: int = 8192
     max_tp: int = 8
+    kv_occupancy_quantile: float = 0.95
     infeasible_slo_slack: float = 0.1
 
     @classmethod
@@ -327,12 +335,16 @@ def plan_disaggregated(
     n_p = min_servers_for_ttft(
         lam_p, es, s_q + transfer_q, ca2, cs2, ttft_slo, q, target_utilisation=settings.prefill_target_utilisation
     )
-    # decode: Little's law with the step time at the batch the pool will actually run
+    # decode: Little's law with the step time at the batch the pool will actually run; the KV caches must also
+    # hold a high quantile of the in-flight contexts, not only their mean (capacity module doc)
+    kv_m1, kv_m2 = kv_context_moments(workload.isl, workload.osl)
+    kv_tokens = profile.kv_capacity_tokens(cap.tp)
     t_d = cap.step_s
-    n_d_need = 0.0
+    n_d_need = kv_need = 0.0
     for _ in range(3):
         demand = lam * mean_osl * t_d
-        n_d_need = demand / (cap.cc * settings.decode_target_utilisation)
+        kv_need = kv_instances_needed(demand, kv_m1, kv_m2, kv_tokens, settings.kv_occupancy_quantile)
+        n_d_need = max(demand / (cap.cc * settings.decode_target_utilisation), kv_need)
         n_d = max(math.ceil(n_d_need - 1e-9), 0)
         batch = demand / n_d if n_d else 0.0
         t_d = profile.tpot(max(batch, 1.0), cap.context_tokens, cap.tp)
@@ -366,7 +378,7 @@ def plan_disaggregated(
         "tp_prefill": tp_p, "tp_decode": cap.tp, "cc_d": cap.cc, "cc_mem": cap.cc_mem, "cc_bw": cap.cc_bw,
         "cc_graph": cap.cc_graph, "cc_slo": cap.cc_slo, "cc_limited_by": cap.limited_by,
         "t_p_s": es, "t_p_q_s": s_q, "t_d_full_s": cap.step_s, "t_d_s": t_d, "kv_transfer_q_s": transfer_q,
-        "prefill_need": n_p_need, "decode_need": n_d_need, "wait_q_s": wq_q, "wait_mean_s": wq_mean,
+        "prefill_need": n_p_need, "decode_need": n_d_need, "decode_kv_need": kv_need, "wait_q_s": wq_q, "wait_mean_s": wq_mean,
         "prefill_utilisation": lam_p * es / n_p if n_p else 0.0,
         "decode_utilisation": lam * mean_osl * t_d / (n_d * cap.cc) if n_d else 0.0,
         "slo_infeasible": infeasible,
@@ -428,6 +440,57 @@ def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, o
     return float(np.clip(np.dot(w[has], miss), 0.0, 1.0))
 
 
+def _unified_step(profile: PerformanceProfile, tp: int, context: float, es: float, osl: float, lam: float
+                  ) -> tuple[float, float] | None:
+    """Mean decode step (s) and batch of a unified instance receiving ``lam`` requests/s: the fixed point of
+    step = t_d(B, ctx)/(1 − ρ_p), B = λ·E[OSL]·step (Little), ρ_p = λ·E[T_prefill] (``es`` s); None when
+    ρ_p ≥ 0.95 (prefill alone nearly saturates the instance)."""
+    rho_p = lam * es
+    if rho_p >= 0.95:
+        return None
+    b, step = 1.0, profile.tpot(1, context, tp)
+    for _ in range(20):
+        step = profile.tpot(max(b, 1.0), context, tp) / (1.0 - rho_p)
+        b_new = lam * osl * step
+        if abs(b_new - b) < 1e-3:
+            return step, b_new
+        b = b_new
+    return step, b
+
+
+def _unified_kv_need(profile: PerformanceProfile, tp: int, context: float, workload: WorkloadEstimate, lam: float,
+                     n_rate: float, quantile: float) -> float:
+    """Unified instances (continuous, ≥ ``n_rate``) whose KV caches hold the ``quantile`` of the in-flight
+    contexts (:func:`fulcrum.ratio.capacity.kv_instances_needed`) when ``lam`` req/s is spread over them: the
+    batch, and with it the KV demand, shrinks as instances are added, so n = f(n) is solved by bisection."""
+    if lam <= 0:
+        return 0.0
+    es = workload.isl.expect(lambda x: profile.ttft(x, tp))
+    osl = workload.osl.mean()
+    m1, m2 = kv_context_moments(workload.isl, workload.osl)
+    capacity = profile.kv_capacity_tokens(tp)
+
+    def f(n: float) -> float:
+        mixed = _unified_step(profile, tp, context, es, osl, lam / n)
+        if mixed is None:
+            return math.inf
+        return kv_instances_needed(lam * osl * mixed[0], m1, m2, capacity, quantile)
+
+    lo = max(n_rate, 1e-6)
+    if f(lo) <= lo:
+        return n_rate
+    hi = lo * 2.0
+    while f(hi) > hi and hi < 1e6:
+        lo, hi = hi, hi * 2.0
+    for _ in range(30):
+        mid = (lo + hi) / 2.0
+        if f(mid) > mid:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def _unified_rate_per_instance(
     profile: PerformanceProfile, tp: int, workload: WorkloadEstimate, cap: DecodeCapacity, slo: SLOSpec, q: float
 ) -> tuple[float, float]:
@@ -445,17 +508,11 @@ def _unified_rate_per_instance(
     osl = workload.osl.mean()
 
     def step_at(lam: float) -> tuple[float, float] | None:
-        rho_p = lam * es
-        if rho_p >= 0.95:
+        mixed = _unified_step(profile, tp, cap.context_tokens, es, osl, lam)
+        if mixed is None:
             return None
-        b, step = 1.0, profile.tpot(1, cap.context_tokens, tp)
-        for _ in range(20):
-            step = profile.tpot(max(b, 1.0), cap.context_tokens, tp) / (1.0 - rho_p)
-            b_new = lam * osl * step
-            if abs(b_new - b) < 1e-3:
-                b = b_new
-                break
-            b = b_new
+        step, b = mixed
+        rho_p = lam * es
         if b > cap.cc or step > tpot_slo:
             return None
         t_d = profile.tpot(max(b, 1.0), cap.context_tokens, tp)
@@ -534,6 +591,9 @@ def plan_unified(
         need = lam * 1e3
     else:
         need = lam / (mu * settings.decode_target_utilisation)
+    rate_need = need
+    if mu > 0:  # the KV caches must hold a high quantile of the in-flight contexts (capacity module doc)
+        need = _unified_kv_need(profile, tp, cap.context_tokens, workload, lam, need, settings.kv_occupancy_quantile)
     n = max(math.ceil(need - 1e-9), 1 if lam > 0 else 0)
     counts, budget_notes = _fit_budget({"u": need}, {"u": tp}, {"u": n}, min_gpus, max_gpus)
     notes += budget_notes
@@ -545,7 +605,7 @@ def plan_unified(
     share = r / (1.0 + r) if math.isfinite(r) and r >= 0 else None
     inputs: dict[str, Any] = {
         "rate_rps": lam, "mean_isl": workload.isl.mean(), "mean_osl": workload.osl.mean(), "tp_unified": tp,
-        "rate_per_instance": mu, "cc": cap.cc, "step_s": step, "unified_need": need, "ultra_short_tokens": u,
+        "rate_per_instance": mu, "cc": cap.cc, "step_s": step, "unified_need": need, "unified_rate_need": rate_need, "ultra_short_tokens": u,
         "prefill_share": share, "slo_infeasible": infeasible,
     }
     return Plan(

@@ -1,0 +1,141 @@
+"""Does a plan meet the SLO it was made for? Plan at a steady load, run the plan's pools in the simulator.
+
+Run: ``python benchmarks/bench_plan_calibration.py [--rates 1,2,3,4,5,6,8] [--seconds 1800]``
+
+For each (example spec, bundled trace) pair below and each arrival rate λ, the planner is given the steady
+workload λ with the trace's own ISL/OSL distribution (its quantiles, :data:`fulcrum.observation.QUANTILE_LEVELS`)
+and asked for a Disaggregated plan (:func:`fulcrum.ratio.planner.plan_disaggregated`) and, where the spec's
+profile can plan one, a Unified plan (:func:`~fulcrum.ratio.planner.plan_unified`). The planned pools are then
+run as a static deployment in the simulator (``fulcrum.replay``, the engine of ``fulcrum replay``) on a Poisson
+load of rate λ whose requests are drawn from the trace (seeded), and scored as ``fulcrum replay`` scores them
+(after its warm-up). A plan is **calibrated** when its pools reach the spec's SLO percentile (e.g. 90% of
+requests within both TTFT and TPOT): the plan claims exactly that.
+
+The figure is the share of calibrated (spec, trace, rate, mode) points, with the GPUs they plan; the baseline,
+measured in the same run, is the same planner with ``kv_occupancy_quantile = 0.5`` — KV caches sized for the
+mean in-flight context, as DOPD's eq. (13) does — so the ratio shows what sizing for the KV demand's tail
+(:func:`fulcrum.ratio.capacity.kv_instances_needed`) buys and costs. Rows that miss print the attainment reached.
+
+No GPU and no cluster: the simulator is timed by the specs' performance profiles. Target: every point
+calibrated (a miss is a planner model error, to be fixed in ``fulcrum.ratio``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from fulcrum.api.llmserve import LLMServeSpec, Mode, load_llmserve
+from fulcrum.commands.replay import resolve_spec_profile
+from fulcrum.errors import PlanningError
+from fulcrum.observation import QUANTILE_LEVELS
+from fulcrum.ratio.lengths import LengthDistribution
+from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan_disaggregated, plan_unified
+from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.replay.driver import ReplayOptions, run_planner
+from fulcrum.replay.static_best import _static_spec
+from fulcrum.scaling.static import StaticPlanner
+from fulcrum.traces import load_trace
+from fulcrum.workload import Request
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [
+    ("llmserve-auto.yaml", "synthetic-burst-steady"),
+    ("llmserve-auto.yaml", "azure-conv-2023"),
+    ("llmserve-auto.yaml", "azure-code-2023"),
+    ("llmserve-disaggregated-70b-h100.yaml", "azure-conv-2023"),
+    ("llmserve-disaggregated-70b-h100.yaml", "synthetic-burst-steady"),
+]
+
+
+def _dist(values: np.ndarray) -> LengthDistribution:
+    return LengthDistribution.from_quantiles(
+        QUANTILE_LEVELS, [float(np.quantile(values, q)) for q in QUANTILE_LEVELS], float(values.mean()))
+
+
+def _plans(spec: LLMServeSpec, profile: PerformanceProfile, w: WorkloadEstimate, settings: PlannerSettings
+           ) -> dict[str, Plan]:
+    sc = spec.scaling
+    out = {"D": plan_disaggregated(w, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode,
+                                   settings=settings)}
+    if spec.mode != Mode.DISAGGREGATED:
+        try:
+            out["U"] = plan_unified(w, profile, spec.slo, tp_unified=sc.tp_unified, settings=settings)
+        except PlanningError:
+            pass
+    return out
+
+
+def _label(p: Plan) -> str:
+    if p.mode == Mode.UNIFIED.value:
+        return f"{p.unified.replicas}U×TP{p.unified.tp}"
+    return f"{p.prefill.replicas}P×TP{p.prefill.tp}+{p.decode.replicas}D×TP{p.decode.tp}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="1,2,3,4,5,6,8", help="steady arrival rates, requests/s (comma-separated)")
+    ap.add_argument("--seconds", type=float, default=1800.0, help="length of each Poisson load, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    warnings.simplefilter("ignore")
+    variants = {"fulcrum": None, "mean KV (baseline)": 0.5}
+    totals = {v: [0, 0, 0] for v in variants}  # calibrated points, points, planned GPUs
+    runs: dict[tuple[str, int, int, int], float] = {}
+    for example, trace in CASES:
+        path = ROOT / "examples" / example
+        spec = load_llmserve(path).spec
+        profile = resolve_spec_profile(spec, path, None)
+        src = load_trace(trace, None).requests
+        isl = np.array([r.isl for r in src], dtype=float)
+        osl = np.array([r.osl for r in src], dtype=float)
+        i_dist, o_dist = _dist(isl), _dist(osl)
+        target = spec.slo.percentile / 100.0
+        print(f"\n{example} × {trace}  (SLO P{spec.slo.percentile:g}: TTFT {spec.slo.ttft_ms} ms, "
+              f"TPOT {spec.slo.tpot_ms} ms; profile {profile.name})")
+        rng = np.random.default_rng(args.seed)
+        for lam in rates:
+            n = int(rng.poisson(lam * args.seconds))
+            t = np.sort(rng.uniform(0.0, args.seconds, n))
+            pick = rng.integers(0, len(src), n)
+            load = [Request(float(t[i]), src[pick[i]].isl, src[pick[i]].osl) for i in range(n)]
+            w = WorkloadEstimate(lam, i_dist, o_dist, 1.0)
+            cells = []
+            for name, q in variants.items():
+                settings = PlannerSettings.from_spec(spec)
+                if q is not None:
+                    settings = dataclasses.replace(settings, kv_occupancy_quantile=q)
+                for mode, p in _plans(spec, profile, w, settings).items():
+                    key = (f"{example}|{trace}|{lam}|{mode}", p.prefill.replicas, p.decode.replicas, p.unified.replicas)
+                    if key not in runs:
+                        m = Mode.UNIFIED if mode == "U" else Mode.DISAGGREGATED
+                        static = StaticPlanner(_static_spec(spec, m, p.prefill.replicas, p.decode.replicas,
+                                                            p.unified.replicas), profile)
+                        runs[key] = run_planner(static, load, spec, profile, ReplayOptions(), name="static"
+                                                ).summary.slo_attainment
+                    a = runs[key]
+                    ok = a >= target
+                    tot = totals[name]
+                    tot[0] += ok
+                    tot[1] += 1
+                    tot[2] += p.gpus
+                    cells.append(f"{name[:7]} {mode} {_label(p):>16s} {a * 100:5.1f}%{'' if ok else ' MISS'}")
+            print(f"  {lam:5.2f} req/s  " + "   ".join(cells), flush=True)
+    print("\nvariant               calibrated        planned GPUs")
+    base = totals["mean KV (baseline)"]
+    for name, (ok, n, gpus) in totals.items():
+        print(f"{name:20s}  {ok:3d} / {n:3d} ({ok / n:6.1%})   {gpus:5d}")
+    ours = totals["fulcrum"]
+    print(f"\nratio to the baseline: calibrated {ours[0] / max(base[0], 1):.2f}×, planned GPUs {ours[2] / max(base[2], 1):.2f}×")
+    print(f"target (every point calibrated): {'met' if ours[0] == ours[1] else 'not met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
