@@ -192,6 +192,28 @@ def test_unified_tpot_miss_is_the_poisson_tail_of_prefills_during_a_requests_dec
         1.0, 0.03, 0.05, 0.2, d, 0.1)
 
 
+def test_unified_tpot_miss_with_one_prefill_time_is_the_poisson_tail():
+    d = LengthDistribution.point(11)
+    exact = unified_tpot_miss(1.0, 0.03, 0.05, 0.2, d, 0.1)
+    assert unified_tpot_miss(1.0, 0.03, 0.05, 0.2, d, 0.1, ([0.2, 0.2], [0.3, 0.7])) == pytest.approx(exact, rel=1e-12)
+
+
+@pytest.mark.parametrize("lam", [0.5, 1.0, 3.0])
+def test_unified_tpot_miss_counts_the_spread_of_prefill_times(lam):
+    # prompts of 0.05 s (90%) or 1.0 s (10%), mean 0.145 s; an 11-token answer has 0.07·10 = 0.7 s of budget: one
+    # long prompt in its window is a miss, which the mean alone (⌊0.7/0.145⌋ = 4 prompts) does not see
+    d = LengthDistribution.point(11)
+    times, probs = np.array([0.05, 1.0]), np.array([0.9, 0.1])
+    mean = float(times @ probs)
+    got = unified_tpot_miss(lam, 0.03, 0.05, mean, d, 0.1, (times, probs))
+    rng = np.random.default_rng(11)  # Poisson thinning: the short and the long prompts arrive independently
+    m = lam * 10 * 0.05
+    drawn = 0.05 * rng.poisson(m * 0.9, 400_000) + 1.0 * rng.poisson(m * 0.1, 400_000)
+    # exact for up to two prompts in the window, a gamma beyond: within 2 points of the drawn share here
+    assert got == pytest.approx(np.mean(drawn > 0.7), abs=0.02)
+    assert got > unified_tpot_miss(lam, 0.03, 0.05, mean, d, 0.1)
+
+
 def test_short_outputs_behind_long_prompts_make_unified_cost_more_than_disaggregated(splitwise):
     # Azure code-like lengths (long prompts, short answers): a short answer decoding beside a long prompt's chunks
     # misses TPOT; the unified plan must carry that tail, so Auto keeps Disaggregated (issue 13: Auto had switched
