@@ -182,7 +182,8 @@ def kv_instances_needed(in_flight: float, m1: float, m2: float, capacity_tokens:
         in_flight: mean requests in decode over the pool, L = λ·E[OSL]·t_d.
         m1, m2: :func:`kv_context_moments`, tokens and tokens².
         capacity_tokens: one instance's KV cache, tokens (eq. 11 / M_token).
-        quantile: level of the KV demand the caches must hold, in (0, 1).
+        quantile: level of the KV demand the caches must hold, in (0, 1); a level below 0.5 counts as the
+            median (z is clipped at 0: never less than the mean demand).
 
     Returns:
         Instances needed (≥ 0; 0 when nothing is in flight, ``inf`` when the cache holds no tokens).
