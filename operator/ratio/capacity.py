@@ -164,10 +164,10 @@ def kv_context_moments(isl: LengthDistribution, osl: LengthDistribution) -> tupl
     eo = osl.mean()
     if eo <= 0:
         return 0.0, 0.0
-    eo2 = osl.expect(lambda o: o * o)
+    eo2 = osl.second_moment()
     eo3 = osl.expect(lambda o: o * o * o)
     ex = isl.mean()
-    ex2 = isl.expect(lambda x: x * x)
+    ex2 = isl.second_moment()
     return ex + eo2 / (2.0 * eo), ex2 + ex * eo2 / eo + eo3 / (3.0 * eo)
 
 

@@ -450,18 +450,16 @@ def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, o
     n, w = n[has], w[has]
     budget = (tpot_slo - t_d) * n  # B_o, seconds of prefill the window can absorb
     m = lam * n * step_s  # E[k] per OSL point
-    times = weights = None
+    var = 0.0
     if prefill_dist is not None:
         times = np.asarray(prefill_dist[0], dtype=float)
         weights = np.asarray(prefill_dist[1], dtype=float)
         weights = weights / weights.sum()
-        if float(np.dot(weights, (times - np.dot(weights, times)) ** 2)) <= 1e-12 * prefill_s**2:
-            times = None  # one prefill time: the exact Poisson tail below
-    if times is None or weights is None:
+        mu = float(np.dot(weights, times))
+        var = float(np.dot(weights, (times - mu) ** 2))
+    if var <= 1e-12 * prefill_s**2:  # one prefill time: the exact Poisson tail
         miss = special.pdtrc(np.floor(budget / prefill_s), m)  # P(Poisson(m) > k)
         return float(np.clip(np.dot(w, miss), 0.0, 1.0))
-    mu = float(np.dot(weights, times))
-    var = float(np.dot(weights, (times - mu) ** 2))
     p0 = np.exp(-m)
     p1, p2 = p0 * m, p0 * m * m / 2.0
     p3 = np.maximum(1.0 - p0 - p1 - p2, 0.0)  # P(k ≥ 3)
@@ -501,14 +499,14 @@ def _unified_step(profile: PerformanceProfile, tp: int, context: float, es: floa
     return step, b
 
 
-def _unified_kv_need(profile: PerformanceProfile, tp: int, context: float, workload: WorkloadEstimate, lam: float,
-                     n_rate: float, quantile: float) -> float:
+def _unified_kv_need(profile: PerformanceProfile, tp: int, context: float, es: float, workload: WorkloadEstimate,
+                     lam: float, n_rate: float, quantile: float) -> float:
     """Unified instances (continuous, ≥ ``n_rate``) whose KV caches hold the ``quantile`` of the in-flight
-    contexts (:func:`fulcrum.ratio.capacity.kv_instances_needed`) when ``lam`` req/s is spread over them: the
-    batch, and with it the KV demand, shrinks as instances are added, so n = f(n) is solved by bisection."""
+    contexts (:func:`fulcrum.ratio.capacity.kv_instances_needed`) when ``lam`` req/s is spread over them (``es``:
+    mean prefill time, s): the batch, and with it the KV demand, shrinks as instances are added, so n = f(n) is
+    solved by bisection."""
     if lam <= 0:
         return 0.0
-    es = workload.isl.expect(lambda x: profile.ttft(x, tp))
     osl = workload.osl.mean()
     m1, m2 = kv_context_moments(workload.isl, workload.osl)
     capacity = profile.kv_capacity_tokens(tp)
@@ -635,16 +633,17 @@ def plan_unified(
         need = lam * 1e3
     else:
         need = lam / (mu * settings.decode_target_utilisation)
+    t_p = workload.isl.expect(lambda x: profile.ttft(x, tp))
     rate_need = need
     if mu > 0:  # the KV caches must hold a high quantile of the in-flight contexts (capacity module doc)
-        need = _unified_kv_need(profile, tp, cap.context_tokens, workload, lam, need, settings.kv_occupancy_quantile)
+        need = _unified_kv_need(profile, tp, cap.context_tokens, t_p, workload, lam, need,
+                                settings.kv_occupancy_quantile)
     n = max(math.ceil(need - 1e-9), 1 if lam > 0 else 0)
     counts, budget_notes = _fit_budget({"u": need}, {"u": tp}, {"u": n}, min_gpus, max_gpus)
     notes += budget_notes
     n = counts["u"]
     u = ultra_short_threshold(profile, tp, tp, step, tpot_slo, settings)
     # eq. (15) at the unified TP: the duty split role reassignment is bounded around (RoutingParams.prefill_share)
-    t_p = workload.isl.expect(lambda x: profile.ttft(x, tp))
     r = cap.cc * t_p / (cap.step_s * max(workload.osl.mean(), 1.0)) if cap.step_s > 0 else math.nan
     share = r / (1.0 + r) if math.isfinite(r) and r >= 0 else None
     inputs: dict[str, Any] = {
