@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fulcrum.ratio.profile import PerformanceProfile
@@ -31,7 +32,7 @@ from fulcrum.routing.round_robin import RoundRobinPolicy
 from fulcrum.routing.split import SplitPolicy
 from fulcrum.target import RoutingParams
 
-__all__ = ["POLICIES", "make_policy", "policy_parameters", "policy_params"]
+__all__ = ["POLICIES", "PlanPolicyFactory", "make_policy", "policy_parameters", "policy_params"]
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     RoundRobinPolicy.name: RoundRobinPolicy,
@@ -120,3 +121,29 @@ def policy_params(
             params.update(prefix_pull=True, kv_block_tokens=kv_block_tokens)
         return params
     return {}
+
+
+@dataclass(frozen=True)
+class PlanPolicyFactory:
+    """Routing policy ``name`` as the router runs it under a sequence of plans: ``factory(routing)`` builds it
+    from a plan's :class:`~fulcrum.target.RoutingParams` (``params_of`` maps them to the constructor's
+    parameters, as :func:`policy_params` does for the operator), and ``factory.config(routing)`` is what the
+    router's config holds of it: ``(name, params)``.
+
+    The router builds a new policy only when that config changes (``RouterState.apply_config``), so the
+    policy's learned state (the split policy's execution predictor, the in-flight placements) survives a plan
+    that moves only parameters the policy does not take; the simulator rebuilds on the same condition.
+
+    Raises (on a call):
+        ValueError: unknown parameter or a value the policy rejects (:func:`make_policy`).
+    """
+
+    name: str
+    params_of: Callable[[RoutingParams], dict[str, Any]]
+
+    def config(self, routing: RoutingParams) -> tuple[str, dict[str, Any]]:
+        """The router config's policy section under ``routing``: (name, constructor parameters)."""
+        return self.name, self.params_of(routing)
+
+    def __call__(self, routing: RoutingParams) -> Policy:
+        return make_policy(self.name, self.params_of(routing))

@@ -29,6 +29,7 @@ from fulcrum.simulator.cluster import (
     SimResult,
     Simulation,
     default_policy,
+    policy_config,
 )
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, percentile, summarize
@@ -45,6 +46,7 @@ __all__ = [
     "DecodeRequestView",
     "PolicyFactory",
     "default_policy",
+    "policy_config",
     "RequestRecord",
     "InstanceStatus",
     "Kernel",

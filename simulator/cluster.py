@@ -58,6 +58,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import numpy as np
 
 from fulcrum.api.llmserve import SLOSpec
@@ -67,7 +69,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.routing.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
 from fulcrum.routing.batcher import PrefillBatch, PrefillBatcher
 from fulcrum.routing.length_predictor import BucketedQuantilePredictor
-from fulcrum.routing.registry import make_policy, policy_params
+from fulcrum.routing.registry import PlanPolicyFactory, policy_params
 from fulcrum.simulator.instances import EngineInstance, Instance, InstanceState, PrefillInstance, SimRequest
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, summarize
@@ -81,7 +83,7 @@ from fulcrum.simulator.records import (
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
-__all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "PolicyFactory", "default_policy",
+__all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "PolicyFactory", "default_policy", "policy_config",
            "serving_unified"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
@@ -95,15 +97,25 @@ role flip); ``fulcrum.replay.roles`` adapts it."""
 
 PolicyFactory = Callable[[RoutingParams], Policy]
 """Builds the routing policy from the plan's routing parameters (as the operator writes the router's config:
-:func:`fulcrum.routing.registry.policy_params` then :func:`~fulcrum.routing.registry.make_policy`)."""
+:func:`fulcrum.routing.registry.policy_params` then :func:`~fulcrum.routing.registry.make_policy`). A factory
+with a ``config(routing)`` method (:class:`~fulcrum.routing.registry.PlanPolicyFactory`) says what the router's
+config holds of the policy; the simulation then builds a new policy only when that changes, as the router does.
+Without one, any change of the routing parameters builds a new policy."""
+
+
+def policy_config(factory: PolicyFactory, routing: RoutingParams) -> Any:
+    """What the router's config holds of the policy ``factory`` builds under ``routing`` (its ``config``), or
+    ``routing`` itself for a factory without one: the simulation rebuilds the policy when this changes."""
+    config = getattr(factory, "config", None)
+    return config(routing) if callable(config) else routing
 
 _ROLES = tuple(p.value for p in Pool)
 
 
-def default_policy(routing: RoutingParams) -> Policy:
-    """The LLMServe default, ``disaggregated`` (DOPD §V-B/§V-E), with the plan's parameters and vLLM's 16-token
-    KV blocks."""
-    return make_policy("disaggregated", policy_params("disaggregated", routing, disaggregated=True, kv_block_tokens=16))
+default_policy = PlanPolicyFactory(
+    "disaggregated", lambda routing: policy_params("disaggregated", routing, disaggregated=True, kv_block_tokens=16))
+"""The LLMServe default, ``disaggregated`` (DOPD §V-B/§V-E), with the plan's parameters and vLLM's 16-token
+KV blocks."""
 
 
 def serving_unified(target: ClusterTarget, was_unified: bool) -> bool:
@@ -261,8 +273,9 @@ class Simulation:
         rescheduler: asked for decode migrations every ``config.reschedule_interval_s`` (None: none).
         role_balancer: asked for role changes at the same ticks (None: fixed roles).
         policy: builds the routing policy (:mod:`fulcrum.routing`) from the plan's routing parameters, at the
-            start and whenever an applied target changes them (the operator rewrites the router's config and
-            the router builds its policy anew); None: :func:`default_policy`.
+            start and whenever an applied target changes what the router's config holds of the policy
+            (:func:`policy_config`: the operator rewrites the router's config, and the router builds a new
+            policy only when its policy section changed); None: :func:`default_policy`.
 
     Raises:
         ValueError: a malformed request.
@@ -314,7 +327,7 @@ class Simulation:
         self._result: SimResult | None = None
         self._timeline: list[tuple[float, int, int]] = []
         self._target = initial
-        self._policy_routing = initial.routing  # the plan the policy was built from
+        self._policy_config = policy_config(self._make_policy, initial.routing)  # the router config's policy
         self._serving_unified = serving_unified(initial, False)
         self._check_tps(initial)
         for role in _ROLES:
@@ -374,8 +387,9 @@ class Simulation:
         self._serving_unified = serving_unified(target, was_unified)
         for pool in Pool:
             self._resize(pool.value, target.pool(pool))
-        if target.routing != self._policy_routing:  # the operator rewrites the router's config: a new policy
-            self._policy_routing = target.routing
+        config = policy_config(self._make_policy, target.routing)
+        if config != self._policy_config:  # the operator rewrote the router's policy section: a new policy
+            self._policy_config = config
             for inst in self._pools["prefill"]:
                 self._flush_gate(inst)  # the router closes its old gate, releasing every waiting prompt
             self._policy = self._make_policy(target.routing)

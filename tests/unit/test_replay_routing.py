@@ -3,6 +3,7 @@ and Libra's split policy's micro-requests and BanaServe's load-aware dispatch re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from fulcrum.api.llmserve import LLMServeSpec, SLOSpec, load_llmserve
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.driver import ReplayOptions, run_policy
 from fulcrum.replay.routing import ROUTING_POLICIES, parse_routing, path_counts, routing_factory
+from fulcrum.routing.disaggregated import DisaggregatedPolicy
 from fulcrum.routing.load_aware import LoadAwarePolicy
 from fulcrum.routing.split import SplitPolicy
 from fulcrum.simulator import SimConfig, Simulation
@@ -114,3 +116,31 @@ def test_the_simulator_stays_deterministic_under_every_policy(window: tuple[Requ
         runs = [Simulation(window[:400], profile, spec.slo, target, policy=routing_factory(name, spec, profile)).finish()
                 for _ in range(2)]
         assert runs[0].records == runs[1].records, name
+
+
+def test_the_simulator_builds_a_new_policy_only_when_the_routers_policy_config_changes(
+        window: tuple[Request, ...]) -> None:
+    # As RouterState.apply_config: a plan that moves only routing parameters the policy does not take (the split
+    # policy takes none of RoutingParams) keeps the policy and its learned state; a changed parameter the policy
+    # takes (the disaggregated policy's ultra-short threshold) builds a new one.
+    for name, spec_file, changed, kept in (
+        ("split", UNIFIED, None, RoutingParams(ultra_short_tokens=94, prefill_share=0.9)),
+        ("disaggregated", DISAGG, RoutingParams(ultra_short_tokens=94), RoutingParams(prefill_share=0.9)),
+    ):
+        spec = load_llmserve(spec_file).spec
+        assert spec.profile.name is not None
+        profile = builtin_profile(spec.profile.name)
+        factory = routing_factory(name, spec, profile)
+        assert factory.config(RoutingParams()) == factory.config(kept)
+        target = (ClusterTarget(unified=PoolSize(2, 4)) if name == "split"
+                  else ClusterTarget(prefill=PoolSize(1, 1), decode=PoolSize(1, 2)))
+        sim = Simulation(window[:50], profile, spec.slo, target, policy=factory)
+        sim.run_until(30.0)
+        first = sim._policy
+        assert isinstance(first, SplitPolicy if name == "split" else DisaggregatedPolicy)
+        sim.apply(dataclasses.replace(target, routing=kept))
+        assert sim._policy is first, name
+        if changed is not None:
+            sim.apply(dataclasses.replace(target, routing=changed))
+            assert sim._policy is not first and sim._policy.ultra_short_tokens == 94
+        sim.finish()

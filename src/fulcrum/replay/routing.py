@@ -1,19 +1,22 @@
 """The routing policy of a replay: the router's own policies (:mod:`fulcrum.routing`), built as the operator builds
 them for the router's config, so ``fulcrum replay --routing NAME`` replays what the router would run.
 
-The simulator builds a policy at the start and whenever the planner's target brings new routing parameters
-(:class:`~fulcrum.target.RoutingParams`), as the router does when the operator rewrites its config.
+The simulator builds a policy at the start and whenever the planner's target changes what the router's config
+holds of the policy (its name and constructor parameters, :class:`~fulcrum.routing.registry.PlanPolicyFactory`),
+as the router does when the operator rewrites its config: a plan that moves only parameters the policy does not
+take (the split policy takes none of :class:`~fulcrum.target.RoutingParams`) keeps the policy and what it has
+learned.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.routing.base import Policy
-from fulcrum.routing.registry import POLICIES, make_policy, policy_params
+from fulcrum.routing.registry import POLICIES, PlanPolicyFactory, policy_params
 from fulcrum.simulator import PolicyFactory, RequestRecord
 from fulcrum.target import RoutingParams
 
@@ -56,12 +59,11 @@ def routing_factory(name: str, spec: LLMServeSpec, profile: PerformanceProfile) 
     disaggregated = spec.mode is Mode.DISAGGREGATED
     prefix_pull = spec.router.prefix_pull and name == "load_aware"
 
-    def build(routing: RoutingParams) -> Policy:
-        params = policy_params(name, routing, disaggregated=disaggregated, kv_block_tokens=spec.engine.block_size,
-                               profile=profile, prefix_pull=prefix_pull)
-        return make_policy(name, params)
+    def params_of(routing: RoutingParams) -> dict[str, Any]:
+        return policy_params(name, routing, disaggregated=disaggregated, kv_block_tokens=spec.engine.block_size,
+                             profile=profile, prefix_pull=prefix_pull)
 
-    return build
+    return PlanPolicyFactory(name, params_of)
 
 
 def path_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
