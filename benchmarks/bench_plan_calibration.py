@@ -5,8 +5,8 @@ Run: ``python benchmarks/bench_plan_calibration.py [--rates 1,2,3,4,5,6,8] [--se
 For each (example spec, bundled trace) pair below and each arrival rate λ, the planner is given the steady
 workload λ with the trace's own ISL/OSL distribution (its quantiles, :data:`fulcrum.observation.QUANTILE_LEVELS`)
 and asked for a Disaggregated plan (:func:`fulcrum.ratio.planner.plan_disaggregated`) and, where the spec's
-profile can plan one, a Unified plan (:func:`~fulcrum.ratio.planner.plan_unified`). The planned pools are then
-run as a static deployment in the simulator (``fulcrum.replay``, the engine of ``fulcrum replay``) on a Poisson
+profile can plan one, a Unified plan (:func:`~fulcrum.ratio.planner.plan_unified`). The planned pools (with the
+plan's own TPs and routing parameters) are then run as a static deployment in the simulator (``fulcrum.replay``, the engine of ``fulcrum replay``) on a Poisson
 load of rate λ whose requests are drawn from the trace (seeded), and scored as ``fulcrum replay`` scores them
 (after its warm-up). A plan is **calibrated** when its pools reach the spec's SLO percentile (e.g. 90% of
 requests within both TTFT and TPOT): the plan claims exactly that.
@@ -112,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                 if q is not None:
                     settings = dataclasses.replace(settings, kv_occupancy_quantile=q)
                 for mode, p in _plans(spec, profile, w, settings).items():
-                    key = (f"{example}|{trace}|{lam}|{mode}", p.prefill.replicas, p.decode.replicas, p.unified.replicas)
+                    key = (f"{example}|{trace}|{lam}|{mode}", p.target())
                     if key not in runs:
                         m = Mode.UNIFIED if mode == "U" else Mode.DISAGGREGATED
+                        # the plan's own pools, TPs and routing (the spec's counts would take the spec's TPs)
                         static = StaticPlanner(_static_spec(spec, m, p.prefill.replicas, p.decode.replicas,
-                                                            p.unified.replicas), profile)
+                                                            p.unified.replicas), profile, target=p.target())
                         runs[key] = run_planner(static, load, spec, profile, ReplayOptions(), name="static"
                                                 ).summary.slo_attainment
                     a = runs[key]

@@ -17,15 +17,20 @@ __all__ = ["StaticPlanner"]
 
 class StaticPlanner:
     """Fixed pools from ``spec.scaling.initialPrefill/initialDecode/initialUnified`` (TP from the spec, else the
-    smallest TP of the profile that holds the model). Implements :class:`fulcrum.scaling.planner.Planner`."""
+    smallest TP of the profile that holds the model), or exactly ``target`` when one is given (a plan's pools,
+    TPs and routing parameters, run unchanged: ``benchmarks/bench_plan_calibration.py``). Implements
+    :class:`fulcrum.scaling.planner.Planner`."""
 
     name = "static"
     forecaster: WorkloadForecaster | None = None  # never forecasts
     horizon_steps = 1
 
-    def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile) -> None:
+    def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile, target: ClusterTarget | None = None) -> None:
         self.spec = spec
         self.tick_s = float(spec.scaling.interval_seconds)
+        if target is not None:
+            self._target = target
+            return
         sc = spec.scaling
         s = PlannerSettings.from_spec(spec)
         tpot = spec.slo.tpot_ms / 1e3

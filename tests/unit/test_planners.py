@@ -63,6 +63,17 @@ def test_odd_observations_never_raise_or_yield_nan_decisions(factory, table_i):
             assert all(math.isfinite(v) for v in series.values())
 
 
+def test_the_static_planner_runs_a_given_target_unchanged(table_i):
+    # bench_plan_calibration runs a plan's own pools, TPs and routing: the spec's counts would take the spec's TPs
+    from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
+
+    target = ClusterTarget(prefill=PoolSize(3, 2), decode=PoolSize(2, 4), routing=RoutingParams(ultra_short_tokens=77))
+    planner = StaticPlanner(SPEC, table_i, target=target)
+    assert planner.initial() == target
+    assert all(d.target == target for d in drive(planner, [obs(60 * (i + 1), 2.0 + i) for i in range(4)]))
+    assert StaticPlanner(SPEC, table_i).initial().prefill.tp == 1  # without one: the spec's TP
+
+
 def test_a_steady_load_settles_and_never_oscillates(table_i):
     decisions = drive(FulcrumPlanner(SPEC, table_i), [obs(60 * (i + 1), 6.0) for i in range(60)])
     counts = [(d.target.prefill.replicas, d.target.decode.replicas) for d in decisions]
