@@ -89,6 +89,11 @@ class PlannerSettings:
             0.1 lies within a profile's run-to-run noise, and since a memory-bound decode step of a few tens of
             requests costs little more than one request's (DOPD Table I), D-instances still batch instead of
             holding one request each (which would scale to ``maxGPUs`` and still miss the target).
+        tp_switch_gain: a Unified plan leaves the TP its pool already runs (``current_tp``) only for a TP that
+            serves at least this much more per GPU: a TP change replaces the whole pool (new instances start,
+            the old ones drain), and two TPs within a few percent of each other swapped with the lengths every
+            few minutes on the Azure code trace (six pool replacements in 40 minutes, issue 13); 0.15 is above
+            the per-GPU difference the lengths moved back and forth there.
     """
 
     bandwidth_utilisation: float = 0.6
@@ -102,6 +107,7 @@ class PlannerSettings:
     max_tp: int = 8
     kv_occupancy_quantile: float = 0.95
     infeasible_slo_slack: float = 0.1
+    tp_switch_gain: float = 0.15
 
     @classmethod
     def from_spec(cls, spec: LLMServeSpec) -> "PlannerSettings":
@@ -405,8 +411,15 @@ def plan_disaggregated(
     )
 
 
+IN_PROGRESS_POINTS = 4
+"""Points per prompt length :func:`plan_unified` gives :func:`unified_tpot_miss` for the prompt already being
+prefilled when a request's decode window opens (midpoints of its remaining share; 4 reach every point of
+``benchmarks/bench_plan_calibration.py``, 2 and 3 leave the code trace's Unified plans at 87–90%)."""
+
+
 def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, osl: LengthDistribution,
-                      tpot_slo: float, prefill_dist: tuple[Sequence[float], Sequence[float]] | None = None) -> float:
+                      tpot_slo: float, prefill_dist: tuple[Sequence[float], Sequence[float]] | None = None,
+                      in_progress_points: int = 0) -> float:
     """Share of requests whose TPOT misses ``tpot_slo`` on a unified instance (chunked prefill mixed into decode).
 
     A request of OSL o decodes for o − 1 steps, a window of W = (o − 1)·``step_s`` seconds. Every prompt that
@@ -422,9 +435,17 @@ def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, o
     P(S > B) = Σ_k P(k)·P(T_1 + … + T_k > B), exact for k = 1 and 2 (one or two long prompts are what a short
     answer misses behind), and for k ≥ 3 a gamma with the mean and variance of S given k ≥ 3 (E[k|k≥3]·E[T],
     E[k|k≥3]·Var[T] + Var[k|k≥3]·E[T]²): a handful of array operations, since the planner calls this inside a
-    bisection on λ. On the Azure
-    code trace's lengths (prompts up to 7.4k tokens, answers of 11 tokens at the median) the mean alone left
-    unified plans at 37–80% attainment against a P90 SLO (``benchmarks/bench_plan_calibration.py``).
+    bisection on λ. On the Azure code trace's lengths (prompts up to 7.4k tokens, answers of 11 tokens at the
+    median) the mean alone left unified plans at 37–80% attainment against a P90 SLO
+    (``benchmarks/bench_plan_calibration.py``).
+
+    With ``in_progress_points`` = K > 0, S also holds the rest of the prompt already being prefilled when the
+    window opens: with probability ρ_p = λ·E[T] the instance is prefilling (the window starts at a random
+    time of its prefill work); the prompt in progress is then length-biased (point i with probability
+    ∝ p_i·T_i, a long prompt occupies the instance longer) and its remaining share uniform, here its K
+    midpoints (j + ½)/K·T_i. P(S > B) is then the mixture of the tails above at the budgets B − R. Without it
+    the Unified plans for the code trace's lengths still reached only 80–89% (a 7.4k-token prompt started just
+    before a 2-token answer's window is not among the prompts arriving in it).
 
     Args:
         lam: arrival rate at the instance, requests/s.
@@ -434,6 +455,7 @@ def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, o
         osl: output-length distribution, tokens.
         tpot_slo: TPOT target, seconds.
         prefill_dist: (prefill times s, probabilities) of one prompt, or None for every prompt at ``prefill_s``.
+        in_progress_points: K, points per prefill time for the prompt in progress (0: not counted).
 
     Returns:
         The probability of a TPOT miss, in [0, 1].
@@ -450,16 +472,34 @@ def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, o
     n, w = n[has], w[has]
     budget = (tpot_slo - t_d) * n  # B_o, seconds of prefill the window can absorb
     m = lam * n * step_s  # E[k] per OSL point
-    var = 0.0
     if prefill_dist is not None:
         times = np.asarray(prefill_dist[0], dtype=float)
         weights = np.asarray(prefill_dist[1], dtype=float)
         weights = weights / weights.sum()
+    else:
+        times, weights = np.array([prefill_s]), np.array([1.0])
+    if in_progress_points > 0:
         mu = float(np.dot(weights, times))
-        var = float(np.dot(weights, (times - mu) ** 2))
-    if var <= 1e-12 * prefill_s**2:  # one prefill time: the exact Poisson tail
-        miss = special.pdtrc(np.floor(budget / prefill_s), m)  # P(Poisson(m) > k)
-        return float(np.clip(np.dot(w, miss), 0.0, 1.0))
+        rho = min(lam * mu, 1.0)
+        biased = weights * times / max(mu, 1e-300)  # the prompt in progress, length-biased
+        k = int(in_progress_points)
+        rest = np.concatenate(([0.0], (times[:, None] * ((np.arange(k) + 0.5) / k)[None, :]).ravel()))
+        p_rest = np.concatenate(([1.0 - rho], np.repeat(rho * biased / k, k)))
+        budget = (budget[None, :] - rest[:, None]).ravel()
+        m = np.broadcast_to(m, (len(rest), len(m))).ravel()
+        w = (p_rest[:, None] * w[None, :]).ravel()
+    return float(np.clip(np.dot(w, _prefill_tail(budget, m, times, weights, prefill_s)), 0.0, 1.0))
+
+
+def _prefill_tail(budget: np.ndarray, m: np.ndarray, times: np.ndarray, weights: np.ndarray, prefill_s: float
+                  ) -> np.ndarray:
+    """P(S > B) per element of ``budget`` (s; below 0 always a miss), S compound Poisson with E[k] = ``m`` over
+    prefill times ``times`` with probabilities ``weights`` (see :func:`unified_tpot_miss`)."""
+    mu = float(np.dot(weights, times))
+    var = float(np.dot(weights, (times - mu) ** 2))
+    if var <= 1e-12 * prefill_s**2:  # one prefill time: the exact Poisson tail P(Poisson(m) > ⌊B/T⌋)
+        tail: np.ndarray = np.where(budget < 0.0, 1.0, special.pdtrc(np.floor(np.maximum(budget, 0.0) / prefill_s), m))
+        return tail
     p0 = np.exp(-m)
     p1, p2 = p0 * m, p0 * m * m / 2.0
     p3 = np.maximum(1.0 - p0 - p1 - p2, 0.0)  # P(k ≥ 3)
@@ -476,9 +516,9 @@ def unified_tpot_miss(lam: float, t_d: float, step_s: float, prefill_s: float, o
         vk = np.maximum((ms + ms * ms - p1s - 4.0 * p2s) / p3s - ek * ek, 0.0)  # Var[k | k ≥ 3]
         s_mean = np.maximum(ek * mu, 1e-12)
         s_var = np.maximum(ek * var + vk * mu * mu, 1e-24)
-        tail3[some] = special.gammaincc(s_mean * s_mean / s_var, budget[some] * s_mean / s_var)
-    miss = p1 * tail1 + p2 * tail2 + p3 * tail3
-    return float(np.clip(np.dot(w, miss), 0.0, 1.0))
+        tail3[some] = special.gammaincc(s_mean * s_mean / s_var, np.maximum(budget[some], 0.0) * s_mean / s_var)
+    miss: np.ndarray = p0 * (budget < 0.0) + p1 * tail1 + p2 * tail2 + p3 * tail3
+    return miss
 
 
 def _unified_step(profile: PerformanceProfile, tp: int, context: float, es: float, osl: float, lam: float
@@ -558,7 +598,7 @@ def _unified_rate_per_instance(
         if b > cap.cc or step > tpot_slo:
             return None
         t_d = profile.tpot(max(b, 1.0), cap.context_tokens, tp)
-        if unified_tpot_miss(lam, t_d, step, es, workload.osl, tpot_slo, prefill_dist) > 1.0 - q:
+        if unified_tpot_miss(lam, t_d, step, es, workload.osl, tpot_slo, prefill_dist, IN_PROGRESS_POINTS) > 1.0 - q:
             return None
         rho_d = 1.0 - rho_p
         ttft = s_q / max(1.0 - min(rho_d * 0.5, 0.9), 0.1)  # half of decode time interleaves with prefill chunks
@@ -588,8 +628,12 @@ def plan_unified(
     max_gpus: int = 1 << 30,
     tp_unified: int | None = None,
     settings: PlannerSettings = PlannerSettings(),
+    current_tp: int | None = None,
 ) -> Plan:
     """Plan one pool of unified (``kv_both``) instances (see module doc).
+
+    The TP is the one that serves the most requests per GPU, except that the TP the pool already runs
+    (``current_tp``, None for a new pool) is kept unless another serves ``settings.tp_switch_gain`` more.
 
     Raises:
         PlanningError: the profile has no TP measured for both prefill and decode, or none holds the model.
@@ -613,6 +657,7 @@ def plan_unified(
     tpot_slo = slo.tpot_ms / 1e3
     lam = max(float(workload.rate_rps), 0.0) if math.isfinite(workload.rate_rps) else 0.0
     best: tuple[float, int, DecodeCapacity, float, float] | None = None
+    kept: tuple[float, int, DecodeCapacity, float, float] | None = None
     for tp in common:
         cap = decode_capacity(
             profile, tp, workload.isl.mean(), workload.osl.mean(), tpot_slo,
@@ -624,8 +669,12 @@ def plan_unified(
         per_gpu = mu / tp
         if best is None or per_gpu > best[0] * 1.000001:
             best = (per_gpu, tp, cap, mu, step)
+        if tp == current_tp:
+            kept = (per_gpu, tp, cap, mu, step)
     if best is None:
         raise PlanningError(f"profile {profile.name!r}: no unified TP holds the model weights")
+    if kept is not None and kept[0] > 0 and best[0] < kept[0] * (1.0 + settings.tp_switch_gain):
+        best = kept  # a TP change replaces the pool: only for a real gain
     _, tp, cap, mu, step = best
     notes: list[str] = [f.message() for f in infeasible]
     if mu <= 0:
@@ -680,12 +729,15 @@ def plan_unified(
 
 
 def plan(
-    workload: WorkloadEstimate, profile: PerformanceProfile, spec: LLMServeSpec, settings: PlannerSettings | None = None
+    workload: WorkloadEstimate, profile: PerformanceProfile, spec: LLMServeSpec, settings: PlannerSettings | None = None,
+    *, current_tp_unified: int | None = None,
 ) -> Plan:
     """Plan for an ``LLMServe`` spec: its mode, SLOs, TP pins and GPU limits.
 
     In ``Auto`` mode both modes are planned and the one with fewer GPUs wins (feasible plans first; ties go to
     Disaggregated, whose pools scale independently). Unified is skipped when the profile cannot plan it.
+    ``current_tp_unified``: the TP the unified pool runs now, if any (kept unless another TP gains
+    ``settings.tp_switch_gain``, :func:`plan_unified`).
 
     Raises:
         PlanningError: the requested mode cannot be planned with this profile.
@@ -696,10 +748,10 @@ def plan(
     if spec.mode == Mode.DISAGGREGATED:
         return plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
     if spec.mode == Mode.UNIFIED:
-        return plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, **kw)
+        return plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, current_tp=current_tp_unified, **kw)
     dis = plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
     try:
-        uni = plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, **kw)
+        uni = plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, current_tp=current_tp_unified, **kw)
     except PlanningError:
         return dis
     return min((dis, uni), key=lambda p: (not p.feasible, p.gpus, p.mode != Mode.DISAGGREGATED.value))

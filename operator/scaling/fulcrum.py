@@ -300,7 +300,7 @@ class FulcrumPlanner:
             f"forecast {rate:.2f} req/s (mean + {how_h}) at +{self.horizon_steps} intervals",
         )
 
-    def _plans(self, workload: WorkloadEstimate) -> dict[ModeName, Plan]:
+    def _plans(self, workload: WorkloadEstimate, current: ClusterTarget) -> dict[ModeName, Plan]:
         """Both modes' plans for Auto (Unified left out when the profile cannot plan it)."""
         sc = self.spec.scaling
         kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": self.settings}
@@ -308,7 +308,8 @@ class FulcrumPlanner:
             workload, self.profile, self.spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw
         )}
         try:
-            out["Unified"] = plan_unified(workload, self.profile, self.spec.slo, tp_unified=sc.tp_unified, **kw)
+            out["Unified"] = plan_unified(workload, self.profile, self.spec.slo, tp_unified=sc.tp_unified,
+                                          current_tp=_current_tp(current), **kw)
         except PlanningError:
             pass
         return out
@@ -317,12 +318,12 @@ class FulcrumPlanner:
         """Observe, forecast, plan and scale (module doc). Never raises on odd observations."""
         workload, fc, why = self.estimate(obs)
         if self.spec.mode == Mode.AUTO:
-            plans = self._plans(workload)
+            plans = self._plans(workload, current)
             if len(plans) == 2:
                 return self._step_auto(obs, current, plans, fc, why, workload)
             p = plans["Disaggregated"]
         else:
-            p = plan(workload, self.profile, self.spec, self.settings)
+            p = plan(workload, self.profile, self.spec, self.settings, current_tp_unified=_current_tp(current))
         self.last_plan = p
         nxt, self._state, reasons = apply_scaling_policy(
             p.target(), current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling,
@@ -331,14 +332,14 @@ class FulcrumPlanner:
         reason = "; ".join(reasons) if reasons else "hold"
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=plan_numbers(p))
 
-    def _peak_confirms(self, serving: ModeName, workload: WorkloadEstimate, plans: dict[ModeName, Plan]
-                       ) -> tuple[bool, str]:
+    def _peak_confirms(self, serving: ModeName, workload: WorkloadEstimate, plans: dict[ModeName, Plan],
+                       current: ClusterTarget) -> tuple[bool, str]:
         """Whether the other mode is still cheaper (and feasible where the serving one is) at the highest rate
         planned for over the switch horizon (:func:`decide_mode`'s ``confirm``); ``plans`` are this tick's, at
         ``workload``, reused when this tick's rate is the peak."""
         peak = max(r for _, r in self._planned_rates)
         if peak > workload.rate_rps:
-            plans = self._plans(WorkloadEstimate(peak, workload.isl, workload.osl, workload.arrival_cv2))
+            plans = self._plans(WorkloadEstimate(peak, workload.isl, workload.osl, workload.arrival_cv2), current)
         other = other_mode(serving)
         if other not in plans or (plans[serving].feasible and not plans[other].feasible):
             return False, f"{other} cannot serve the horizon's peak of {peak:.2f} req/s within the SLOs"
@@ -372,7 +373,7 @@ class FulcrumPlanner:
             room=serving_gpus + plans[other].gpus <= self.spec.scaling.max_gpus,
             startup_s=self.spec.scaling.pod_startup_seconds,
             settings=self.mode_switch,
-            confirm=lambda serving: self._peak_confirms(serving, workload, plans),
+            confirm=lambda serving: self._peak_confirms(serving, workload, plans, current),
         )
         self._mode = md.state
         now_serving = md.state.serving
@@ -404,6 +405,12 @@ class FulcrumPlanner:
         numbers = plan_numbers(p, mode_phase=md.phase, mode_serving=now_serving, mode_reason=md.reason,
                                gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=numbers)
+
+
+def _current_tp(current: ClusterTarget) -> int | None:
+    """The TP the unified pool runs now (None: no unified pool), which its next plan keeps unless another TP
+    gains ``PlannerSettings.tp_switch_gain``."""
+    return current.unified.tp if current.unified.replicas > 0 else None
 
 
 def _needs(p: Plan) -> dict[Pool, float]:

@@ -89,6 +89,8 @@ def test_the_fulcrum_planner_stays_in_its_mode_through_a_lull_between_bursts(spl
     # Auto serving Disaggregated: 20 minutes of bursts at 8 req/s, then a lull at 0.5 req/s. In the lull the
     # Unified plan is the cheaper, but not at the bursts' rate while the 15-minute horizon still holds them: the
     # switch waits until the horizon has only the lull in it (without the check it came 5 ticks into the lull).
+    # (1,500-token prompts, 60-token answers: 2,000/30 made Unified dearer even in the lull once the TPOT tail
+    # counted the prompt already being prefilled.)
     spec = parse_llmserve({"model": {"name": "m"}, "mode": "Auto", "profile": {"name": "splitwise-llama2-70b-h100"},
                            "scaling": {"maxGPUs": 64, "minGPUs": 0}}).spec
     planner = FulcrumPlanner(spec, splitwise)
@@ -97,7 +99,7 @@ def test_the_fulcrum_planner_stays_in_its_mode_through_a_lull_between_bursts(spl
     for i in range(40):
         rate = 8.0 if i < 20 else 0.5
         n = int(rate * 60)
-        o = Observation(time_s=60.0 * (i + 1), interval_s=60.0, arrivals=n, mean_isl=2000.0, mean_osl=30.0,
+        o = Observation(time_s=60.0 * (i + 1), interval_s=60.0, arrivals=n, mean_isl=1500.0, mean_osl=60.0,
                         completed=n, ttft_attainment=1.0, tpot_attainment=1.0, slo_attainment=1.0,
                         ready=ReadyCounts(prefill=cur.prefill.replicas, decode=cur.decode.replicas,
                                           unified=cur.unified.replicas))

@@ -214,6 +214,50 @@ def test_unified_tpot_miss_counts_the_spread_of_prefill_times(lam):
     assert got > unified_tpot_miss(lam, 0.03, 0.05, mean, d, 0.1)
 
 
+@pytest.mark.parametrize("lam", [0.5, 1.0, 3.0])
+def test_unified_tpot_miss_counts_the_prompt_already_prefilling_when_the_window_opens(lam):
+    # the same prompts as above; with probability ρ = λ·E[T] a prompt is being prefilled when the 11-token answer
+    # starts decoding, length-biased (the 1-s prompts hold 0.1·1.0/0.145 = 69% of the prefill time) and with a
+    # uniform share of it left: that rest joins the prefills arriving in the window
+    d = LengthDistribution.point(11)
+    times, probs = np.array([0.05, 1.0]), np.array([0.9, 0.1])
+    mean = float(times @ probs)
+    got = unified_tpot_miss(lam, 0.03, 0.05, mean, d, 0.1, (times, probs), in_progress_points=4)
+    rng = np.random.default_rng(12)
+    size, m, rho = 400_000, lam * 10 * 0.05, min(lam * mean, 1.0)
+    drawn = 0.05 * rng.poisson(m * 0.9, size) + 1.0 * rng.poisson(m * 0.1, size)
+    busy = rng.random(size) < rho
+    long_one = rng.random(size) < 0.1 * 1.0 / mean
+    rest = np.where(busy, rng.random(size) * np.where(long_one, 1.0, 0.05), 0.0)
+    assert got == pytest.approx(np.mean(drawn + rest > 0.7), abs=0.02)
+    assert got > unified_tpot_miss(lam, 0.03, 0.05, mean, d, 0.1, (times, probs))  # K = 0: not counted
+    # with one prefill time the rest is U·T: the Poisson tails at B and at B − T/2 here
+    one = unified_tpot_miss(lam, 0.03, 0.05, 0.2, d, 0.1, in_progress_points=1)
+    r = min(lam * 0.2, 1.0)
+    want = (1 - r) * unified_tpot_miss(lam, 0.03, 0.05, 0.2, d, 0.1) + r * (1.0 - sum(
+        math.exp(-m) * m**j / math.factorial(j) for j in range(math.floor(((0.1 - 0.03) * 10 - 0.2 / 2) / 0.2) + 1)))
+    assert one == pytest.approx(want, rel=1e-9)
+
+
+def test_a_unified_plan_keeps_its_pools_tp_unless_another_gains_enough(splitwise):
+    # Azure code-like lengths: TP2 and TP4 serve within a few percent per GPU of each other, and a TP change
+    # replaces the whole pool; the plan keeps the running TP unless another gains tp_switch_gain per GPU
+    w = WorkloadEstimate(4.0, LengthDistribution.from_quantiles([0.25, 0.5, 0.75, 0.9], [600, 1500, 3000, 5000],
+                                                                mean=2000),
+                         LengthDistribution.from_quantiles([0.25, 0.5, 0.75, 0.9], [4, 12, 30, 60], mean=28))
+    slo = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
+    free = plan_unified(w, splitwise, slo)
+    per_gpu = {tp: plan_unified(w, splitwise, slo, tp_unified=tp).inputs["unified_rate_need"] for tp in (2, 4)}
+    other = 2 if free.unified.tp == 4 else 4
+    gain = (per_gpu[other] * other) / (per_gpu[free.unified.tp] * free.unified.tp) - 1.0  # GPUs the other needs more
+    assert gain > 0
+    keep = plan_unified(w, splitwise, slo, current_tp=other, settings=PlannerSettings(tp_switch_gain=gain + 0.05))
+    assert keep.unified.tp == other
+    move = plan_unified(w, splitwise, slo, current_tp=other, settings=PlannerSettings(tp_switch_gain=gain / 2))
+    assert move.unified.tp == free.unified.tp
+    assert plan_unified(w, splitwise, slo, current_tp=free.unified.tp).unified.tp == free.unified.tp
+
+
 def test_short_outputs_behind_long_prompts_make_unified_cost_more_than_disaggregated(splitwise):
     # Azure code-like lengths (long prompts, short answers): a short answer decoding beside a long prompt's chunks
     # misses TPOT; the unified plan must carry that tail, so Auto keeps Disaggregated (issue 13: Auto had switched
