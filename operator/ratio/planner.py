@@ -92,8 +92,8 @@ class PlannerSettings:
         tp_switch_gain: a Unified plan leaves the TP its pool already runs (``current_tp``) only for a TP that
             serves at least this much more per GPU: a TP change replaces the whole pool (new instances start,
             the old ones drain), and two TPs within a few percent of each other swapped with the lengths every
-            few minutes on the Azure code trace (six pool replacements in 40 minutes, issue 13); 0.15 is above
-            the per-GPU difference the lengths moved back and forth there.
+            few minutes on the Azure code trace (seven pool replacements in the first 37 minutes, issue 13);
+            with 0.15 the same replay kept TP2 throughout.
     """
 
     bandwidth_utilisation: float = 0.6
