@@ -6,10 +6,10 @@ For each (example spec, bundled trace) pair below and each arrival rate λ, the 
 workload λ with the trace's own ISL/OSL distribution (its quantiles, :data:`fulcrum.observation.QUANTILE_LEVELS`)
 and asked for a Disaggregated plan (:func:`fulcrum.ratio.planner.plan_disaggregated`) and, where the spec's
 profile can plan one, a Unified plan (:func:`~fulcrum.ratio.planner.plan_unified`). The planned pools (with the
-plan's own TPs and routing parameters) are then run as a static deployment in the simulator (``fulcrum.replay``, the engine of ``fulcrum replay``) on a Poisson
-load of rate λ whose requests are drawn from the trace (seeded), and scored as ``fulcrum replay`` scores them
-(after its warm-up). A plan is **calibrated** when its pools reach the spec's SLO percentile (e.g. 90% of
-requests within both TTFT and TPOT): the plan claims exactly that.
+plan's own TPs and routing parameters) are then run as a static deployment in the simulator (``fulcrum.replay``,
+the engine of ``fulcrum replay``) on a Poisson load of rate λ whose requests are drawn from the trace (seeded),
+and scored as ``fulcrum replay`` scores them (after its warm-up). A plan is **calibrated** when its pools reach
+the spec's SLO percentile (e.g. 90% of requests within both TTFT and TPOT): the plan claims exactly that.
 
 The figure is the share of calibrated (spec, trace, rate, mode) points, with the GPUs they plan; the baseline,
 measured in the same run, is the same planner with ``kv_occupancy_quantile = 0.5`` — KV caches sized for the
@@ -38,7 +38,6 @@ from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan_disaggregated, plan_unified
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import ReplayOptions, run_planner
-from fulcrum.replay.static_best import _static_spec
 from fulcrum.scaling.static import StaticPlanner
 from fulcrum.traces import load_trace
 from fulcrum.workload import Request
@@ -114,10 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 for mode, p in _plans(spec, profile, w, settings).items():
                     key = (f"{example}|{trace}|{lam}|{mode}", p.target())
                     if key not in runs:
-                        m = Mode.UNIFIED if mode == "U" else Mode.DISAGGREGATED
                         # the plan's own pools, TPs and routing (the spec's counts would take the spec's TPs)
-                        static = StaticPlanner(_static_spec(spec, m, p.prefill.replicas, p.decode.replicas,
-                                                            p.unified.replicas), profile, target=p.target())
+                        static = StaticPlanner(spec, profile, target=p.target())
                         runs[key] = run_planner(static, load, spec, profile, ReplayOptions(), name="static"
                                                 ).summary.slo_attainment
                     a = runs[key]

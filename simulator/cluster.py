@@ -57,7 +57,6 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
 from typing import Any
 
 import numpy as np
@@ -83,8 +82,8 @@ from fulcrum.simulator.records import (
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
-__all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "PolicyFactory", "default_policy", "policy_config",
-           "serving_unified"]
+__all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "PolicyFactory", "default_policy",
+           "policy_config", "serving_unified"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
 """A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
