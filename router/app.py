@@ -149,17 +149,21 @@ class RouterState:
         return views
 
     def apply_config(self, new: RouterConfig) -> None:
-        """Switch to a new config: a new policy if its section changed, new static instances, new timeouts.
+        """Switch to a new config: the policy reconfigured in place or a new one if its section changed
+        (:meth:`_next_policy`; new prefill gates only when a new policy or new DOPD Alg. 1 grouping comes with
+        it), new static instances, new timeouts.
 
         A policy that cannot be built keeps the old one (logged)."""
         if new.policy != self.config.policy:
+            grouping = self.policy.capabilities
             try:
-                self.policy = self.policy_factory(new.policy.name, new.policy.params)
+                self.policy = self._next_policy(new.policy.name, new.policy.params)
             except Exception as err:  # noqa: BLE001 - any failure keeps the running policy
                 log.error("cannot build policy %r: %s; keeping %r", new.policy.name, err, self.policy.name)
                 new = new.model_copy(update={"policy": self.config.policy})
             else:
-                self.reset_prefill_gate()
+                if self.policy.capabilities is not grouping:  # a new policy, or new DOPD Alg. 1 grouping
+                    self.reset_prefill_gate()
         if self.owns_registry and isinstance(self.registry, StaticRegistry) and new.instances != self.config.instances:
             self.registry.replace(new.records())
         old = self.config
@@ -172,6 +176,21 @@ class RouterState:
             if retired is not None:
                 self.tasks.append(asyncio.create_task(retire_queue(retired, old.prefill_queue.timeout_s),
                                                       name="router-prefill-queue-retire"))
+
+    def _next_policy(self, name: str, params: Mapping[str, Any]) -> Policy:
+        """The policy for a changed config section: the running one, reconfigured in place, when it is policy
+        ``name`` and takes ``params`` (it keeps what it learned, e.g. the prefix index of
+        :meth:`~fulcrum.routing.disaggregated.DisaggregatedPolicy.reconfigure`); else ``policy_factory``'s.
+
+        Raises what ``policy_factory`` raises (the running policy is unchanged then)."""
+        reconfigure = getattr(self.policy, "reconfigure", None)
+        if self.policy.name == name and callable(reconfigure):
+            try:
+                if reconfigure(dict(params)):
+                    return self.policy
+            except (TypeError, ValueError):
+                pass  # nothing changed; the factory says what is wrong with the parameters
+        return self.policy_factory(name, params)
 
     def reset_prefill_gate(self) -> None:
         """A new DOPD Alg. 1 gate for the current policy (none when it groups no prefills); prompts waiting at

@@ -33,7 +33,8 @@ gives the router a :class:`~fulcrum.routing.batcher.PrefillBatcher` configured f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fulcrum.routing.batcher import PrefillBatcher
 from fulcrum.routing.base import InstanceView, NoInstanceError, PolicyCapabilities, RequestInfo, RouteDecision
@@ -106,11 +107,44 @@ class DisaggregatedPolicy:
         self._prefill_ties = TieBreaker()
         self._decode_ties = TieBreaker()
         self.index = PrefixIndex(index_blocks_per_instance)
-        self.capabilities = PolicyCapabilities(
+        self.capabilities = self._capabilities()
+        """Groups prefills (DOPD Alg. 1) while ``batch_timeout_s > 0``; reads prompt hashes of ``kv_block_tokens``."""
+
+    def reconfigure(self, params: Mapping[str, Any]) -> bool:
+        """Take the constructor parameters ``params`` (missing ones: their defaults) in place, keeping what the
+        policy has learned: its :class:`~fulcrum.routing.prefix.PrefixIndex` of the blocks it routed and its
+        round-robin tie-breakers. The plans move ``ultra_short_tokens`` and DOPD Alg. 1's parameters from one
+        interval to the next, and a new policy each time would forget every instance's prefix cache.
+
+        ``capabilities`` becomes a new object only when the grouping (DOPD Alg. 1's ``long_request_tokens``,
+        ``batch_timeout_s``, ``max_batch_tokens``) changes: the caller then starts new prefill gates, as for a
+        new policy (:func:`fulcrum.routing.registry.reconfigured`).
+
+        Returns:
+            True when applied; False when ``kv_block_tokens`` or ``index_blocks_per_instance`` change (the prefix
+            index is keyed by blocks of that size): build a new policy then. Nothing changes on False.
+
+        Raises:
+            ValueError: a value the constructor rejects (nothing changes).
+            TypeError: an unknown parameter (nothing changes).
+        """
+        fresh = DisaggregatedPolicy(**params)  # validates exactly as a new policy would
+        if fresh.kv_block_tokens != self.kv_block_tokens or fresh.index.max_blocks != self.index.max_blocks:
+            return False
+        grouping = (fresh.long_request_tokens, fresh.batch_timeout_s, fresh.max_batch_tokens)
+        regroup = grouping != (self.long_request_tokens, self.batch_timeout_s, self.max_batch_tokens)
+        self.ultra_short_tokens = fresh.ultra_short_tokens
+        self.miss_weight = fresh.miss_weight
+        self.long_request_tokens, self.batch_timeout_s, self.max_batch_tokens = grouping
+        if regroup:
+            self.capabilities = self._capabilities()
+        return True
+
+    def _capabilities(self) -> PolicyCapabilities:
+        return PolicyCapabilities(
             prefill_batcher=self.new_batcher if self.batch_timeout_s > 0.0 else None,  # 0: every prompt at once
             prefix_block_tokens=self.kv_block_tokens,
         )
-        """Groups prefills (DOPD Alg. 1) while ``batch_timeout_s > 0``; reads prompt hashes of ``kv_block_tokens``."""
 
     def new_batcher(self) -> PrefillBatcher[RequestInfo]:
         """A DOPD Alg. 1 prefill grouper with this policy's ``long_request_tokens`` and ``batch_timeout_s``."""

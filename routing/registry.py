@@ -32,7 +32,7 @@ from fulcrum.routing.round_robin import RoundRobinPolicy
 from fulcrum.routing.split import SplitPolicy
 from fulcrum.target import RoutingParams
 
-__all__ = ["POLICIES", "PlanPolicyFactory", "make_policy", "policy_parameters", "policy_params"]
+__all__ = ["POLICIES", "PlanPolicyFactory", "make_policy", "policy_parameters", "policy_params", "reconfigured"]
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     RoundRobinPolicy.name: RoundRobinPolicy,
@@ -123,6 +123,25 @@ def policy_params(
     return {}
 
 
+def reconfigured(policy: Policy, name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """Policy ``name`` with ``params``: ``policy`` itself, changed in place, when it is policy ``name`` and its
+    ``reconfigure(params)`` takes them (it keeps what it learned: :meth:`DisaggregatedPolicy.reconfigure`), else
+    a new one (:func:`make_policy`). The caller compares ``capabilities`` by identity: a new object (always, for
+    a new policy) means new prefill gates.
+
+    Raises:
+        ValueError: unknown policy, unknown parameter, or a value the policy rejects (``policy`` unchanged).
+        TypeError: a value of the wrong type where the policy checks it.
+    """
+    reconfigure = getattr(policy, "reconfigure", None)
+    if policy.name == name and callable(reconfigure):
+        given = dict(params or {})
+        unknown = sorted(set(given) - set(policy_parameters(name)))
+        if not unknown and reconfigure(given):
+            return policy
+    return make_policy(name, params)
+
+
 @dataclass(frozen=True)
 class PlanPolicyFactory:
     """Routing policy ``name`` as the router runs it under a sequence of plans: ``factory(routing)`` builds it
@@ -147,3 +166,9 @@ class PlanPolicyFactory:
 
     def __call__(self, routing: RoutingParams) -> Policy:
         return make_policy(self.name, self.params_of(routing))
+
+    def rebuild(self, policy: Policy, routing: RoutingParams) -> Policy:
+        """The policy under a plan whose config section differs from ``policy``'s: ``policy`` reconfigured in
+        place where it can take the new parameters, else a new one (:func:`reconfigured`, as the router's
+        ``RouterState.apply_config`` does)."""
+        return reconfigured(policy, self.name, self.params_of(routing))

@@ -29,6 +29,7 @@ from fulcrum.simulator.cluster import (
     SimResult,
     Simulation,
     default_policy,
+    next_policy,
     policy_config,
 )
 from fulcrum.simulator.kernel import Kernel, Priority
@@ -46,6 +47,7 @@ __all__ = [
     "DecodeRequestView",
     "PolicyFactory",
     "default_policy",
+    "next_policy",
     "policy_config",
     "RequestRecord",
     "InstanceStatus",

@@ -83,7 +83,7 @@ from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
 __all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "PolicyFactory", "default_policy",
-           "policy_config", "serving_unified"]
+           "next_policy", "policy_config", "serving_unified"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
 """A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
@@ -98,8 +98,9 @@ PolicyFactory = Callable[[RoutingParams], Policy]
 """Builds the routing policy from the plan's routing parameters (as the operator writes the router's config:
 :func:`fulcrum.routing.registry.policy_params` then :func:`~fulcrum.routing.registry.make_policy`). A factory
 with a ``config(routing)`` method (:class:`~fulcrum.routing.registry.PlanPolicyFactory`) says what the router's
-config holds of the policy; the simulation then builds a new policy only when that changes, as the router does.
-Without one, any change of the routing parameters builds a new policy."""
+config holds of the policy; the simulation then changes the policy only when that changes, as the router does,
+and then reconfigures it in place where the factory has a ``rebuild`` (the policy keeps its prefix index and
+tie-breakers). Without ``config``, any change of the routing parameters builds a new policy."""
 
 
 def policy_config(factory: PolicyFactory, routing: RoutingParams) -> Any:
@@ -107,6 +108,13 @@ def policy_config(factory: PolicyFactory, routing: RoutingParams) -> Any:
     ``routing`` itself for a factory without one: the simulation rebuilds the policy when this changes."""
     config = getattr(factory, "config", None)
     return config(routing) if callable(config) else routing
+
+def next_policy(factory: PolicyFactory, policy: Policy, routing: RoutingParams) -> Policy:
+    """The policy after the router's config section changed to ``routing``'s: reconfigured in place where the
+    factory can (its ``rebuild``, :meth:`~fulcrum.routing.registry.PlanPolicyFactory.rebuild`), else new."""
+    rebuild = getattr(factory, "rebuild", None)
+    return rebuild(policy, routing) if callable(rebuild) else factory(routing)
+
 
 _ROLES = tuple(p.value for p in Pool)
 
@@ -387,11 +395,13 @@ class Simulation:
         for pool in Pool:
             self._resize(pool.value, target.pool(pool))
         config = policy_config(self._make_policy, target.routing)
-        if config != self._policy_config:  # the operator rewrote the router's policy section: a new policy
+        if config != self._policy_config:  # the operator rewrote the router's policy section
             self._policy_config = config
-            for inst in self._pools["prefill"]:
-                self._flush_gate(inst)  # the router closes its old gate, releasing every waiting prompt
-            self._policy = self._make_policy(target.routing)
+            grouping = self._policy.capabilities
+            self._policy = next_policy(self._make_policy, self._policy, target.routing)
+            if self._policy.capabilities is not grouping:  # a new policy, or new DOPD Alg. 1 grouping
+                for inst in self._pools["prefill"]:
+                    self._flush_gate(inst)  # the router closes its old gate, releasing every waiting prompt
         for inst in self._pools["prefill"]:
             assert isinstance(inst, PrefillInstance)
             inst.batch_tokens = target.routing.max_prefill_batch_tokens

@@ -196,3 +196,46 @@ def test_a_repeated_prefix_returns_to_the_instances_the_policy_sent_it_to() -> N
     cold = req(1000, tuple(range(900, 962)), rid="c")
     assert prefix_hit_tokens(cold, fleet[2], 16, policy.index) == 0
     assert prefix_hit_tokens(req(1000, shared, rid="s"), InstanceView(first.second, role="decode"), 16, policy.index) == 960
+
+
+def test_reconfigure_applies_new_thresholds_in_place_and_keeps_the_prefix_index() -> None:
+    fleet = [InstanceView("p1", role="prefill"), InstanceView("d1", role="decode"), InstanceView("d2", role="decode")]
+    policy = DisaggregatedPolicy(ultra_short_tokens=64, kv_block_tokens=16)
+    shared = tuple(range(100, 160))
+    first = policy.route(req(1000, shared, rid="a"), fleet, 0.0)
+    policy.on_start(req(1000, shared, rid="a"), first, 0.0)
+    caps = policy.capabilities
+    # a new ultra-short threshold, as the next plan writes it: same grouping, so the same capabilities object
+    assert policy.reconfigure({"ultra_short_tokens": 128, "kv_block_tokens": 16}) is True
+    assert policy.ultra_short_tokens == 128 and policy.capabilities is caps
+    assert policy.route(req(100), fleet, 0.0).kind == "colocated"  # 100 ≤ 128 now
+    assert policy.index.leading(first.second, shared) == len(shared)  # what it routed is still known
+    # new DOPD Alg. 1 grouping: new capabilities (the caller starts new gates) with the new batcher settings
+    assert policy.reconfigure({"kv_block_tokens": 16, "long_request_tokens": 900, "batch_timeout_s": 0.05}) is True
+    assert policy.capabilities is not caps and policy.ultra_short_tokens == 0  # left out: its default
+    make = policy.capabilities.prefill_batcher
+    assert make is not None and make().long_request_tokens == 900
+    # another block size: the index would mean other blocks, so the caller must build a new policy
+    assert policy.reconfigure({"kv_block_tokens": 32}) is False and policy.kv_block_tokens == 16
+    # a value the constructor rejects changes nothing
+    with pytest.raises(ValueError):
+        policy.reconfigure({"ultra_short_tokens": -1})
+    with pytest.raises(TypeError):
+        policy.reconfigure({"nope": 1})
+    assert policy.ultra_short_tokens == 0 and policy.long_request_tokens == 900
+
+
+def test_reconfigured_keeps_a_policy_that_takes_the_parameters_and_builds_one_otherwise() -> None:
+    from fulcrum.routing.registry import reconfigured
+    from fulcrum.routing.round_robin import RoundRobinPolicy
+
+    policy = DisaggregatedPolicy(ultra_short_tokens=64)
+    assert reconfigured(policy, "disaggregated", {"ultra_short_tokens": 32}) is policy and policy.ultra_short_tokens == 32
+    other = reconfigured(policy, "disaggregated", {"kv_block_tokens": 32})
+    assert other is not policy and isinstance(other, DisaggregatedPolicy) and other.kv_block_tokens == 32
+    assert isinstance(reconfigured(policy, "round_robin", {}), RoundRobinPolicy)
+    rr = RoundRobinPolicy()
+    assert reconfigured(rr, "round_robin", {}) is not rr  # no reconfigure: a new one, as before
+    with pytest.raises(ValueError, match="unknown parameter"):
+        reconfigured(policy, "disaggregated", {"nope": 1})
+    assert policy.ultra_short_tokens == 32

@@ -129,3 +129,29 @@ async def test_without_a_timeout_the_router_has_no_gate(router_harness) -> None:
     assert h.state.prefill_gate is None
     r = await h.client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 3})
     assert r.status == 200
+
+
+async def test_a_new_router_config_reconfigures_the_disaggregated_policy_in_place(router_harness) -> None:
+    """The operator rewrites the policy section every time a plan moves its thresholds: the router keeps the
+    policy (its prefix index) and its DOPD Alg. 1 gate unless the grouping changes."""
+    from fulcrum.router.app import default_policy_factory
+    from fulcrum.router.config import parse_config
+
+    params = {"long_request_tokens": 4096, "batch_timeout_s": 1.0}
+    h = await router_harness(policy=DisaggregatedPolicy(**params), roles=["prefill", "decode"],
+                             config={"policy": {"name": "disaggregated", "params": params}})
+    st = h.state
+    st.policy_factory = default_policy_factory  # the router's own (the harness's hands out its fake)
+    policy, gate = st.policy, st.prefill_gate
+    assert isinstance(policy, DisaggregatedPolicy) and gate is not None
+    st.apply_config(parse_config({**h.config, "policy": {"name": "disaggregated",
+                                                        "params": {**params, "ultra_short_tokens": 96}}}))
+    assert st.policy is policy and policy.ultra_short_tokens == 96 and st.prefill_gate is gate
+    st.apply_config(parse_config({**h.config, "policy": {"name": "disaggregated",
+                                                        "params": {**params, "batch_timeout_s": 0.5}}}))
+    assert st.policy is policy and st.prefill_gate is not gate and policy.batch_timeout_s == 0.5
+    # a value the policy rejects keeps the running one, unchanged
+    st.apply_config(parse_config({**h.config, "policy": {"name": "disaggregated", "params": {"ultra_short_tokens": -5}}}))
+    assert st.policy is policy and policy.ultra_short_tokens == 0 and policy.batch_timeout_s == 0.5
+    r = await h.client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 3})
+    assert r.status == 200

@@ -118,11 +118,11 @@ def test_the_simulator_stays_deterministic_under_every_policy(window: tuple[Requ
         assert runs[0].records == runs[1].records, name
 
 
-def test_the_simulator_builds_a_new_policy_only_when_the_routers_policy_config_changes(
+def test_the_simulator_changes_the_policy_only_when_the_routers_policy_config_changes(
         window: tuple[Request, ...]) -> None:
     # As RouterState.apply_config: a plan that moves only routing parameters the policy does not take (the split
     # policy takes none of RoutingParams) keeps the policy and its learned state; a changed parameter the policy
-    # takes (the disaggregated policy's ultra-short threshold) builds a new one.
+    # takes (the disaggregated policy's ultra-short threshold) is applied to the same policy, in place.
     for name, spec_file, changed, kept in (
         ("split", UNIFIED, None, RoutingParams(ultra_short_tokens=94, prefill_share=0.9)),
         ("disaggregated", DISAGG, RoutingParams(ultra_short_tokens=94), RoutingParams(prefill_share=0.9)),
@@ -142,5 +142,5 @@ def test_the_simulator_builds_a_new_policy_only_when_the_routers_policy_config_c
         assert sim._policy is first, name
         if changed is not None:
             sim.apply(dataclasses.replace(target, routing=changed))
-            assert sim._policy is not first and sim._policy.ultra_short_tokens == 94
+            assert sim._policy is first and sim._policy.ultra_short_tokens == 94
         sim.finish()
