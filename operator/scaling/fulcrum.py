@@ -17,7 +17,8 @@ Each tick (``spec.scaling.intervalSeconds``):
    higher: a bursty load's residual quantile is its burst height, and mean + that would plan for bursts nobody
    has seen. The cap is off in cold start: a few intervals say little of the peak (capping there cost attainment
    on the conversation traces, where the first minutes are not the busiest). Lengths are forecast distributions
-   (quantiles rescaled to the forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate needed to drain it within one interval.
+   (quantiles rescaled to the forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate
+   that drains it over the horizon (:meth:`FulcrumPlanner.backlog_rate`).
 3. **plan** with :func:`fulcrum.ratio.planner.plan` (eqs. 11–18, TP, Kingman headroom); in Auto mode both modes
    are planned and :func:`fulcrum.scaling.mode.decide_mode` decides whether to switch (cost-weighed, with dwell
    time, make-before-break).
@@ -132,7 +133,7 @@ class FulcrumPlanner:
             mode_switch: Auto-mode switch tunables (default: :class:`ModeSwitchSettings`, dwell at least five
                 pod start-ups).
             max_headroom: the rate planned for is at most this multiple of the highest rate observed in the
-                last three intervals (caps the forecast after level shifts), plus the backlog.
+                last three intervals (caps the forecast after level shifts), plus the backlog (:meth:`backlog_rate`).
             residual_window: forecast residuals kept per horizon, intervals (60: an hour at the shipped 60-s
                 interval; long enough for a P90 quantile, short enough to follow a change of regime).
             min_residuals: residuals needed before their quantile replaces the forecaster's prediction bound
@@ -254,6 +255,18 @@ class FulcrumPlanner:
         elif a > q + (1.0 - q) / 2.0:
             self._level = max(self.min_level, self._level - 0.05)
 
+    def backlog_rate(self, obs: Observation) -> float:
+        """Requests/s added to the planned rate for the prompts queued at the end of ``obs``: the backlog spread
+        over the planning horizon, ``prefill_queue / (h · interval)``.
+
+        The rate planned for is the one at +h intervals, when pods started now are ready; capacity that comes
+        then cannot drain the backlog sooner, and the instances in place drain part of it meanwhile. Draining
+        it within one interval (as until 2026-11-27) planned bursts of the Azure code trace, whose 30-s backlogs
+        reach hundreds of prompts, at up to nine prefill instances where six hold them (issue 13).
+        """
+        span = self.horizon_steps * self.tick_s
+        return max(obs.prefill_queue, 0) / span if span > 0 else 0.0
+
     def estimate(self, obs: Observation) -> tuple[WorkloadEstimate, dict[str, dict[str, float]], str]:
         """The workload to plan for after observing ``obs`` (steps 1–2 of the module doc)."""
         self.forecaster.observe(obs)
@@ -262,7 +275,7 @@ class FulcrumPlanner:
         if math.isfinite(obs.rate_rps):
             self._rates.append(max(obs.rate_rps, 0.0))
         level = self.spec.scaling.forecaster.prediction_level
-        backlog_rate = obs.prefill_queue / self.tick_s if self.tick_s > 0 else 0.0
+        backlog_rate = self.backlog_rate(obs)
         fc_h = self.forecaster.forecast(self.horizon_steps, level)
         if not fc_h.ready:
             w = workload_from_observation(obs)

@@ -206,3 +206,18 @@ def test_a_rising_load_is_planned_above_its_peak_by_the_point_forecast(table_i):
         r = _planned_rate(d.reason)
         above += r is not None and r > o.rate_rps
     assert above >= 20
+
+
+def test_a_backlog_is_planned_as_the_rate_that_drains_it_over_the_horizon(table_i):
+    # SPEC: 60-s intervals, 120-s start-up → horizon 3 intervals; 360 queued prompts → 2 req/s more
+    planner = FulcrumPlanner(SPEC, table_i)
+    assert planner.horizon_steps == 3
+    assert planner.backlog_rate(obs(60, 4.0, prefill_queue=360)) == pytest.approx(360 / 180)
+    assert planner.backlog_rate(obs(60, 4.0)) == 0.0
+    # in the plan: the same stream with a backlog on its last interval plans exactly that much more
+    stream = [obs(60 * (i + 1), 4.0 + 0.1 * (i % 3)) for i in range(30)]
+    plain, queued = FulcrumPlanner(SPEC, table_i), FulcrumPlanner(SPEC, table_i)
+    a = drive(plain, stream)[-1]
+    b = drive(queued, stream[:-1] + [obs(30 * 60, 4.0 + 0.1 * (29 % 3), prefill_queue=360)])[-1]
+    ra, rb = _planned_rate(a.reason), _planned_rate(b.reason)
+    assert ra is not None and rb is not None and rb == pytest.approx(ra + 2.0, abs=0.01)
