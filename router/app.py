@@ -66,6 +66,7 @@ from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
 from fulcrum.routing.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
 from fulcrum.routing.prefix import PrefixPull, prompt_block_hashes, pull_costs
+from fulcrum.routing.registry import make_policy, reconfigured
 from fulcrum.router.prefill_gate import PrefillGate
 from fulcrum.router.registry import Registry, StaticRegistry
 from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
@@ -109,8 +110,6 @@ def default_policy_factory(name: str, params: Mapping[str, Any]) -> Policy:
     Raises:
         ValueError: unknown policy or parameter.
     """
-    from fulcrum.routing.registry import make_policy
-
     return make_policy(name, params)
 
 
@@ -149,15 +148,15 @@ class RouterState:
         return views
 
     def apply_config(self, new: RouterConfig) -> None:
-        """Switch to a new config: the policy reconfigured in place or a new one if its section changed
-        (:meth:`_next_policy`; new prefill gates only when a new policy or new DOPD Alg. 1 grouping comes with
-        it), new static instances, new timeouts.
+        """Switch to a new config: the policy reconfigured in place or a new one from ``policy_factory`` if its
+        section changed (:func:`fulcrum.routing.registry.reconfigured`; new prefill gates only when a new policy
+        or new DOPD Alg. 1 grouping comes with it), new static instances, new timeouts.
 
         A policy that cannot be built keeps the old one (logged)."""
         if new.policy != self.config.policy:
             grouping = self.policy.capabilities
             try:
-                self.policy = self._next_policy(new.policy.name, new.policy.params)
+                self.policy = reconfigured(self.policy, new.policy.name, new.policy.params, self.policy_factory)
             except Exception as err:  # noqa: BLE001 - any failure keeps the running policy
                 log.error("cannot build policy %r: %s; keeping %r", new.policy.name, err, self.policy.name)
                 new = new.model_copy(update={"policy": self.config.policy})
@@ -176,21 +175,6 @@ class RouterState:
             if retired is not None:
                 self.tasks.append(asyncio.create_task(retire_queue(retired, old.prefill_queue.timeout_s),
                                                       name="router-prefill-queue-retire"))
-
-    def _next_policy(self, name: str, params: Mapping[str, Any]) -> Policy:
-        """The policy for a changed config section: the running one, reconfigured in place, when it is policy
-        ``name`` and takes ``params`` (it keeps what it learned, e.g. the prefix index of
-        :meth:`~fulcrum.routing.disaggregated.DisaggregatedPolicy.reconfigure`); else ``policy_factory``'s.
-
-        Raises what ``policy_factory`` raises (the running policy is unchanged then)."""
-        reconfigure = getattr(self.policy, "reconfigure", None)
-        if self.policy.name == name and callable(reconfigure):
-            try:
-                if reconfigure(dict(params)):
-                    return self.policy
-            except (TypeError, ValueError):
-                pass  # nothing changed; the factory says what is wrong with the parameters
-        return self.policy_factory(name, params)
 
     def reset_prefill_gate(self) -> None:
         """A new DOPD Alg. 1 gate for the current policy (none when it groups no prefills); prompts waiting at

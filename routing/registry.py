@@ -123,23 +123,26 @@ def policy_params(
     return {}
 
 
-def reconfigured(policy: Policy, name: str, params: Mapping[str, Any] | None = None) -> Policy:
+def reconfigured(policy: Policy, name: str, params: Mapping[str, Any] | None = None,
+                 build: Callable[[str, Mapping[str, Any]], Policy] = make_policy) -> Policy:
     """Policy ``name`` with ``params``: ``policy`` itself, changed in place, when it is policy ``name`` and its
     ``reconfigure(params)`` takes them (it keeps what it learned: :meth:`DisaggregatedPolicy.reconfigure`), else
-    a new one (:func:`make_policy`). The caller compares ``capabilities`` by identity: a new object (always, for
-    a new policy) means new prefill gates.
+    ``build(name, params)`` (default :func:`make_policy`; the router passes its own factory). The caller compares
+    ``capabilities`` by identity: a new object (always, for a new policy) means new prefill gates.
 
     Raises:
-        ValueError: unknown policy, unknown parameter, or a value the policy rejects (``policy`` unchanged).
-        TypeError: a value of the wrong type where the policy checks it.
+        whatever ``build`` raises (:func:`make_policy`: ValueError for an unknown policy or parameter or a value
+        the policy rejects, TypeError for a value of the wrong type); ``policy`` is unchanged then.
     """
+    given = dict(params or {})
     reconfigure = getattr(policy, "reconfigure", None)
     if policy.name == name and callable(reconfigure):
-        given = dict(params or {})
-        unknown = sorted(set(given) - set(policy_parameters(name)))
-        if not unknown and reconfigure(given):
-            return policy
-    return make_policy(name, params)
+        try:
+            if reconfigure(given):
+                return policy
+        except (TypeError, ValueError):
+            pass  # nothing changed; ``build`` says what is wrong with the parameters
+    return build(name, given)
 
 
 @dataclass(frozen=True)
