@@ -14,6 +14,7 @@ import json
 import re
 import time
 import urllib.request
+from unittest import mock
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ pytest_asyncio = pytest.importorskip("pytest_asyncio")
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
+import fulcrum.router.rescheduler as rescheduler_module  # noqa: E402
 from fulcrum.router.app import ROUTER, RouterState, create_app  # noqa: E402
 from fulcrum.router.config import parse_config  # noqa: E402
 from fulcrum.routing.base import InstanceView, NoInstanceError, PolicyCapabilities, RequestInfo, RouteDecision  # noqa: E402
@@ -95,19 +97,29 @@ async def run(c: TestClient[Any, Any], path: str, body: dict[str, Any], stream: 
         resp = await c.post(path, json=req)
         return resp.status, await resp.read()
 
-    task = asyncio.create_task(go())
     k = 0
-    if migrate_after is not None:
+    if migrate_after is None:
+        status, raw = await go()
+    else:
+        # The move is asked for inside the router's own stream loop, right after the event that brings the
+        # relayed count to ``migrate_after``: polling from the test's task raced the tiny model, whose 160
+        # tokens can all be relayed before the poller runs again (a CI failure, 2026-11-27).
         rs = state(c).rescheduler
         assert rs is not None
-        deadline = time.monotonic() + 60
-        while not (rs.requests and next(iter(rs.requests.values())).generated >= migrate_after):
-            assert not task.done() and time.monotonic() < deadline, "the request ended before it could be moved"
-            await asyncio.sleep(0.001)
-        tr = next(iter(rs.requests.values()))
-        k = tr.generated
-        assert rs.request_migration(tr.request_id, "B", "forced")
-    status, raw = await task
+        asked: list[int] = []
+        original = rescheduler_module._take
+
+        async def take_then_move(obj: dict[str, Any], ex: Any, sink: Any, ticket: Any, pr: Any,
+                                 tr: Any, *rest: Any) -> None:
+            await original(obj, ex, sink, ticket, pr, tr, *rest)
+            if not asked and tr.generated >= migrate_after and pr.finish is None:
+                asked.append(tr.generated)
+                assert rs.request_migration(tr.request_id, "B", "forced")
+
+        with mock.patch.object(rescheduler_module, "_take", take_then_move):
+            status, raw = await go()
+        assert asked, "the request ended before it could be moved"
+        k = asked[0]
     assert status == 200, raw[:500]
     if stream:
         text, usage, _, done = parse_stream(raw)
