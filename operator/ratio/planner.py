@@ -57,6 +57,7 @@ __all__ = [
     "unified_tpot_miss",
     "RatioPlan",
     "plan",
+    "plan_modes",
     "plan_disaggregated",
     "plan_unified",
     "plan_ratio",
@@ -749,12 +750,33 @@ def plan(
         return plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
     if spec.mode == Mode.UNIFIED:
         return plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, current_tp=current_tp_unified, **kw)
-    dis = plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
+    plans = plan_modes(workload, profile, spec, s, current_tp_unified=current_tp_unified)
+    return min(plans.values(), key=lambda p: (not p.feasible, p.gpus, p.mode != Mode.DISAGGREGATED.value))
+
+
+def plan_modes(
+    workload: WorkloadEstimate, profile: PerformanceProfile, spec: LLMServeSpec, settings: PlannerSettings | None = None,
+    *, current_tp_unified: int | None = None,
+) -> dict[str, Plan]:
+    """Both modes' plans for ``workload`` under ``spec``'s SLOs, TP pins and GPU limits, whatever ``spec.mode``
+    says: ``{"Disaggregated": ..., "Unified": ...}`` (keys are :class:`Mode` values). Unified is left out when
+    the profile cannot plan it. What :func:`plan` chooses from in Auto mode, and what the Auto planner
+    (:mod:`fulcrum.scaling.fulcrum`) weighs before a switch of mode.
+
+    Raises:
+        PlanningError: the profile cannot plan Disaggregated serving.
+    """
+    s = settings or PlannerSettings.from_spec(spec)
+    sc = spec.scaling
+    kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": s}
+    out = {Mode.DISAGGREGATED.value: plan_disaggregated(
+        workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)}
     try:
-        uni = plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, current_tp=current_tp_unified, **kw)
+        out[Mode.UNIFIED.value] = plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified,
+                                               current_tp=current_tp_unified, **kw)
     except PlanningError:
-        return dis
-    return min((dis, uni), key=lambda p: (not p.feasible, p.gpus, p.mode != Mode.DISAGGREGATED.value))
+        pass
+    return out
 
 
 def plan_ratio(

@@ -32,16 +32,15 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 import numpy as np
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode
-from fulcrum.errors import PlanningError
 from fulcrum.forecast.workload import WorkloadForecast, WorkloadForecaster
 from fulcrum.observation import QUANTILE_LEVELS, Observation
 from fulcrum.ratio.lengths import LengthDistribution
-from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan, plan_disaggregated, plan_unified
+from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan, plan_modes
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.mode import ModeName, ModeState, ModeSwitchSettings, decide_mode, other_mode
 from fulcrum.scaling.planner import Decision, PlanNumbers
@@ -314,18 +313,9 @@ class FulcrumPlanner:
         )
 
     def _plans(self, workload: WorkloadEstimate, current: ClusterTarget) -> dict[ModeName, Plan]:
-        """Both modes' plans for Auto (Unified left out when the profile cannot plan it)."""
-        sc = self.spec.scaling
-        kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": self.settings}
-        out: dict[ModeName, Plan] = {"Disaggregated": plan_disaggregated(
-            workload, self.profile, self.spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw
-        )}
-        try:
-            out["Unified"] = plan_unified(workload, self.profile, self.spec.slo, tp_unified=sc.tp_unified,
-                                          current_tp=_current_tp(current), **kw)
-        except PlanningError:
-            pass
-        return out
+        """Both modes' plans for Auto (Unified left out when the profile cannot plan it), :func:`plan_modes`."""
+        plans = plan_modes(workload, self.profile, self.spec, self.settings, current_tp_unified=_current_tp(current))
+        return cast(dict[ModeName, Plan], plans)
 
     def step(self, obs: Observation, current: ClusterTarget) -> Decision:
         """Observe, forecast, plan and scale (module doc). Never raises on odd observations."""

@@ -17,6 +17,7 @@ from fulcrum.ratio.planner import (
     WorkloadEstimate,
     plan,
     plan_disaggregated,
+    plan_modes,
     plan_ratio,
     plan_unified,
     ultra_short_threshold,
@@ -171,6 +172,8 @@ def test_auto_mode_picks_the_plan_with_fewer_gpus(splitwise):
     uni = plan(w, splitwise, parse_llmserve({**base, "mode": "Unified"}).spec)
     auto = plan(w, splitwise, parse_llmserve({**base, "mode": "Auto"}).spec)
     assert auto.gpus == min(dis.gpus, uni.gpus)
+    both = plan_modes(w, splitwise, parse_llmserve({**base, "mode": "Disaggregated"}).spec)  # whatever the mode
+    assert {m: p.gpus for m, p in both.items()} == {"Disaggregated": dis.gpus, "Unified": uni.gpus}
 
 
 def test_unified_tpot_miss_is_the_poisson_tail_of_prefills_during_a_requests_decode():
@@ -275,6 +278,7 @@ def test_short_outputs_behind_long_prompts_make_unified_cost_more_than_disaggreg
 def test_auto_mode_falls_back_to_disaggregated_when_unified_cannot_be_planned(table_i):
     spec = parse_llmserve({"model": {"name": "m"}, "mode": "Auto"}).spec
     assert plan(WorkloadEstimate.from_means(3, 1000, 200), table_i, spec).mode == "Disaggregated"
+    assert list(plan_modes(WorkloadEstimate.from_means(3, 1000, 200), table_i, spec)) == ["Disaggregated"]
 
 
 def test_a_fixed_tp_missing_from_the_profile_is_a_planning_error(table_i):
