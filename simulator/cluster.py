@@ -279,6 +279,8 @@ class Simulation:
         config: :class:`SimConfig`.
         rescheduler: asked for decode migrations every ``config.reschedule_interval_s`` (None: none).
         role_balancer: asked for role changes at the same ticks (None: fixed roles).
+        on_finished: called with each request's (ISL, OSL), tokens, when it finishes (e.g. a remaining-length
+            predictor learning online, as the router's rescheduler does); None: nothing.
         policy: builds the routing policy (:mod:`fulcrum.routing`) from the plan's routing parameters, at the
             start and whenever an applied target changes what the router's config holds of the policy
             (:func:`policy_config`: the operator rewrites the router's config, and the router builds a new
@@ -299,6 +301,7 @@ class Simulation:
         rescheduler: Rescheduler | None = None,
         role_balancer: RoleBalancer | None = None,
         policy: PolicyFactory | None = None,
+        on_finished: Callable[[int, int], None] | None = None,
     ) -> None:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         reqs: list[SimRequest] = []
@@ -345,6 +348,7 @@ class Simulation:
         self._record_gpus()
         self._rescheduler = rescheduler
         self._role_balancer = role_balancer
+        self._on_finished = on_finished
         self._reassign: dict[int, str] = {}  # draining instance → the role it takes once drained
         self._role_changes = 0
         self._last_tick = 0.0
@@ -1059,6 +1063,8 @@ class Simulation:
         self._done += 1
         self._lengths.observe(r.isl, r.osl)
         self._policy.on_finish(str(r.idx), t)
+        if self._on_finished is not None:
+            self._on_finished(r.isl, r.osl)
 
     def _record(self, r: SimRequest) -> RequestRecord:
         ttft = r.first_token - r.arrival if not math.isnan(r.first_token) else math.inf

@@ -204,6 +204,25 @@ def test_replay_prints_a_header_and_the_comparison_table(capsys: pytest.CaptureF
     assert any(line.startswith("static ") for line in out.splitlines())
 
 
+def test_replay_runs_the_specs_decode_rescheduling_and_says_role_reassignment_is_not_simulated(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    doc = yaml.safe_load(DISAGG_SPEC.read_text())
+    doc["spec"]["router"].update(rescheduling=True, roleReassignment=True)
+    doc["spec"]["scaling"].update(initialPrefill=2, initialDecode=3)
+    path = tmp_path / "llmserve.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    argv = ["replay", "--trace", "azure-conv-2023", "--llmserve", str(path), "--duration", "600", "--policy", "static",
+            "--json"]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["policies"]["static"]["migrations"] > 0  # ARES moved decodes between the 3 instances
+    assert "does not simulate spec.router.roleReassignment" in err
+    plain = run_json(capsys, [*REPLAY, "--policy", "static", "--json"])
+    assert plain["policies"]["static"]["migrations"] == 0
+
+
 def test_replay_compares_routing_policies_under_one_planner(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(capsys, [*REPLAY, "--policy", "static", "--routing", "disaggregated,split,load_aware", "--json"])
     check_policies(data, {"disaggregated", "split", "load_aware"})

@@ -38,6 +38,7 @@ POLICY_KEYS = {
     "tpot_p_s",
     "requests",
     "scale_events",
+    "migrations",
     "wall_s",
     "latency",
     "slo_infeasible",
@@ -158,6 +159,7 @@ def test_summary_json_has_exactly_the_documented_keys_and_survives_strict_json()
     for entry in summary["policies"].values():
         assert set(entry) == POLICY_KEYS
         assert isinstance(entry["requests"], int) and isinstance(entry["scale_events"], int)
+        assert entry["migrations"] == 0  # rescheduling off
     assert summary["policies"]["fulcrum"]["slo_attainment"] == pytest.approx(0.8)
     assert summary["policies"]["fulcrum"]["ttft_p_s"] == pytest.approx(1.5)
     assert summary["policies"]["static"]["ttft_p_s"] is None  # inf → None

@@ -9,9 +9,9 @@ import numpy as np
 
 from fulcrum.api.llmserve import SLOSpec
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.replay.rescheduling import ares_rescheduler, current_only, oracle_remaining
+from fulcrum.replay.rescheduling import ares_rescheduler, current_only, learned_remaining, oracle_remaining
 from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
-from fulcrum.simulator import DecodeInstanceView, SimConfig, Simulation
+from fulcrum.simulator import DecodeInstanceView, DecodeRequestView, SimConfig, Simulation
 from fulcrum.target import ClusterTarget, PoolSize
 from fulcrum.workload import Request
 
@@ -94,3 +94,19 @@ def test_rescheduling_on_current_load_only_also_migrates() -> None:
     res = run(reqs, rescheduler=ares_rescheduler(current_only(256), cfg, profile=PROFILE, link_gbps=25.0))
     assert res.migrations > 0
     assert all(math.isfinite(r.finish_s) for r in res.records)
+
+
+def test_the_learned_predictor_is_fed_every_finished_request_and_answers_from_them() -> None:
+    predict, feed = learned_remaining()
+    seen: list[tuple[int, int]] = []
+
+    def record(isl: int, osl: int) -> None:
+        seen.append((isl, osl))
+        feed(isl, osl)
+
+    reqs = [Request(arrival_s=0.05 * i, isl=300 + i, osl=50) for i in range(40)]
+    sim = Simulation(reqs, PROFILE, SLO, TARGET, SimConfig(), on_finished=record)
+    sim.finish()
+    assert sorted(seen) == sorted((r.isl, r.osl) for r in reqs)  # once per request, its own lengths
+    # 40 answers of 50 tokens: after 10 of them, 40 remain (the prior, 512 tokens, is gone)
+    assert predict(DecodeRequestView(0, 320, 10, 50)) == 40.0

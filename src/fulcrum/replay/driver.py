@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from fulcrum.api.llmserve import LLMServeSpec
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.replay.distribution import LatencyDistribution
+from fulcrum.replay.rescheduling import ares_rescheduler, learned_remaining
 from fulcrum.replay.result import ForecastPoint, InfeasibleSLO, PolicyRun, PolicySummary, TimelinePoint
 from fulcrum.replay.routing import routing_factory
 from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas
 from fulcrum.scaling.planner import Planner
 from fulcrum.scaling.registry import make_planner
-from fulcrum.simulator import SimConfig, Simulation
+from fulcrum.simulator import Rescheduler, SimConfig, Simulation
 from fulcrum.target import Pool
 from fulcrum.workload import Request
 
@@ -119,6 +120,21 @@ def run_policy(
     return run_planner(make_planner(name, spec, profile), requests, spec, profile, options, name=name)
 
 
+def _rescheduling(spec: LLMServeSpec, profile: PerformanceProfile, sim_cfg: SimConfig
+                  ) -> tuple[Rescheduler | None, Callable[[int, int], None] | None]:
+    """The simulated router's ARES decode rescheduling when ``spec.router.rescheduling`` is on (ARES Alg. 1 every
+    ``sim_cfg.reschedule_interval_s``, 1 s by default as in the router, with the remaining-length predictor
+    learnt online from finished requests); (None, None) when it is off or the tick is disabled.
+
+    One difference from the live router: the simulator moves a request's KV over ``sim_cfg.kv_link_gbps`` (ARES's
+    migration, priced with the profile's KV bytes per token), where vLLM's connector makes the router recompute
+    the context on the target (docs/rebalancing.md)."""
+    if not spec.router.rescheduling or sim_cfg.reschedule_interval_s <= 0:
+        return None, None
+    predict, feed = learned_remaining(spec.model.served_name or spec.model.name)
+    return ares_rescheduler(predict, profile=profile, link_gbps=sim_cfg.kv_link_gbps), feed
+
+
 def run_planner(
     planner: Planner,
     requests: Sequence[Request],
@@ -140,13 +156,16 @@ def run_planner(
     name = name or planner.name
     wall0 = time.perf_counter()
     sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds,
-                                       max_model_len=spec.engine.max_model_len)
+                                       max_model_len=spec.engine.max_model_len,
+                                       reschedule_interval_s=1.0 if spec.router.rescheduling else 0.0)
     current = planner.initial()
     total = external_replicas(spec)
     if total is not None:  # as the operator starts an externally owned LLMServe
         current = distribute(total, current)
     routing = routing_factory(options.routing or spec.router.policy.value, spec, profile)
-    sim = Simulation(requests, profile, spec.slo, current, sim_cfg, policy=routing)
+    rescheduler, feed = _rescheduling(spec, profile, sim_cfg)
+    sim = Simulation(requests, profile, spec.slo, current, sim_cfg, policy=routing, rescheduler=rescheduler,
+                     on_finished=feed)
     loop = ControlLoop(spec, profile, current, planner=planner)
     tick = planner.tick_s
     end = requests[-1].arrival_s
@@ -211,6 +230,7 @@ def run_planner(
     return PolicyRun(
         policy=name,
         summary=summary,
+        migrations=result.migrations,
         records=list(result.records),
         timeline=timeline,
         forecasts=forecasts,

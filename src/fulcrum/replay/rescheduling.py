@@ -25,7 +25,7 @@ from fulcrum.rebalancing.decode_rescheduling import (
 )
 from fulcrum.simulator import DecodeInstanceView, DecodeRequestView, Rescheduler
 
-__all__ = ["RemainingPredictor", "oracle_remaining", "current_only", "ares_rescheduler"]
+__all__ = ["RemainingPredictor", "oracle_remaining", "current_only", "learned_remaining", "ares_rescheduler"]
 
 RemainingPredictor = Callable[[DecodeRequestView], float]
 """(a decoding request) → predicted remaining output tokens N̂(r) >= 0."""
@@ -43,6 +43,27 @@ def current_only(horizon_steps: int) -> RemainingPredictor:
         return float(horizon_steps + 1)
 
     return predict
+
+
+def learned_remaining(model: str = "model") -> tuple[RemainingPredictor, Callable[[int, int], None]]:
+    """ARES with a predictor learnt online, as the live router runs it: ``E[L − g | L > g]`` per ISL bucket
+    (:class:`fulcrum.routing.remaining_length.RemainingLengthPredictor`, its prior until enough requests
+    finished), fed every request that finishes (``router/rescheduler.py``: ``observe_finished``).
+
+    Returns:
+        (the predictor, the feed): pass the feed as ``Simulation(on_finished=...)``; it takes (ISL, OSL), tokens.
+    """
+    from fulcrum.routing.remaining_length import RemainingLengthPredictor
+
+    learnt = RemainingLengthPredictor()
+
+    def predict(r: DecodeRequestView) -> float:
+        return float(learnt.predict_remaining(model, r.isl, r.generated))
+
+    def feed(isl: int, osl: int) -> None:
+        learnt.observe(model, isl, osl)
+
+    return predict, feed
 
 
 def ares_rescheduler(

@@ -103,7 +103,8 @@ class PolicyRun:
     """Everything one policy produced on one trace.
 
     Attributes (beyond the obvious): ``warmup_s`` — requests arriving before it are not scored (seconds);
-    ``slo_infeasible`` — SLO targets its plans found out of reach, TTFT first.
+    ``slo_infeasible`` — SLO targets its plans found out of reach, TTFT first; ``migrations`` — decode requests
+    the simulated router moved (ARES rescheduling, on when the spec's ``router.rescheduling`` is; the whole trace).
     """
 
     policy: str
@@ -115,3 +116,4 @@ class PolicyRun:
     wall_s: float = 0.0
     warmup_s: float = 0.0
     slo_infeasible: tuple[InfeasibleSLO, ...] = ()
+    migrations: int = 0
