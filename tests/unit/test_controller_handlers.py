@@ -17,6 +17,8 @@ port). Time is injected: no test sleeps.
 
 from __future__ import annotations
 
+import logging
+
 import asyncio
 import copy
 import socket
@@ -504,9 +506,14 @@ async def test_fulcrum_operator_rejects_bad_flags_with_one_line_and_exit_2(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from fulcrum.cli import main
 
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     assert main(["operator", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+    # nothing configured: kopf's root handler, bound to this test's stderr, broke every later INFO record once
+    # that stream was closed ("--- Logging error --- I/O operation on closed file" in CI's output)
+    assert (root.handlers, root.level) == (handlers, level)
 
 
 async def test_operator_wide_connectors_fill_an_empty_spec_and_never_override_one(objs: InMemoryObjects) -> None:

@@ -88,9 +88,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prometheus-url must start with http:// or https://, got {url!r}")
     if not args.image.strip():
         raise ValueError("--image must not be empty")
-    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
-                   else kopf.LogFormat.FULL)
-    logging.getLogger("fulcrum").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if args.kubeconfig:
         if not os.path.isfile(args.kubeconfig):
             raise ValueError(f"--kubeconfig {args.kubeconfig}: no such file")
@@ -99,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         api_client = _api_client(args.kubeconfig)
     except Exception as err:  # kubernetes.config.ConfigException, a missing or malformed file
         raise ValueError(f"no Kubernetes credentials: {err}") from err
+    # Only once the command line and the credentials are good: kopf.configure adds a handler to the root logger
+    # (bound to the stderr of the moment) and sets levels process-wide, which a rejected command must not leave.
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
+                   else kopf.LogFormat.FULL)
+    logging.getLogger("fulcrum").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     host = bind_host("0.0.0.0")  # metrics and liveness: every address, or $FULCRUM_BIND_HOST
     metrics = OperatorMetrics()
     if args.metrics_port:
