@@ -744,12 +744,8 @@ def plan(
         PlanningError: the requested mode cannot be planned with this profile.
     """
     s = settings or PlannerSettings.from_spec(spec)
-    sc = spec.scaling
-    kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": s}
-    if spec.mode == Mode.DISAGGREGATED:
-        return plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
-    if spec.mode == Mode.UNIFIED:
-        return plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, current_tp=current_tp_unified, **kw)
+    if spec.mode != Mode.AUTO:
+        return _plan_mode(spec.mode, workload, profile, spec, s, current_tp_unified)
     plans = plan_modes(workload, profile, spec, s, current_tp_unified=current_tp_unified)
     return min(plans.values(), key=lambda p: (not p.feasible, p.gpus, p.mode != Mode.DISAGGREGATED.value))
 
@@ -767,16 +763,22 @@ def plan_modes(
         PlanningError: the profile cannot plan Disaggregated serving.
     """
     s = settings or PlannerSettings.from_spec(spec)
-    sc = spec.scaling
-    kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": s}
-    out = {Mode.DISAGGREGATED.value: plan_disaggregated(
-        workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)}
+    out = {Mode.DISAGGREGATED.value: _plan_mode(Mode.DISAGGREGATED, workload, profile, spec, s, current_tp_unified)}
     try:
-        out[Mode.UNIFIED.value] = plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified,
-                                               current_tp=current_tp_unified, **kw)
+        out[Mode.UNIFIED.value] = _plan_mode(Mode.UNIFIED, workload, profile, spec, s, current_tp_unified)
     except PlanningError:
         pass
     return out
+
+
+def _plan_mode(mode: Mode, workload: WorkloadEstimate, profile: PerformanceProfile, spec: LLMServeSpec,
+               settings: PlannerSettings, current_tp_unified: int | None) -> Plan:
+    """``mode``'s plan (Disaggregated or Unified) with ``spec``'s SLOs, TP pins and GPU limits."""
+    sc = spec.scaling
+    kw: dict[str, Any] = {"min_gpus": sc.min_gpus, "max_gpus": sc.max_gpus, "settings": settings}
+    if mode == Mode.UNIFIED:
+        return plan_unified(workload, profile, spec.slo, tp_unified=sc.tp_unified, current_tp=current_tp_unified, **kw)
+    return plan_disaggregated(workload, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode, **kw)
 
 
 def plan_ratio(

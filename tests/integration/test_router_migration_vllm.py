@@ -14,9 +14,9 @@ import json
 import re
 import time
 import urllib.request
-from unittest import mock
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import pytest
 

@@ -17,10 +17,9 @@ port). Time is injected: no test sleeps.
 
 from __future__ import annotations
 
-import logging
-
 import asyncio
 import copy
+import logging
 import socket
 from datetime import datetime, timedelta, timezone
 from collections.abc import Callable, Iterable
