@@ -22,6 +22,7 @@ A :class:`Simulation` is a :class:`fulcrum.cluster.Cluster` (``observe``, ``appl
 """
 
 from fulcrum.simulator.cluster import (
+    DutyBalancer,
     PolicyFactory,
     Rescheduler,
     RoleBalancer,
@@ -42,6 +43,7 @@ __all__ = [
     "Simulation",
     "Rescheduler",
     "RoleBalancer",
+    "DutyBalancer",
     "RoleView",
     "DecodeInstanceView",
     "DecodeRequestView",

@@ -55,9 +55,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -82,7 +82,8 @@ from fulcrum.simulator.records import (
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
-__all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "PolicyFactory", "default_policy",
+__all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "DutyBalancer", "PolicyFactory",
+           "default_policy",
            "next_policy", "policy_config", "serving_unified"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
@@ -92,7 +93,26 @@ pure planner is ``fulcrum.rebalancing.decode_rescheduling.plan_migration`` (ARES
 RoleBalancer = Callable[[float, Sequence[RoleView]], Sequence[tuple[int, str]]]
 """A role balancer: (now s, ready P and D instances) → role changes as (instance iid, "prefill" | "decode").
 The pure planner is ``fulcrum.rebalancing.role_reassignment.plan_role_change`` (BanaServe Alg. 1 with a
-role flip); ``fulcrum.replay.roles`` adapts it."""
+role flip); ``fulcrum.replay.roles`` adapts it. The simulator's own: it flips whole P and D instances, which
+the live router never does (compare :class:`DutyBalancer`)."""
+
+
+class DutyBalancer(Protocol):
+    """The live router's role reassignment (router config ``roles``): a duty for each instance of a unified pool,
+    shown to the routing policy as the instance's role, and re-evaluated every ``reschedule_interval_s``. The
+    book and its rule are ``fulcrum.rebalancing.duties.DutyBook`` (BanaServe Alg. 1 with a role flip);
+    ``fulcrum.replay.roles.duty_balancer`` adapts it (the simulator sits below the planners' callers)."""
+
+    def apply(self, views: Sequence[InstanceView]) -> list[InstanceView]:
+        """``views`` with each ``both`` instance's role replaced by its duty."""
+        ...
+
+    def step(self, now: float, views: Sequence[InstanceView], oldest_wait_s: Mapping[str, float],
+             target: ClusterTarget) -> tuple[str, str] | None:
+        """One period at ``now`` seconds over the registered ``views`` (``both`` roles as registered), with each
+        instance's oldest prompt not yet prefilled (seconds waited) and the applied ``target`` (whose plan bounds
+        the duties): the flip made as (instance id, new duty), or None."""
+        ...
 
 PolicyFactory = Callable[[RoutingParams], Policy]
 """Builds the routing policy from the plan's routing parameters (as the operator writes the router's config:
@@ -218,7 +238,8 @@ class SimResult:
         migrations: decode requests migrated by the rescheduler.
         migrated_tokens: KV tokens those migrations moved (× the profile's ``kv_bytes_per_token`` = bytes).
         migration_seconds: Σ KV transfer time of the migrations, seconds (each pauses its request that long).
-        role_changes: instances moved between prefill and decode duty by the role balancer.
+        role_changes: instances moved between prefill and decode duty by the role balancer, and unified instances
+            whose duty the router's role reassignment (``duties``) flipped.
     """
 
     records: list[RequestRecord]
@@ -278,7 +299,11 @@ class Simulation:
         initial: the pools at t = 0; they start READY.
         config: :class:`SimConfig`.
         rescheduler: asked for decode migrations every ``config.reschedule_interval_s`` (None: none).
-        role_balancer: asked for role changes at the same ticks (None: fixed roles).
+        role_balancer: asked for role changes of whole P/D instances at the same ticks (None: fixed roles).
+        duties: the router's role reassignment of unified instances (:class:`DutyBalancer`), asked at the same
+            ticks; a unified instance taking prefill duty hands its running decodes to decode-capable instances
+            when there is a ``rescheduler`` (the router's ``migrate_on_flip``). None: no duties. Needs
+            ``config.reschedule_interval_s > 0``.
         on_finished: called with each request's (ISL, OSL), tokens, when it finishes (e.g. a remaining-length
             predictor learning online, as the router's rescheduler does); None: nothing.
         policy: builds the routing policy (:mod:`fulcrum.routing`) from the plan's routing parameters, at the
@@ -287,7 +312,7 @@ class Simulation:
             policy only when its policy section changed); None: :func:`default_policy`.
 
     Raises:
-        ValueError: a malformed request.
+        ValueError: a malformed request, or ``duties`` without a tick (``reschedule_interval_s <= 0``).
         ProfileError: a pool's TP is not measured in the profile (P: prefill table; D, unified: decode table).
     """
 
@@ -302,7 +327,11 @@ class Simulation:
         role_balancer: RoleBalancer | None = None,
         policy: PolicyFactory | None = None,
         on_finished: Callable[[int, int], None] | None = None,
+        duties: DutyBalancer | None = None,
     ) -> None:
+        if duties is not None and not config.reschedule_interval_s > 0:
+            raise ValueError("duties are re-evaluated every reschedule_interval_s: it must be > 0, got "
+                             f"{config.reschedule_interval_s!r}")
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         reqs: list[SimRequest] = []
         for k, i in enumerate(order):
@@ -348,6 +377,8 @@ class Simulation:
         self._record_gpus()
         self._rescheduler = rescheduler
         self._role_balancer = role_balancer
+        self._duties = duties
+        self._duty_changes = 0
         self._on_finished = on_finished
         self._reassign: dict[int, str] = {}  # draining instance → the role it takes once drained
         self._role_changes = 0
@@ -687,7 +718,13 @@ class Simulation:
                            predicted_output_tokens=self._lengths.predict(r.isl, cap))
 
     def _views(self, engines_only: bool = False) -> list[InstanceView]:
-        """The policy's view of the serving instances (ready or draining; starting ones are not registered yet),
+        """What the routing policy gets: :meth:`_registered`, with each unified instance's duty as its role when
+        the router reassigns roles (``duties``)."""
+        views = self._registered(engines_only)
+        return self._duties.apply(views) if self._duties is not None else views
+
+    def _registered(self, engines_only: bool = False) -> list[InstanceView]:
+        """The router's view of the serving instances (ready or draining; starting ones are not registered yet),
         in creation order: in Unified mode the unified pool; in Disaggregated mode the prefill and decode pools,
         and the unified pool while no decode instance is ready (a mode switch under way). ``engines_only``
         leaves the prefill instances out (a request that must land on a decode-capable instance).
@@ -945,6 +982,8 @@ class Simulation:
         if self._role_balancer is not None:
             for iid, role in self._role_balancer(now, self._role_views(now)):
                 self.reassign(iid, role)
+        if self._duties is not None:
+            self._step_duties(now)
         if self._rescheduler is not None and len(engines) > 1:
             by_id = {inst.iid: inst for inst in engines}
             for idx, iid in self._rescheduler(now, views):
@@ -957,6 +996,28 @@ class Simulation:
                     self._mig_target[idx] = dest
         if self._done < len(self._reqs):
             self._kernel.schedule(now + self._cfg.reschedule_interval_s, Priority.TIMER, self._on_reschedule)
+
+    def _step_duties(self, now: float) -> None:
+        """One period of the router's role reassignment (:class:`DutyBalancer`). An instance's oldest prompt not
+        yet prefilled is timed from its arrival (the router routes on arrival; this misses only the wait of a
+        request that sat at the router with no instance). A unified instance that takes prefill duty keeps its
+        running decodes, or, with a rescheduler, hands them to decode-capable instances (``migrate_on_flip``)."""
+        waits: dict[str, float] = {}
+        for inst in self._pools["unified"]:
+            if isinstance(inst, EngineInstance):
+                pending = [r.arrival for r in inst.prefilling]
+                pending += [r.arrival for r in inst.waiting if not r.kv_ready]
+                if pending:
+                    waits[str(inst.iid)] = now - min(pending)
+        flip = self._duties.step(now, self._registered(), waits, self._target) if self._duties is not None else None
+        if flip is None:
+            return
+        self._role_changes += 1
+        iid, duty = flip
+        engine = self._by_id.get(int(iid))
+        if duty == "prefill" and self._rescheduler is not None and isinstance(engine, EngineInstance):
+            for r, _ in engine.decoding(now):
+                engine.request_migration(r)  # the target is chosen when it leaves (a decode-capable instance)
 
     def _oldest_prefill_wait(self) -> float | None:
         """When the longest-waiting prompt not yet prefilling entered a prefill instance's queue or gate, s."""

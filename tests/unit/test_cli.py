@@ -30,6 +30,7 @@ from fulcrum.replay.report import (
 
 REPO = Path(__file__).resolve().parents[2]
 DISAGG_SPEC = REPO / "examples" / "llmserve-disaggregated-70b-h100.yaml"
+UNIFIED_SPEC = REPO / "examples" / "llmserve-unified-70b-a100.yaml"
 SERVEGEN = REPO.parent / "shared" / "data" / "servegen" / "servegen_m-large_aggregate_10min.csv"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # DOPD §VI-A3: 4.58 P per TP=2 D-instance at ISL/OSL 1000/150, cc_d = 235; why 5 %: tests/unit/test_ratio_planner.py
@@ -204,9 +205,7 @@ def test_replay_prints_a_header_and_the_comparison_table(capsys: pytest.CaptureF
     assert any(line.startswith("static ") for line in out.splitlines())
 
 
-def test_replay_runs_the_specs_decode_rescheduling_and_says_role_reassignment_is_not_simulated(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+def test_replay_runs_the_specs_decode_rescheduling(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     doc = yaml.safe_load(DISAGG_SPEC.read_text())
     doc["spec"]["router"].update(rescheduling=True, roleReassignment=True)
     doc["spec"]["scaling"].update(initialPrefill=2, initialDecode=3)
@@ -217,10 +216,28 @@ def test_replay_runs_the_specs_decode_rescheduling_and_says_role_reassignment_is
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert json.loads(out)["policies"]["static"]["migrations"] > 0  # ARES moved decodes between the 3 instances
-    assert "does not simulate spec.router.roleReassignment" in err
+    run = json.loads(out)["policies"]["static"]
+    assert run["migrations"] > 0  # ARES moved decodes between the 3 instances
+    assert run["role_changes"] == 0  # no unified pool: the router's role reassignment has no `both` instance
     plain = run_json(capsys, [*REPLAY, "--policy", "static", "--json"])
     assert plain["policies"]["static"]["migrations"] == 0
+
+
+def test_replay_runs_the_specs_role_reassignment_of_unified_instances(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    doc = yaml.safe_load(UNIFIED_SPEC.read_text())
+    doc["spec"]["scaling"].update(initialUnified=4)
+    plain_path, rr_path = tmp_path / "plain.yaml", tmp_path / "roles.yaml"
+    plain_path.write_text(yaml.safe_dump(doc))
+    doc["spec"]["router"]["roleReassignment"] = True
+    rr_path.write_text(yaml.safe_dump(doc))
+    argv = ["--trace", "azure-conv-2023", "--duration", "600", "--policy", "static", "--json"]
+    roles = run_json(capsys, ["replay", "--llmserve", str(rr_path), *argv])["policies"]["static"]
+    plain = run_json(capsys, ["replay", "--llmserve", str(plain_path), *argv])["policies"]["static"]
+    assert roles["role_changes"] > 0 and roles["migrations"] == 0
+    assert plain["role_changes"] == 0
+    assert roles["slo_attainment"] != plain["slo_attainment"]  # the duties changed where requests ran
 
 
 def test_replay_compares_routing_policies_under_one_planner(capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,6 +39,7 @@ POLICY_KEYS = {
     "requests",
     "scale_events",
     "migrations",
+    "role_changes",
     "wall_s",
     "latency",
     "slo_infeasible",

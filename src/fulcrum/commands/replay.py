@@ -16,8 +16,9 @@ every request (CSV, or Parquet for a ``.parquet`` name). A warning line is print
 plans found out of the profile's reach at the forecast lengths (also under ``slo_infeasible`` in ``--json``).
 
 The router's in-flight rebalancing: ARES decode rescheduling runs in the simulated cluster when the spec turns
-``router.rescheduling`` on (``migrations`` in ``--json``; :func:`fulcrum.replay.driver.run_planner`); role
-reassignment (``router.roleReassignment``) is not simulated, and a note on stderr says so.
+``router.rescheduling`` on (``migrations`` in ``--json``; :func:`fulcrum.replay.driver.run_planner`), and the
+router's role reassignment of unified instances when it turns ``router.roleReassignment`` on (``role_changes``;
+:class:`fulcrum.replay.roles.SimulatedDuties`).
 """
 
 from __future__ import annotations
@@ -107,9 +108,6 @@ def run(args: argparse.Namespace) -> int:
     profile = resolve_spec_profile(spec, spec_path, args.profile)
     trace = load_trace(args.trace, args.format, start_s=args.start, duration_s=args.duration)
     requests = scale_arrivals(trace.requests, args.time_scale)
-    if spec.router.role_reassignment:
-        print("note: fulcrum replay does not simulate spec.router.roleReassignment (the live router flips the "
-              "duty of a Unified pool's `both` instances; here duties stay fixed)", file=sys.stderr)
     routings: list[str] = args.routing or [spec.router.policy.value]
     progress = not (args.no_progress or args.json) and sys.stderr.isatty()
     options = ReplayOptions(progress=progress, warmup_s=args.warmup, routing=routings[0])

@@ -22,6 +22,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.replay.distribution import LatencyDistribution
 from fulcrum.replay.rescheduling import ares_rescheduler, learned_remaining
+from fulcrum.replay.roles import SimulatedDuties
 from fulcrum.replay.result import ForecastPoint, InfeasibleSLO, PolicyRun, PolicySummary, TimelinePoint
 from fulcrum.replay.routing import routing_factory
 from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas
@@ -155,17 +156,19 @@ def run_planner(
         raise ValueError("the trace has no requests")
     name = name or planner.name
     wall0 = time.perf_counter()
+    rebalancing = spec.router.rescheduling or spec.router.role_reassignment
     sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds,
                                        max_model_len=spec.engine.max_model_len,
-                                       reschedule_interval_s=1.0 if spec.router.rescheduling else 0.0)
+                                       reschedule_interval_s=1.0 if rebalancing else 0.0)
     current = planner.initial()
     total = external_replicas(spec)
     if total is not None:  # as the operator starts an externally owned LLMServe
         current = distribute(total, current)
     routing = routing_factory(options.routing or spec.router.policy.value, spec, profile)
     rescheduler, feed = _rescheduling(spec, profile, sim_cfg)
+    duties = SimulatedDuties(spec.slo.ttft_ms / 1000.0) if spec.router.role_reassignment else None
     sim = Simulation(requests, profile, spec.slo, current, sim_cfg, policy=routing, rescheduler=rescheduler,
-                     on_finished=feed)
+                     on_finished=feed, duties=duties)
     loop = ControlLoop(spec, profile, current, planner=planner)
     tick = planner.tick_s
     end = requests[-1].arrival_s
@@ -231,6 +234,7 @@ def run_planner(
         policy=name,
         summary=summary,
         migrations=result.migrations,
+        role_changes=result.role_changes,
         records=list(result.records),
         timeline=timeline,
         forecasts=forecasts,

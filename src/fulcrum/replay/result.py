@@ -104,7 +104,9 @@ class PolicyRun:
 
     Attributes (beyond the obvious): ``warmup_s`` — requests arriving before it are not scored (seconds);
     ``slo_infeasible`` — SLO targets its plans found out of reach, TTFT first; ``migrations`` — decode requests
-    the simulated router moved (ARES rescheduling, on when the spec's ``router.rescheduling`` is; the whole trace).
+    the simulated router moved (ARES rescheduling, on when the spec's ``router.rescheduling`` is; the whole trace);
+    ``role_changes`` — duty flips of unified instances by the simulated router's role reassignment (on when the
+    spec's ``router.roleReassignment`` is; the whole trace).
     """
 
     policy: str
@@ -117,3 +119,4 @@ class PolicyRun:
     warmup_s: float = 0.0
     slo_infeasible: tuple[InfeasibleSLO, ...] = ()
     migrations: int = 0
+    role_changes: int = 0

@@ -93,8 +93,9 @@ def summary_json(
         keys of ``extra``. Each policy entry holds exactly ``slo_attainment``, ``ttft_attainment`` and
         ``tpot_attainment`` (fractions 0..1), ``goodput_tokens_per_s`` and ``throughput_tokens_per_s``
         (output tokens/s), ``gpu_hours``, ``ttft_p_s`` and ``tpot_p_s`` (seconds, at the SLO percentile),
-        ``requests``, ``scale_events`` and ``migrations`` (ints; decode requests the simulated router moved, 0
-        unless the spec turns ``router.rescheduling`` on), ``wall_s`` (seconds the replay of that policy took),
+        ``requests``, ``scale_events``, ``migrations`` (ints; decode requests the simulated router moved, 0
+        unless the spec turns ``router.rescheduling`` on) and ``role_changes`` (duty flips of unified instances, 0
+        unless the spec turns ``router.roleReassignment`` on), ``wall_s`` (seconds the replay of that policy took),
         ``latency`` — ``{"ttft_s"|"tpot_s"|"e2e_s"|"queue_s": {"p50", "p90", "p99"}, "requests": n}``, seconds,
         over the ``n`` scored requests (arrivals after the warm-up) — and ``slo_infeasible``, a list (empty when
         the plans found both targets in reach, and for planners that do not judge it) of ``{"metric", "target_s",
@@ -125,6 +126,7 @@ def summary_json(
             "requests": int(s.requests),
             "scale_events": int(s.scale_events),
             "migrations": int(run.migrations),
+            "role_changes": int(run.role_changes),
             "wall_s": _finite_or_none(run.wall_s),
             "latency": _json_safe(s.latency.as_dict()),
             "slo_infeasible": [_json_safe(f.as_dict()) for f in run.slo_infeasible],
