@@ -75,6 +75,19 @@ def test_the_reactive_guard_scales_out_when_ttft_misses_with_queued_prefills():
     assert out == [(5, 2)]
 
 
+def test_the_reactive_guard_grows_decode_on_a_tpot_miss_only_with_decode_work_queued():
+    s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
+    ready = ReadyCounts(prefill=4, decode=2)
+    # the misses of requests that finished after a backlog had drained: nothing waits now, nothing to add
+    drained = obs(60, tpot_attainment=0.4, slo_attainment=0.4, decode_queue=0, ready=ready)
+    assert run([target(4, 2)], target(4, 2), s, [drained]) == [(4, 2)]
+    waiting = obs(60, tpot_attainment=0.4, slo_attainment=0.4, decode_queue=12, ready=ready)
+    assert run([target(4, 2)], target(4, 2), s, [waiting]) == [(4, 3)]
+    # a decode queue with the KV cache nearly full grows decode even while TPOT still holds
+    full = obs(60, decode_queue=12, kv_utilisation=0.95, ready=ready)
+    assert run([target(4, 2)], target(4, 2), s, [full]) == [(4, 3)]
+
+
 def test_the_reactive_guard_waits_while_instances_of_the_pool_are_starting():
     s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
     starting = obs(60, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=40, ready=ReadyCounts(prefill=2, decode=2))
