@@ -191,6 +191,12 @@ class SimConfig:
         max_model_len: the model's context, tokens: the output cap the policy sees for a request of ``isl``
             prompt tokens is ``max_model_len − isl`` (what the router assumes when a client sends no
             ``max_tokens``).
+        migration: how a decode migration (the rescheduler's, or a unified instance leaving decode duty) moves
+            a running request: ``"kv"`` — its KV crosses the link (ARES §5.2; ``kv_link_gbps``, counted in
+            ``migration_seconds``); ``"recompute"`` — the live router's way (vLLM's NIXL connector cannot hand
+            over a running request's KV): the target prefills the prompt and the tokens generated so far, as
+            a request preempted by recompute does (its cost lands in the target's steps, not in
+            ``migration_seconds``).
     """
 
     pod_startup_s: float = 120.0
@@ -204,6 +210,7 @@ class SimConfig:
     reschedule_interval_s: float = 0.0
     partial_prefix: bool = True
     max_model_len: int = 8192
+    migration: str = "kv"
 
     def __post_init__(self) -> None:
         for name in ("pod_startup_s", "kv_transfer_overhead_s", "drain_timeout_s", "grace_s", "reschedule_interval_s"):
@@ -220,6 +227,8 @@ class SimConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_span_steps is not None and self.max_span_steps < 1:
             raise ValueError(f"max_span_steps must be >= 1, got {self.max_span_steps}")
+        if self.migration not in ("kv", "recompute"):
+            raise ValueError(f"migration must be 'kv' or 'recompute', got {self.migration!r}")
 
 
 @dataclass
@@ -1099,13 +1108,17 @@ class Simulation:
             self._engine_pending.append(r)  # nowhere to go: it will be recomputed where it lands
             return
         tokens = r.isl + r.generated
+        self._migrations += 1
+        self._migrated_tokens += tokens
+        if self._cfg.migration == "recompute":  # the router's way: the target prefills prompt + generated tokens
+            r.planned, r.handoff_at, r.prefill_stop, r.kv_prefix = -1, 0, r.isl, 0
+            dest.offer(r)
+            return
         dest.incoming += 1
         dest.incoming_tokens += tokens
         r.dest = dest
         r.kv_ready = True
         delay = self._profile.kv_transfer_seconds(tokens, self._cfg.kv_link_gbps) + self._cfg.kv_transfer_overhead_s
-        self._migrations += 1
-        self._migrated_tokens += tokens
         self._migration_s += delay
         self._kernel.schedule(t + delay, Priority.KV_ARRIVAL, self._on_kv_arrival, r.idx)
 

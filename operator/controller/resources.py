@@ -53,7 +53,7 @@ from fulcrum.router.config import RouterConfigError, parse_config
 from fulcrum.routing.registry import make_policy, policy_params
 from fulcrum.router.prefill_queue import QueueLayout
 from fulcrum.scaling.fulcrum import FulcrumPlanner
-from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams, role_bounds
+from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams, recompute_tp, role_bounds
 
 __all__ = [
     "POOL_ROLES",
@@ -523,10 +523,9 @@ def _kv_connector(kind: EngineKind, target: ClusterTarget, profile: PerformanceP
 
 
 def _prefill_tokens_per_s(profile: PerformanceProfile, target: ClusterTarget) -> float:
-    """Prefill throughput of the serving TP (unified pool's, else the prefill pool's), tokens/s: 2,048 tokens over
-    the profile's TTFT at 2,048 — what recomputing a prefix or a migrated context costs."""
-    tp = target.unified.tp if target.unified.replicas else target.prefill.tp
-    return round(2048.0 / max(profile.ttft(2048, tp), 1e-6), 1)
+    """Prefill throughput of the serving TP (:func:`~fulcrum.target.recompute_tp`), tokens/s, to 0.1 — what
+    recomputing a prefix or a migrated context costs."""
+    return round(profile.prefill_tokens_per_s(recompute_tp(target)), 1)
 
 
 def router_config(

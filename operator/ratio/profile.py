@@ -265,6 +265,19 @@ class PerformanceProfile:
         """Prefill latency (s) of one prompt of ``isl`` tokens on a TP-``tp`` instance: TTFT without queueing."""
         return self._prefill_table(tp)(isl)
 
+    def prefill_tokens_per_s(self, tp: int, tokens: int = 2048) -> float:
+        """Prefill throughput of a TP-``tp`` instance, tokens/s: ``tokens`` over the TTFT of a prompt that long
+        (what recomputing a prefix or a migrated context costs per token). A TP without a prefill table borrows
+        the nearest measured one (ties: the smaller, slower one), as the simulator times the prefill of a
+        decode-capable instance (:func:`~fulcrum.ratio.step_cost.nearest_tp`).
+
+        Raises:
+            ProfileError: the profile has no prefill table at all.
+        """
+        from fulcrum.ratio.step_cost import nearest_tp  # step_cost imports this module for its annotations only
+
+        return tokens / max(self.ttft(tokens, nearest_tp(self.prefill_tps, tp)), 1e-6)
+
     def prefill_batch_time(self, isls: Sequence[float], tp: int) -> float:
         """Latency (s) of one prefill batch of prompts with these lengths (tokens) on TP ``tp``."""
         return self._prefill_table(tp).batch(isls)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-__all__ = ["Pool", "PoolSize", "RoutingParams", "ClusterTarget", "role_bounds"]
+__all__ = ["Pool", "PoolSize", "RoutingParams", "ClusterTarget", "recompute_tp", "role_bounds"]
 
 
 class Pool(str, Enum):
@@ -135,6 +135,12 @@ class ClusterTarget:
         empty = PoolSize()
         return cls(prefill=pools.get(Pool.PREFILL, empty), decode=pools.get(Pool.DECODE, empty),
                    unified=pools.get(Pool.UNIFIED, empty), routing=routing or RoutingParams())
+
+
+def recompute_tp(target: ClusterTarget) -> int:
+    """The TP whose prefill throughput prices a recomputed context (a prefix not pulled, a migrated request's
+    prompt and generated tokens): the unified pool's when it has instances, else the prefill pool's."""
+    return target.unified.tp if target.unified.replicas else target.prefill.tp
 
 
 def role_bounds(instances: int, prefill_share: float | None, spread: float = 2.0) -> tuple[int, int, int, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from fulcrum.api.llmserve import SLOSpec
 from fulcrum.ratio.profiles import builtin_profile
@@ -20,8 +21,9 @@ SLO = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
 TARGET = ClusterTarget(prefill=PoolSize(4, 1), decode=PoolSize(2, 2))
 
 
-def run(requests: list[Request], rescheduler=None, interval: float = 1.0):  # type: ignore[no-untyped-def]
-    sim = Simulation(requests, PROFILE, SLO, TARGET, SimConfig(reschedule_interval_s=interval), rescheduler=rescheduler)
+def run(requests: list[Request], rescheduler=None, interval: float = 1.0, migration: str = "kv"):  # type: ignore[no-untyped-def]
+    sim = Simulation(requests, PROFILE, SLO, TARGET, SimConfig(reschedule_interval_s=interval, migration=migration),
+                     rescheduler=rescheduler)
     return sim.finish()
 
 
@@ -54,6 +56,37 @@ def test_a_migrated_request_finishes_with_all_its_tokens_after_paying_its_kv_tra
     assert delay - step <= extra <= delay + 2 * step
     assert r_moved.tpot_s > r_base.tpot_s
     assert all(math.isfinite(r.finish_s) for r in moved.records)
+
+
+def test_a_recompute_migration_pays_the_targets_prefill_of_the_context_not_a_kv_transfer() -> None:
+    # the live router's migration: B prefills the prompt and the tokens generated so far (vLLM cannot hand over
+    # a running request's KV)
+    reqs = [Request(arrival_s=0.01 * i, isl=1000, osl=400) for i in range(3)]
+
+    def move_request_2_once(now: float, views: list[DecodeInstanceView]) -> list[tuple[int, int]]:  # type: ignore[override]
+        where = {r.idx: v.iid for v in views for r in v.requests}
+        if now == 2.0 and 2 in where:
+            return [(2, next(v.iid for v in views if v.iid != where[2]))]
+        return []
+
+    base = run(reqs)
+    kv = run(reqs, rescheduler=move_request_2_once)
+    recompute = run(reqs, rescheduler=move_request_2_once, migration="recompute")
+    assert recompute.migrations == 1 and 1000 < recompute.migrated_tokens < 1400
+    assert recompute.migration_seconds == 0.0  # no transfer: the cost is the target's prefill
+    r_base, r_kv, r_re = base.records[2], kv.records[2], recompute.records[2]
+    assert math.isfinite(r_re.finish_s) and r_re.ttft_s == r_base.ttft_s  # its first token came before the move
+    # the pause is about one prefill of the whole context on the target: longer than the KV transfer
+    prefill = PROFILE.ttft(recompute.migrated_tokens, 1)  # the nearest measured prefill TP (the simulator's rule)
+    step = PROFILE.tpot(2, 1200, 2)
+    assert 0.9 * prefill <= r_re.finish_s - r_base.finish_s <= prefill + 3 * step
+    assert r_re.finish_s > r_kv.finish_s
+    assert all(math.isfinite(r.finish_s) for r in recompute.records)
+
+
+def test_an_unknown_migration_is_refused() -> None:
+    with pytest.raises(ValueError, match="migration"):
+        SimConfig(migration="teleport")
 
 
 def test_loads_are_sampled_at_every_tick_even_without_a_rescheduler() -> None:

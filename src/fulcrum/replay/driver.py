@@ -29,7 +29,7 @@ from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas
 from fulcrum.scaling.planner import Planner
 from fulcrum.scaling.registry import make_planner
 from fulcrum.simulator import Rescheduler, SimConfig, Simulation
-from fulcrum.target import Pool
+from fulcrum.target import ClusterTarget, Pool, recompute_tp
 from fulcrum.workload import Request
 
 __all__ = ["run_policy", "run_planner", "scale_arrivals", "ReplayOptions", "warmup_seconds"]
@@ -121,18 +121,25 @@ def run_policy(
     return run_planner(make_planner(name, spec, profile), requests, spec, profile, options, name=name)
 
 
-def _rescheduling(spec: LLMServeSpec, profile: PerformanceProfile, sim_cfg: SimConfig
-                  ) -> tuple[Rescheduler | None, Callable[[int, int], None] | None]:
+def _rescheduling(spec: LLMServeSpec, profile: PerformanceProfile, sim_cfg: SimConfig,
+                  target: Callable[[], ClusterTarget]) -> tuple[Rescheduler | None, Callable[[int, int], None] | None]:
     """The simulated router's ARES decode rescheduling when ``spec.router.rescheduling`` is on (ARES Alg. 1 every
     ``sim_cfg.reschedule_interval_s``, 1 s by default as in the router, with the remaining-length predictor
     learnt online from finished requests); (None, None) when it is off or the tick is disabled.
 
-    One difference from the live router: the simulator moves a request's KV over ``sim_cfg.kv_link_gbps`` (ARES's
-    migration, priced with the profile's KV bytes per token), where vLLM's connector makes the router recompute
-    the context on the target (docs/rebalancing.md)."""
+    Migrations move as ``sim_cfg.migration`` says: by recompute, as the live router does (vLLM's connector cannot
+    hand over a running request's KV; docs/rebalancing.md), priced by the prefill throughput the operator writes
+    for the ``target`` in force (:func:`~fulcrum.target.recompute_tp`); or, with ``"kv"``, as ARES does, over
+    ``sim_cfg.kv_link_gbps`` at the profile's KV bytes per token."""
     if not spec.router.rescheduling or sim_cfg.reschedule_interval_s <= 0:
         return None, None
     predict, feed = learned_remaining(spec.model.served_name or spec.model.name)
+    if sim_cfg.migration == "recompute":
+
+        def rate() -> float:
+            return round(profile.prefill_tokens_per_s(recompute_tp(target())), 1)
+
+        return ares_rescheduler(predict, profile=profile, recompute_tokens_per_s=rate), feed
     return ares_rescheduler(predict, profile=profile, link_gbps=sim_cfg.kv_link_gbps), feed
 
 
@@ -159,13 +166,14 @@ def run_planner(
     rebalancing = spec.router.rescheduling or spec.router.role_reassignment
     sim_cfg = options.sim or SimConfig(pod_startup_s=spec.scaling.pod_startup_seconds,
                                        max_model_len=spec.engine.max_model_len,
-                                       reschedule_interval_s=1.0 if rebalancing else 0.0)
+                                       reschedule_interval_s=1.0 if rebalancing else 0.0, migration="recompute")
     current = planner.initial()
     total = external_replicas(spec)
     if total is not None:  # as the operator starts an externally owned LLMServe
         current = distribute(total, current)
     routing = routing_factory(options.routing or spec.router.policy.value, spec, profile)
-    rescheduler, feed = _rescheduling(spec, profile, sim_cfg)
+    applied = [current]  # the target in force, for the rescheduler's cost filter (the router config's)
+    rescheduler, feed = _rescheduling(spec, profile, sim_cfg, lambda: applied[0])
     duties = SimulatedDuties(spec.slo.ttft_ms / 1000.0) if spec.router.role_reassignment else None
     sim = Simulation(requests, profile, spec.slo, current, sim_cfg, policy=routing, rescheduler=rescheduler,
                      on_finished=feed, duties=duties)
@@ -200,7 +208,7 @@ def run_planner(
         for series in ("rate", "isl", "osl"):
             if series in outcome.forecast:
                 pending.setdefault(k + horizon, []).append((t, series, outcome.forecast[series]))
-        current = outcome.target
+        current = applied[0] = outcome.target
         if not current.same_pools(previous):
             scale_events += 1
             decisions.append({"time_s": t, "reason": outcome.reason,

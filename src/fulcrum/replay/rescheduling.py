@@ -72,6 +72,7 @@ def ares_rescheduler(
     *,
     profile: PerformanceProfile | None = None,
     link_gbps: float | None = None,
+    recompute_tokens_per_s: Callable[[], float] | None = None,
     max_per_tick: int = 1,
 ) -> Rescheduler:
     """A simulator rescheduler running ARES Alg. 1 once per tick (up to ``max_per_tick`` migrations, each
@@ -83,6 +84,9 @@ def ares_rescheduler(
             ``link_gbps`` when given, so the migration cost matches the simulated transfer.
         profile: the simulated model's profile (its KV bytes per token).
         link_gbps: the simulated KV link, GB/s (``SimConfig.kv_link_gbps``).
+        recompute_tokens_per_s: for a simulator that migrates by recompute (``SimConfig.migration``), the
+            target's prefill throughput now, tokens/s, asked at every tick (the live router's cost filter, whose
+            value the operator rewrites with each target): Alg. 1's C_mig is then (P + g) over it.
         max_per_tick: migrations per tick (the paper executes one per period).
 
     The hysteresis state (request and instance cooldowns) lives in the returned closure.
@@ -97,6 +101,9 @@ def ares_rescheduler(
     last_received: dict[str, float] = {}
 
     def reschedule(now: float, views: Sequence[DecodeInstanceView]) -> list[tuple[int, int]]:
+        cfg = config
+        if recompute_tokens_per_s is not None:
+            cfg = dataclasses.replace(config, recompute_tokens_per_s=recompute_tokens_per_s())
         loads = [
             DecodeInstanceLoad(
                 id=str(v.iid),
@@ -107,7 +114,7 @@ def ares_rescheduler(
         ]
         out: list[tuple[int, int]] = []
         for _ in range(max_per_tick):
-            m = plan_migration(loads, config, now_s=now, last_moved_s=last_moved, last_received_s=last_received)
+            m = plan_migration(loads, cfg, now_s=now, last_moved_s=last_moved, last_received_s=last_received)
             if m is None:
                 break
             out.append((int(m.request_id), int(m.target)))
