@@ -57,7 +57,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -210,7 +210,7 @@ class SimConfig:
     reschedule_interval_s: float = 0.0
     partial_prefix: bool = True
     max_model_len: int = 8192
-    migration: str = "kv"
+    migration: Literal["kv", "recompute"] = "kv"
 
     def __post_init__(self) -> None:
         for name in ("pod_startup_s", "kv_transfer_overhead_s", "drain_timeout_s", "grace_s", "reschedule_interval_s"):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ SLO = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
 TARGET = ClusterTarget(prefill=PoolSize(4, 1), decode=PoolSize(2, 2))
 
 
-def run(requests: list[Request], rescheduler=None, interval: float = 1.0, migration: str = "kv"):  # type: ignore[no-untyped-def]
+def run(requests: list[Request], rescheduler=None, interval: float = 1.0,  # type: ignore[no-untyped-def]
+        migration: Literal["kv", "recompute"] = "kv"):
     sim = Simulation(requests, PROFILE, SLO, TARGET, SimConfig(reschedule_interval_s=interval, migration=migration),
                      rescheduler=rescheduler)
     return sim.finish()
@@ -86,7 +88,7 @@ def test_a_recompute_migration_pays_the_targets_prefill_of_the_context_not_a_kv_
 
 def test_an_unknown_migration_is_refused() -> None:
     with pytest.raises(ValueError, match="migration"):
-        SimConfig(migration="teleport")
+        SimConfig(migration="teleport")  # type: ignore[arg-type]
 
 
 def test_loads_are_sampled_at_every_tick_even_without_a_rescheduler() -> None:
