@@ -238,6 +238,9 @@ def test_replay_runs_the_specs_role_reassignment_of_unified_instances(
     assert roles["role_changes"] > 0 and roles["migrations"] == 0
     assert plain["role_changes"] == 0
     assert roles["slo_attainment"] != plain["slo_attainment"]  # the duties changed where requests ran
+    assert main(["replay", "--llmserve", str(rr_path), *argv[:-1], "--no-progress"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  static "))
+    assert line.endswith(f"; {roles['role_changes']} role changes)")  # the human summary says what moved
 
 
 def test_replay_compares_routing_policies_under_one_planner(capsys: pytest.CaptureFixture[str]) -> None:

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             s = runs[-1].summary
             print(f"  {name:<12} SLO attainment {s.slo_attainment:6.1%}  GPU-hours {s.gpu_hours:7.2f}  "
-                  f"({runs[-1].wall_s:.1f} s)", flush=True)
+                  f"({runs[-1].wall_s:.1f} s{_rebalancing(runs[-1])})", flush=True)
             for line in infeasible_lines(runs[-1:]):
                 print(f"  {line}", flush=True)
     extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
@@ -167,6 +167,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rebalancing(run: PolicyRun) -> str:
+    """``"; N migrations, M role changes"`` for what the simulated router rebalanced in flight ("" when nothing)."""
+    parts = [f"{n} {what}" for n, what in ((run.migrations, "migrations"), (run.role_changes, "role changes")) if n]
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformanceProfile, requests: Any, trace_name: str,
                      routings: list[str], options: ReplayOptions, warmup: float) -> int:
     """Replay planner ``--policy`` once per routing policy; one table, a row per routing policy (named after it),
@@ -188,7 +194,7 @@ def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformancePr
             s = run_.summary
             where = ", ".join(f"{k or 'never routed'} {v}" for k, v in paths[name].items())
             print(f"  {name:<14} SLO attainment {s.slo_attainment:6.1%}  GPU-hours {s.gpu_hours:7.2f}  "
-                  f"({run_.wall_s:.1f} s; paths: {where})", flush=True)
+                  f"({run_.wall_s:.1f} s{_rebalancing(run_)}; paths: {where})", flush=True)
     if args.report:
         from fulcrum.replay.report import write_report
 
