@@ -83,8 +83,7 @@ from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
 
 __all__ = ["SimConfig", "SimResult", "Simulation", "Rescheduler", "RoleBalancer", "DutyBalancer", "PolicyFactory",
-           "default_policy",
-           "next_policy", "policy_config", "serving_unified"]
+           "default_policy", "next_policy", "policy_config", "serving_unified"]
 
 Rescheduler = Callable[[float, Sequence[DecodeInstanceView]], Sequence[tuple[int, int]]]
 """A decode rescheduler: (now s, decode instances) → migrations as (request idx, target instance iid). The
@@ -101,7 +100,7 @@ class DutyBalancer(Protocol):
     """The live router's role reassignment (router config ``roles``): a duty for each instance of a unified pool,
     shown to the routing policy as the instance's role, and re-evaluated every ``reschedule_interval_s``. The
     book and its rule are ``fulcrum.rebalancing.duties.DutyBook`` (BanaServe Alg. 1 with a role flip);
-    ``fulcrum.replay.roles.duty_balancer`` adapts it (the simulator sits below the planners' callers)."""
+    ``fulcrum.replay.roles.SimulatedDuties`` adapts it (the simulator sits below the planners' callers)."""
 
     def apply(self, views: Sequence[InstanceView]) -> list[InstanceView]:
         """``views`` with each ``both`` instance's role replaced by its duty."""
@@ -245,7 +244,8 @@ class SimResult:
         decode_load_samples: at each rescheduling tick (``SimConfig.reschedule_interval_s``), the time and the
             token load (Σ KV tokens of decoding requests) of every ready or draining decode-capable instance.
         migrations: decode requests migrated by the rescheduler.
-        migrated_tokens: KV tokens those migrations moved (× the profile's ``kv_bytes_per_token`` = bytes).
+        migrated_tokens: context tokens (prompt + generated) those migrations moved (``migration="kv"``: × the
+            profile's ``kv_bytes_per_token`` = bytes) or had recomputed (``"recompute"``).
         migration_seconds: Σ KV transfer time of the migrations, seconds (each pauses its request that long).
         role_changes: instances moved between prefill and decode duty by the role balancer, and unified instances
             whose duty the router's role reassignment (``duties``) flipped.
@@ -387,7 +387,6 @@ class Simulation:
         self._rescheduler = rescheduler
         self._role_balancer = role_balancer
         self._duties = duties
-        self._duty_changes = 0
         self._on_finished = on_finished
         self._reassign: dict[int, str] = {}  # draining instance → the role it takes once drained
         self._role_changes = 0
@@ -1018,7 +1017,8 @@ class Simulation:
                 pending += [r.arrival for r in inst.waiting if not r.kv_ready]
                 if pending:
                     waits[str(inst.iid)] = now - min(pending)
-        flip = self._duties.step(now, self._registered(), waits, self._target) if self._duties is not None else None
+        assert self._duties is not None
+        flip = self._duties.step(now, self._registered(), waits, self._target)
         if flip is None:
             return
         self._role_changes += 1
@@ -1099,8 +1099,9 @@ class Simulation:
         return True
 
     def on_migrate_out(self, r: SimRequest, inst: EngineInstance, t: float) -> None:
-        """``r`` left ``inst`` for a migration: move its KV (``isl + generated`` tokens) to the chosen target
-        (another decode instance if that one is gone), where it rejoins with its KV ready."""
+        """``r`` left ``inst`` for a migration to the chosen target (another decode-capable instance if that one is
+        gone): its KV (``isl + generated`` tokens) moves there and it rejoins with its KV ready, or, with
+        ``SimConfig.migration == "recompute"``, the target prefills those tokens again."""
         dest = self._mig_target.pop(r.idx, None)
         if dest is None or dest.state != InstanceState.READY:
             dest = self._pick_engine(r)
