@@ -6,12 +6,19 @@ mean ISL 2047, mean OSL 27) followed, without a gap, by the first ``--minutes`` 
 (``fulcrum.data``). Arrival rates are scaled by ``--scale`` to load the cluster.
 
 Cluster: a pool of same-TP ``kv_both`` instances (Splitwise's Llama-2-70B H100 profile at TP 4), started as
-``--prefill`` P + ``--decode`` D. Three runs on the same GPUs:
+``--prefill`` P + ``--decode`` D, or as one unified pool of as many instances. Six runs on the same GPUs, all
+routed by the router's ``disaggregated`` policy:
 
 - ``fixed``: roles never change (what a planner that restarts pods does between its intervals);
 - ``roles``: BanaServe Alg. 1 with a role flip (``fulcrum.rebalancing.role_reassignment``) every second:
-  an instance moves duty in place, a decode instance handing its requests over first;
-- ``roles+ares``: the same plus ARES decode rescheduling with the oracle remaining length.
+  an instance moves duty in place, a decode instance handing its requests over first (the simulator's P/D
+  flips; the live router does not flip P or D instances);
+- ``roles+ares``: the same plus ARES decode rescheduling with the oracle remaining length;
+- ``both``: a unified pool, each instance taking either part of any request (the router without ``roles``);
+- ``duties``: the same pool with the live router's role reassignment (``roles``: a duty per instance, the
+  router's :class:`~fulcrum.rebalancing.duties.DutyBook`, as ``fulcrum replay`` runs it);
+- ``duties+ares``: the same plus ARES with the learnt remaining length, migrating by recompute as the router
+  does, and moving a new prefill-duty instance's decodes off (``migrate_on_flip``).
 
 Printed: SLO attainment (TTFT and TPOT at the 90th percentile), TTFT/TPOT p90, goodput, role changes, and the
 ratio of each run's attainment to the fixed baseline measured in the same run.
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
+from typing import Any
 
 from fulcrum.api.llmserve import SLOSpec
 from fulcrum.data import bundled_trace_path
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.replay.rescheduling import ares_rescheduler, oracle_remaining
-from fulcrum.replay.roles import role_balancer
+from fulcrum.replay.rescheduling import ares_rescheduler, learned_remaining, oracle_remaining
+from fulcrum.replay.roles import SimulatedDuties, role_balancer
 from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
 from fulcrum.rebalancing.role_reassignment import RoleBalanceConfig
 from fulcrum.simulator import SimConfig, Simulation
@@ -66,19 +75,28 @@ def main() -> int:
     print(f"trace: {len(reqs)} requests over {reqs[-1].arrival_s / 60:.1f} min (azure-code then azure-conv, "
           f"×{args.scale}); cluster {args.prefill}P+{args.decode}D at TP {args.tp} = "
           f"{(args.prefill + args.decode) * args.tp} GPUs; SLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms @ p{slo.percentile:.0f}")
-    runs = {
-        "fixed": {},
-        "roles": {"role_balancer": role_balancer(RoleBalanceConfig())},
-        "roles+ares": {"role_balancer": role_balancer(RoleBalanceConfig()),
-                       "rescheduler": ares_rescheduler(oracle_remaining, ReschedulingConfig(), profile=profile,
-                                                       link_gbps=cfg.kv_link_gbps)},
+    unified = ClusterTarget(unified=PoolSize(args.prefill + args.decode, args.tp))
+    recompute = replace(cfg, migration="recompute")
+    rate = profile.prefill_tokens_per_s(args.tp)
+    predict, feed = learned_remaining("bench")
+    runs: dict[str, tuple[ClusterTarget, SimConfig, dict[str, Any]]] = {
+        "fixed": (target, cfg, {}),
+        "roles": (target, cfg, {"role_balancer": role_balancer(RoleBalanceConfig())}),
+        "roles+ares": (target, cfg, {"role_balancer": role_balancer(RoleBalanceConfig()),
+                                     "rescheduler": ares_rescheduler(oracle_remaining, ReschedulingConfig(),
+                                                                     profile=profile, link_gbps=cfg.kv_link_gbps)}),
+        "both": (unified, cfg, {}),
+        "duties": (unified, cfg, {"duties": SimulatedDuties(slo.ttft_ms / 1000.0)}),
+        "duties+ares": (unified, recompute, {"duties": SimulatedDuties(slo.ttft_ms / 1000.0), "on_finished": feed,
+                                             "rescheduler": ares_rescheduler(predict, profile=profile,
+                                                                             recompute_tokens_per_s=lambda: rate)}),
     }
     print(f"{'run':<12} {'SLO att.':>9} {'TTFT p90 s':>11} {'TPOT p90 ms':>12} {'goodput tok/s':>14} "
           f"{'role chg':>9} {'migr.':>6} {'wall s':>7} {'vs fixed':>9}")
     base = None
-    for name, hooks in runs.items():
+    for name, (start, config, hooks) in runs.items():
         t0 = time.perf_counter()
-        res = Simulation(reqs, profile, slo, target, cfg, **hooks).finish()  # type: ignore[arg-type]
+        res = Simulation(reqs, profile, slo, start, config, **hooks).finish()
         wall = time.perf_counter() - t0
         s = res.summary(slo)
         if base is None:

@@ -971,27 +971,35 @@ class Simulation:
 
     def _on_reschedule(self, _: int) -> None:
         now = self._kernel.now
+        if self._duties is not None:
+            self._step_duties(now)
+        # as the router's rescheduler: decode-capable instances only, so not a unified instance on prefill duty
+        prefill_duty = ({v.id for v in self._duties.apply(self._registered()) if v.role == "prefill"}
+                        if self._duties is not None else set())
         engines: list[EngineInstance] = []
         for role in ("decode", "unified"):
             for inst in self._pools[role]:
-                if isinstance(inst, EngineInstance) and inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                if (isinstance(inst, EngineInstance) and inst.state in (InstanceState.READY, InstanceState.DRAINING)
+                        and str(inst.iid) not in prefill_duty):
                     engines.append(inst)
         views: list[DecodeInstanceView] = []
         loads: list[int] = []
         for inst in engines:
             dec = inst.decoding(now)
             loads.append(sum(r.isl + g for r, g in dec))
+            # a decode resuming here (moved by recompute, or preempted) is this instance's load already, as the
+            # router tracks a migrated request on its target from the moment it is sent there
+            resuming = [(r, r.generated) for r in (*inst.prefilling, *inst.waiting) if r.generated > 0]
             views.append(DecodeInstanceView(
                 iid=inst.iid, accepting=inst.state == InstanceState.READY, kv_capacity_tokens=inst.capacity,
                 step_time_s=inst.step_time(now),
-                requests=tuple(DecodeRequestView(r.idx, r.isl, g, r.osl) for r, g in dec if not r.migrating),
+                requests=tuple(DecodeRequestView(r.idx, r.isl, g, r.osl) for r, g in (*dec, *resuming)
+                               if not r.migrating),
             ))
         self._load_samples.append((now, tuple(loads)))
         if self._role_balancer is not None:
             for iid, role in self._role_balancer(now, self._role_views(now)):
                 self.reassign(iid, role)
-        if self._duties is not None:
-            self._step_duties(now)
         if self._rescheduler is not None and len(engines) > 1:
             by_id = {inst.iid: inst for inst in engines}
             for idx, iid in self._rescheduler(now, views):

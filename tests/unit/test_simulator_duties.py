@@ -126,3 +126,23 @@ def test_duties_without_a_tick_are_refused() -> None:
     with pytest.raises(ValueError, match="reschedule_interval_s"):
         Simulation(prefill_heavy(seconds=1.0), PROFILE, SLO, unified(2), SimConfig(reschedule_interval_s=0.0),
                    duties=Recording())
+
+
+def test_decode_rescheduling_never_sees_a_unified_instance_on_prefill_duty() -> None:
+    # the router's rescheduler plans over decode-capable instances only: a prefill-duty instance is neither a
+    # source nor a target of ARES's moves
+    reqs = [Request(arrival_s=i / 7.0, isl=3000, osl=200) for i in range(840)]
+    duties = Recording()
+    seen_prefill_duty: list[int] = []
+    views_seen = [0]
+
+    def spy(now: float, views: Sequence[DecodeInstanceView]) -> list[tuple[int, int]]:
+        views_seen[0] += len(views)
+        seen_prefill_duty.extend(v.iid for v in views if duties.book.duties.get(str(v.iid)) == "prefill")
+        return []
+
+    policy = make_policy("disaggregated", {})
+    Simulation(reqs, PROFILE, SLO, unified(4), SimConfig(reschedule_interval_s=1.0),
+               policy=lambda _routing: policy, duties=duties, rescheduler=spy).finish()
+    assert views_seen[0] > 0 and any(p >= 2 for p, _ in duties.counts)
+    assert seen_prefill_duty == []
