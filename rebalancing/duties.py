@@ -25,7 +25,7 @@ Pure: no I/O, no clock (the caller passes ``now``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from fulcrum.rebalancing.role_reassignment import (
@@ -68,6 +68,10 @@ def decode_utilisation(view: InstanceView) -> float:
 class DutyBook:
     """The duty of every ``both`` instance, the flips made and the hysteresis state between periods (module doc).
 
+    Args:
+        on_assign: called with (instance id, duty) whenever an instance takes a duty, and (instance id, None) when
+            it is forgotten (the router exports duties as a metric); None: nothing.
+
     Attributes:
         duties: instance id → its duty.
         flipped_at_s: instance id → time of its last flip, seconds (the dwell rule).
@@ -75,14 +79,16 @@ class DutyBook:
         changes: every flip made, newest last (bounded to the last 1,000).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_assign: Callable[[str, Duty | None], None] | None = None) -> None:
         self.duties: dict[str, Duty] = {}
         self.flipped_at_s: dict[str, float] = {}
         self.last_change_s = -math.inf
         self.changes: list[RoleChange] = []
+        self._on_assign = on_assign
 
     def _assigned(self, iid: str, duty: Duty | None) -> None:
-        """Called when ``iid`` takes ``duty`` (None: forgotten); the router exports it as a metric."""
+        if self._on_assign is not None:
+            self._on_assign(iid, duty)
 
     def sync(self, views: Sequence[InstanceView]) -> None:
         """Give new ``both`` instances a duty (the duty with fewer instances; ties: decode) and forget removed ones."""

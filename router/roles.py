@@ -44,19 +44,32 @@ __all__ = ["RoleBalancer", "prefill_utilisation", "decode_utilisation"]
 log = logging.getLogger(__name__)
 
 
-class RoleBalancer(DutyBook):
+class RoleBalancer:
     """Duties of ``both`` instances and the flips between them (module doc): the shared
     :class:`~fulcrum.rebalancing.duties.DutyBook`, its duties exported as metrics and its flips counted and logged.
 
     Args:
         metrics: where duties and flips are exported.
+
+    Attributes:
+        book: the duties, the flips made and the hysteresis state.
     """
 
     def __init__(self, metrics: RouterMetrics) -> None:
-        super().__init__()
         self.metrics = metrics
+        self.book = DutyBook(on_assign=self._export)
 
-    def _assigned(self, iid: str, duty: Duty | None) -> None:
+    @property
+    def duties(self) -> dict[str, Duty]:
+        """Instance id → its duty."""
+        return self.book.duties
+
+    @property
+    def changes(self) -> list[RoleChange]:
+        """Every flip made, newest last (bounded to the last 1,000)."""
+        return self.book.changes
+
+    def _export(self, iid: str, duty: Duty | None) -> None:
         for d in ("prefill", "decode"):
             if duty is None:
                 try:
@@ -66,14 +79,21 @@ class RoleBalancer(DutyBook):
             else:
                 self.metrics.instance_duty.labels(iid, d).set(1.0 if d == duty else 0.0)
 
-    def step(self, views: Sequence[InstanceView], oldest_wait_s: Mapping[str, float],  # type: ignore[override]
-             section: RolesSection, now: float, on_flip: Callable[[RoleChange], None] | None = None
-             ) -> RoleChange | None:
+    def sync(self, views: Sequence[InstanceView]) -> None:
+        """Give new ``both`` instances a duty and forget removed ones (:meth:`DutyBook.sync`)."""
+        self.book.sync(views)
+
+    def apply(self, views: Sequence[InstanceView]) -> list[InstanceView]:
+        """The views with each ``both`` instance's role replaced by its duty (what the policies get)."""
+        return self.book.apply(views)
+
+    def step(self, views: Sequence[InstanceView], oldest_wait_s: Mapping[str, float], section: RolesSection,
+             now: float, on_flip: Callable[[RoleChange], None] | None = None) -> RoleChange | None:
         """One evaluation with ``section``'s bounds and thresholds: plan and apply at most one flip (None when
         nothing changes)."""
         bounds = RoleBounds(section.min_prefill, section.max_prefill, section.min_decode, section.max_decode)
         cfg = RoleBalanceConfig(delta=section.delta, cooldown_s=section.cooldown_s, dwell_s=section.dwell_s)
-        change = super().step(views, oldest_wait_s, section.ttft_slo_s, bounds, cfg, now)
+        change = self.book.step(views, oldest_wait_s, section.ttft_slo_s, bounds, cfg, now)
         if change is None:
             return None
         self.metrics.child(self.metrics.role_changes, change.to_duty).inc()
