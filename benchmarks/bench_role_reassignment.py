@@ -6,7 +6,7 @@ mean ISL 2047, mean OSL 27) followed, without a gap, by the first ``--minutes`` 
 (``fulcrum.data``). Arrival rates are scaled by ``--scale`` to load the cluster.
 
 Cluster: a pool of same-TP ``kv_both`` instances (Splitwise's Llama-2-70B H100 profile at TP 4), started as
-``--prefill`` P + ``--decode`` D, or as one unified pool of as many instances. Six runs on the same GPUs, all
+``--prefill`` P + ``--decode`` D, or as one unified pool of as many instances. Seven runs on the same GPUs, all
 routed by the router's ``disaggregated`` policy:
 
 - ``fixed``: roles never change (what a planner that restarts pods does between its intervals);
@@ -18,7 +18,8 @@ routed by the router's ``disaggregated`` policy:
 - ``duties``: the same pool with the live router's role reassignment (``roles``: a duty per instance, the
   router's :class:`~fulcrum.rebalancing.duties.DutyBook`, as ``fulcrum replay`` runs it);
 - ``duties+ares``: the same plus ARES with the learnt remaining length, migrating by recompute as the router
-  does, and moving a new prefill-duty instance's decodes off (``migrate_on_flip``).
+  does (a new prefill-duty instance keeps its decodes, the router config the operator writes);
+- ``duties+ares+mof``: the same with ``migrate_on_flip``: a new prefill-duty instance's decodes move off.
 
 Printed: SLO attainment (TTFT and TPOT at the 90th percentile), TTFT/TPOT p90, goodput, role changes, and the
 ratio of each run's attainment to the fixed baseline measured in the same run.
@@ -79,6 +80,7 @@ def main() -> int:
     recompute = replace(cfg, migration="recompute")
     rate = profile.prefill_tokens_per_s(args.tp)
     predict, feed = learned_remaining("bench")
+    predict2, feed2 = learned_remaining("bench")
     runs: dict[str, tuple[ClusterTarget, SimConfig, dict[str, Any]]] = {
         "fixed": (target, cfg, {}),
         "roles": (target, cfg, {"role_balancer": role_balancer(RoleBalanceConfig())}),
@@ -90,8 +92,11 @@ def main() -> int:
         "duties+ares": (unified, recompute, {"duties": SimulatedDuties(slo.ttft_ms / 1000.0), "on_finished": feed,
                                              "rescheduler": ares_rescheduler(predict, profile=profile,
                                                                              recompute_tokens_per_s=lambda: rate)}),
+        "duties+ares+mof": (unified, recompute, {
+            "duties": SimulatedDuties(slo.ttft_ms / 1000.0, migrate_on_flip=True), "on_finished": feed2,
+            "rescheduler": ares_rescheduler(predict2, profile=profile, recompute_tokens_per_s=lambda: rate)}),
     }
-    print(f"{'run':<12} {'SLO att.':>9} {'TTFT p90 s':>11} {'TPOT p90 ms':>12} {'goodput tok/s':>14} "
+    print(f"{'run':<16} {'SLO att.':>9} {'TTFT p90 s':>11} {'TPOT p90 ms':>12} {'goodput tok/s':>14} "
           f"{'role chg':>9} {'migr.':>6} {'wall s':>7} {'vs fixed':>9}")
     base = None
     for name, (start, config, hooks) in runs.items():
@@ -102,7 +107,7 @@ def main() -> int:
         if base is None:
             base = s["slo_attainment"]
         ratio = s["slo_attainment"] / base if base > 0 else float("inf")
-        print(f"{name:<12} {s['slo_attainment']:>9.3f} {s['ttft_p_s']:>11.2f} {s['tpot_p_s'] * 1000:>12.1f} "
+        print(f"{name:<16} {s['slo_attainment']:>9.3f} {s['ttft_p_s']:>11.2f} {s['tpot_p_s'] * 1000:>12.1f} "
               f"{s['goodput_tokens_per_s']:>14.0f} {res.role_changes:>9d} {res.migrations:>6d} {wall:>7.1f} {ratio:>8.2f}×")
     return 0
 

@@ -106,6 +106,10 @@ class DutyBalancer(Protocol):
         """``views`` with each ``both`` instance's role replaced by its duty."""
         ...
 
+    migrate_on_flip: bool
+    """The router config's ``roles.migrate_on_flip``: an instance that takes prefill duty hands its running
+    decodes to decode-capable instances (with a ``rescheduler``; otherwise they finish there)."""
+
     def step(self, now: float, views: Sequence[InstanceView], oldest_wait_s: Mapping[str, float],
              target: ClusterTarget) -> tuple[str, str] | None:
         """One period at ``now`` seconds over the registered ``views`` (``both`` roles as registered), with each
@@ -311,8 +315,8 @@ class Simulation:
         role_balancer: asked for role changes of whole P/D instances at the same ticks (None: fixed roles).
         duties: the router's role reassignment of unified instances (:class:`DutyBalancer`), asked at the same
             ticks; a unified instance taking prefill duty hands its running decodes to decode-capable instances
-            when there is a ``rescheduler`` (the router's ``migrate_on_flip``). None: no duties. Needs
-            ``config.reschedule_interval_s > 0``.
+            when the duties say ``migrate_on_flip`` and there is a ``rescheduler``, as the router does. None: no
+            duties. Needs ``config.reschedule_interval_s > 0``.
         on_finished: called with each request's (ISL, OSL), tokens, when it finishes (e.g. a remaining-length
             predictor learning online, as the router's rescheduler does); None: nothing.
         policy: builds the routing policy (:mod:`fulcrum.routing`) from the plan's routing parameters, at the
@@ -1017,7 +1021,7 @@ class Simulation:
         """One period of the router's role reassignment (:class:`DutyBalancer`). An instance's oldest prompt not
         yet prefilled is timed from its arrival (the router routes on arrival; this misses only the wait of a
         request that sat at the router with no instance). A unified instance that takes prefill duty keeps its
-        running decodes, or, with a rescheduler, hands them to decode-capable instances (``migrate_on_flip``)."""
+        running decodes, or, with ``migrate_on_flip`` and a rescheduler, hands them to decode-capable instances."""
         waits: dict[str, float] = {}
         for inst in self._pools["unified"]:
             if isinstance(inst, EngineInstance):
@@ -1032,7 +1036,8 @@ class Simulation:
         self._role_changes += 1
         iid, duty = flip
         engine = self._by_id.get(int(iid))
-        if duty == "prefill" and self._rescheduler is not None and isinstance(engine, EngineInstance):
+        if (duty == "prefill" and self._duties.migrate_on_flip and self._rescheduler is not None
+                and isinstance(engine, EngineInstance)):
             for r, _ in engine.decoding(now):
                 engine.request_migration(r)  # the target is chosen when it leaves (a decode-capable instance)
 

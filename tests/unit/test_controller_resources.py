@@ -484,7 +484,8 @@ def test_rescheduling_and_role_reassignment_reach_the_router_config_when_the_spe
     assert not plain.rescheduling.enabled and not plain.roles.enabled
     serve = _with(_serve("llmserve-sim"), router={"rescheduling": True, "roleReassignment": True})
     config = parse_config(yaml.safe_load(_by(_objects(serve), "ConfigMap", "sim-llama-70b-router")["data"]["router.yaml"]))
-    assert config.rescheduling.enabled and config.roles.enabled and config.roles.migrate_on_flip
+    assert config.rescheduling.enabled and config.roles.enabled
+    assert not config.roles.migrate_on_flip  # recomputing a new prefill-duty instance's decodes costs more
     # the router's migrations recompute the context: C_mig is priced by the profile's prefill throughput
     rate = config.rescheduling.recompute_tokens_per_s
     assert rate > 1000 and config.rescheduling.planner().migration_seconds(4096) == pytest.approx(

@@ -36,8 +36,8 @@ def prefill_heavy(seconds: float = 120.0, rate: float = 6.0) -> list[Request]:
 class Recording(SimulatedDuties):
     """The replay's duties, recording every period's duty counts and every view the policy was given."""
 
-    def __init__(self) -> None:
-        super().__init__(ttft_slo_s=SLO.ttft_ms / 1000.0)
+    def __init__(self, migrate_on_flip: bool = False) -> None:
+        super().__init__(ttft_slo_s=SLO.ttft_ms / 1000.0, migrate_on_flip=migrate_on_flip)
         self.counts: list[tuple[int, int]] = []
         self.roles_seen: set[str] = set()
         self.initial: tuple[int, int] | None = None
@@ -101,24 +101,25 @@ def test_without_duties_the_simulator_counts_no_role_change() -> None:
     assert {r.path for r in res.records} == {"disaggregated"}  # `both` instances take either leg
 
 
-def test_with_decode_rescheduling_an_instance_taking_prefill_duty_hands_its_decodes_on() -> None:
+def test_with_migrate_on_flip_and_rescheduling_an_instance_taking_prefill_duty_hands_its_decodes_on() -> None:
     reqs = [Request(arrival_s=i / 7.0, isl=3000, osl=200) for i in range(840)]
     policy = make_policy("disaggregated", {})
 
     def no_migrations(now: float, views: Sequence[DecodeInstanceView]) -> list[tuple[int, int]]:
         return []
 
-    def run_with(rescheduler: Rescheduler | None) -> SimResult:
-        duties = Recording()
+    def run_with(rescheduler: Rescheduler | None, migrate_on_flip: bool) -> SimResult:
+        duties = Recording(migrate_on_flip=migrate_on_flip)
         sim = Simulation(reqs, PROFILE, SLO, unified(4), SimConfig(reschedule_interval_s=1.0),
                          policy=lambda _routing: policy, duties=duties, rescheduler=rescheduler)
         res = sim.finish()
         assert any(c.to_duty == "prefill" for c in duties.book.changes)
         return res
 
-    kept, moved = run_with(None), run_with(no_migrations)
-    assert kept.migrations == 0  # without rescheduling they finish where they are (the router's default)
-    assert moved.migrations > 0  # the router's migrate_on_flip: only the flips moved anything
+    assert run_with(no_migrations, migrate_on_flip=False).migrations == 0  # they finish there (the default)
+    assert run_with(None, migrate_on_flip=True).migrations == 0  # the router needs rescheduling to move them
+    moved = run_with(no_migrations, migrate_on_flip=True)
+    assert moved.migrations > 0  # only the flips moved anything: the rescheduler asked for nothing
     assert all(math.isfinite(r.finish_s) for r in moved.records)
 
 

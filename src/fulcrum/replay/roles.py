@@ -40,17 +40,20 @@ class SimulatedDuties:
     Args:
         ttft_slo_s: the TTFT SLO, seconds (a prefill-duty instance's memory pressure is its oldest wait over it).
         config: δ, cooldown and dwell time (the router's defaults).
+        migrate_on_flip: the router config's ``roles.migrate_on_flip`` (off, as the operator writes it).
 
     Attributes:
         book: the duties and the flips made (``book.changes``).
     """
 
-    def __init__(self, ttft_slo_s: float, config: RoleBalanceConfig = RoleBalanceConfig()) -> None:
+    def __init__(self, ttft_slo_s: float, config: RoleBalanceConfig = RoleBalanceConfig(),
+                 migrate_on_flip: bool = False) -> None:
         if not (ttft_slo_s > 0 and math.isfinite(ttft_slo_s)):
             raise ValueError(f"ttft_slo_s must be positive and finite, got {ttft_slo_s!r}")
         self.book = DutyBook()
         self.ttft_slo_s = ttft_slo_s
         self.config = config
+        self.migrate_on_flip = migrate_on_flip
 
     def apply(self, views: Sequence[InstanceView]) -> list[InstanceView]:
         """``views`` with each ``both`` instance's role replaced by its duty."""
