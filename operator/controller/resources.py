@@ -578,7 +578,7 @@ def router_config(
         doc["rescheduling"] = resched
     if spec.router.role_reassignment:
         # migrate_on_flip stays off (the router's default): moving a new prefill-duty instance's decodes away
-        # recomputes each of them on its new instance, and in replay that cost 9-25 points of attainment on the
+        # recomputes each of them on its new instance, and in replay that cost 2-25 points of attainment on the
         # unified example (docs/rebalancing.md); they finish where they are instead
         doc["roles"] = {"enabled": True, "ttft_slo_s": spec.slo.ttft_ms / 1000.0}
         if target.unified.replicas >= 2:  # the plan's duty split bounds the flips (BanaServe Alg. 1 within it)
