@@ -828,10 +828,12 @@ class Simulation:
         assert isinstance(inst, EngineInstance)
         return inst
 
-    def _to_engine(self, r: SimRequest) -> None:
-        """Give ``r`` (evicted with tokens generated: its KV is lost) to a decode-capable instance to recompute."""
+    def _to_engine(self, r: SimRequest, dest: EngineInstance | None = None) -> None:
+        """Give ``r`` (evicted or migrated with tokens generated, its KV lost) to ``dest`` to recompute, or to the
+        decode-capable instance the policy picks."""
         r.planned, r.handoff_at, r.prefill_stop, r.kv_prefix = -1, 0, r.isl, 0
-        dest = self._pick_engine(r)
+        if dest is None:
+            dest = self._pick_engine(r)
         if dest is None:
             self._engine_pending.append(r)
         else:
@@ -975,11 +977,12 @@ class Simulation:
 
     def _on_reschedule(self, _: int) -> None:
         now = self._kernel.now
+        prefill_duty: set[str] = set()
         if self._duties is not None:
-            self._step_duties(now)
-        # as the router's rescheduler: decode-capable instances only, so not a unified instance on prefill duty
-        prefill_duty = ({v.id for v in self._duties.apply(self._registered()) if v.role == "prefill"}
-                        if self._duties is not None else set())
+            registered = self._registered()
+            self._step_duties(now, registered)
+            # as the router's rescheduler: decode-capable instances only, so not a unified instance on prefill duty
+            prefill_duty = {v.id for v in self._duties.apply(registered) if v.role == "prefill"}
         engines: list[EngineInstance] = []
         for role in ("decode", "unified"):
             for inst in self._pools[role]:
@@ -1017,11 +1020,12 @@ class Simulation:
         if self._done < len(self._reqs):
             self._kernel.schedule(now + self._cfg.reschedule_interval_s, Priority.TIMER, self._on_reschedule)
 
-    def _step_duties(self, now: float) -> None:
-        """One period of the router's role reassignment (:class:`DutyBalancer`). An instance's oldest prompt not
-        yet prefilled is timed from its arrival (the router routes on arrival; this misses only the wait of a
-        request that sat at the router with no instance). A unified instance that takes prefill duty keeps its
-        running decodes, or, with ``migrate_on_flip`` and a rescheduler, hands them to decode-capable instances."""
+    def _step_duties(self, now: float, registered: list[InstanceView]) -> None:
+        """One period of the router's role reassignment (:class:`DutyBalancer`) over the ``registered`` views. An
+        instance's oldest prompt not yet prefilled is timed from its arrival (the router routes on arrival; this
+        misses only the wait of a request that sat at the router with no instance). A unified instance that takes
+        prefill duty keeps its running decodes, or, with ``migrate_on_flip`` and a rescheduler, hands them to
+        decode-capable instances."""
         waits: dict[str, float] = {}
         for inst in self._pools["unified"]:
             if isinstance(inst, EngineInstance):
@@ -1030,7 +1034,7 @@ class Simulation:
                 if pending:
                     waits[str(inst.iid)] = now - min(pending)
         assert self._duties is not None
-        flip = self._duties.step(now, self._registered(), waits, self._target)
+        flip = self._duties.step(now, registered, waits, self._target)
         if flip is None:
             return
         self._role_changes += 1
@@ -1125,8 +1129,7 @@ class Simulation:
         self._migrations += 1
         self._migrated_tokens += tokens
         if self._cfg.migration == "recompute":  # the router's way: the target prefills prompt + generated tokens
-            r.planned, r.handoff_at, r.prefill_stop, r.kv_prefix = -1, 0, r.isl, 0
-            dest.offer(r)
+            self._to_engine(r, dest)
             return
         dest.incoming += 1
         dest.incoming_tokens += tokens

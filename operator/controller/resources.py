@@ -47,13 +47,13 @@ import yaml
 
 from fulcrum.api.llmserve import API_VERSION, KIND, EngineKind, LLMServe, Mode, ReplicaOwner
 from fulcrum.errors import ProfileError, SpecError
-from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.profile import PerformanceProfile, recompute_tokens_per_s
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.router.config import RouterConfigError, parse_config
 from fulcrum.routing.registry import make_policy, policy_params
 from fulcrum.router.prefill_queue import QueueLayout
 from fulcrum.scaling.fulcrum import FulcrumPlanner
-from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams, recompute_tp, role_bounds
+from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams, plan_role_bounds
 
 __all__ = [
     "POOL_ROLES",
@@ -518,14 +518,8 @@ def _kv_connector(kind: EngineKind, target: ClusterTarget, profile: PerformanceP
     kv: dict[str, Any] = {"partial_prefix": kind is not EngineKind.SIM}
     if profile is not None:
         kv["kv_bytes_per_token"] = float(profile.kv_bytes_per_token)
-        kv["prefill_tokens_per_s"] = _prefill_tokens_per_s(profile, target)
+        kv["prefill_tokens_per_s"] = recompute_tokens_per_s(profile, target)
     return kv
-
-
-def _prefill_tokens_per_s(profile: PerformanceProfile, target: ClusterTarget) -> float:
-    """Prefill throughput of the serving TP (:func:`~fulcrum.target.recompute_tp`), tokens/s, to 0.1 — what
-    recomputing a prefix or a migrated context costs."""
-    return round(profile.prefill_tokens_per_s(recompute_tp(target)), 1)
 
 
 def router_config(
@@ -574,15 +568,16 @@ def router_config(
         resched: dict[str, Any] = {"enabled": True}
         if profile is not None:
             resched["kv_bytes_per_token"] = float(profile.kv_bytes_per_token)
-            resched["recompute_tokens_per_s"] = _prefill_tokens_per_s(profile, target)
+            resched["recompute_tokens_per_s"] = recompute_tokens_per_s(profile, target)
         doc["rescheduling"] = resched
     if spec.router.role_reassignment:
         # migrate_on_flip stays off (the router's default): moving a new prefill-duty instance's decodes away
         # recomputes each of them on its new instance, and in replay that cost 2-25 points of attainment on the
         # unified example (docs/rebalancing.md); they finish where they are instead
         doc["roles"] = {"enabled": True, "ttft_slo_s": spec.slo.ttft_ms / 1000.0}
-        if target.unified.replicas >= 2:  # the plan's duty split bounds the flips (BanaServe Alg. 1 within it)
-            lo_p, hi_p, lo_d, hi_d = role_bounds(target.unified.replicas, target.routing.prefill_share)
+        bounds = plan_role_bounds(target)
+        if bounds is not None:  # the plan's duty split bounds the flips (BanaServe Alg. 1 within it)
+            lo_p, hi_p, lo_d, hi_d = bounds
             doc["roles"].update(min_prefill=lo_p, max_prefill=hi_p, min_decode=lo_d, max_decode=hi_d)
     if spec.router.prefix_pull:
         doc["kv_connector"] = _kv_connector(spec.engine.kind, target, profile)

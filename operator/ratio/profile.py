@@ -41,8 +41,10 @@ import yaml
 from scipy.optimize import nnls
 
 from fulcrum.errors import ProfileError
+from fulcrum.target import ClusterTarget
 
-__all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict"]
+__all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict",
+           "recompute_tokens_per_s"]
 
 GiB = float(1 << 30)
 
@@ -466,3 +468,16 @@ def load_profile(path: str | Path) -> PerformanceProfile:
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ProfileError(f"{p}: cannot parse: {err}") from err
     raise ProfileError(f"{p}: unknown profile format {suffix!r} (use .yaml, .json or .csv)")
+
+
+def recompute_tokens_per_s(profile: PerformanceProfile, target: ClusterTarget) -> float:
+    """What recomputing a context costs under ``target``, tokens/s to 0.1, as the operator writes it into the
+    router's config (``rescheduling.recompute_tokens_per_s``, ``kv_connector.prefill_tokens_per_s``) and
+    ``fulcrum replay`` prices its migrations: :meth:`PerformanceProfile.prefill_tokens_per_s` of the unified pool's
+    TP when it has instances, else the prefill pool's.
+
+    Raises:
+        ProfileError: the profile has no prefill table at all.
+    """
+    tp = target.unified.tp if target.unified.replicas else target.prefill.tp
+    return round(profile.prefill_tokens_per_s(tp), 1)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-__all__ = ["Pool", "PoolSize", "RoutingParams", "ClusterTarget", "recompute_tp", "role_bounds"]
+__all__ = ["Pool", "PoolSize", "RoutingParams", "ClusterTarget", "plan_role_bounds", "role_bounds"]
 
 
 class Pool(str, Enum):
@@ -137,10 +137,13 @@ class ClusterTarget:
                    unified=pools.get(Pool.UNIFIED, empty), routing=routing or RoutingParams())
 
 
-def recompute_tp(target: ClusterTarget) -> int:
-    """The TP whose prefill throughput prices a recomputed context (a prefix not pulled, a migrated request's
-    prompt and generated tokens): the unified pool's when it has instances, else the prefill pool's."""
-    return target.unified.tp if target.unified.replicas else target.prefill.tp
+def plan_role_bounds(target: ClusterTarget) -> tuple[int, int, int, int] | None:
+    """The bounds the operator writes for the router's role reassignment under ``target``: :func:`role_bounds` of
+    its unified pool at the plan's prefill share when the pool has two instances or more; None otherwise (the
+    router's defaults then hold: one instance per duty at least)."""
+    if target.unified.replicas < 2:
+        return None
+    return role_bounds(target.unified.replicas, target.routing.prefill_share)
 
 
 def role_bounds(instances: int, prefill_share: float | None, spread: float = 2.0) -> tuple[int, int, int, int]:

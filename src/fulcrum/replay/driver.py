@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from fulcrum.api.llmserve import LLMServeSpec
-from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.profile import PerformanceProfile, recompute_tokens_per_s
 from fulcrum.ratio.feasibility import SLOInfeasible
 from fulcrum.replay.distribution import LatencyDistribution
 from fulcrum.replay.rescheduling import ares_rescheduler, learned_remaining
@@ -29,7 +29,7 @@ from fulcrum.scaling.loop import ControlLoop, distribute, external_replicas
 from fulcrum.scaling.planner import Planner
 from fulcrum.scaling.registry import make_planner
 from fulcrum.simulator import Rescheduler, SimConfig, Simulation
-from fulcrum.target import ClusterTarget, Pool, recompute_tp
+from fulcrum.target import ClusterTarget, Pool
 from fulcrum.workload import Request
 
 __all__ = ["run_policy", "run_planner", "scale_arrivals", "ReplayOptions", "warmup_seconds"]
@@ -129,17 +129,15 @@ def _rescheduling(spec: LLMServeSpec, profile: PerformanceProfile, sim_cfg: SimC
 
     Migrations move as ``sim_cfg.migration`` says: by recompute, as the live router does (vLLM's connector cannot
     hand over a running request's KV; docs/rebalancing.md), priced by the prefill throughput the operator writes
-    for the ``target`` in force (:func:`~fulcrum.target.recompute_tp`); or, with ``"kv"``, as ARES does, over
+    for the ``target`` in force (:func:`~fulcrum.ratio.profile.recompute_tokens_per_s`); or, with ``"kv"``, as
+    ARES does, over
     ``sim_cfg.kv_link_gbps`` at the profile's KV bytes per token."""
     if not spec.router.rescheduling or sim_cfg.reschedule_interval_s <= 0:
         return None, None
     predict, feed = learned_remaining(spec.model.served_name or spec.model.name)
     if sim_cfg.migration == "recompute":
-
-        def rate() -> float:
-            return round(profile.prefill_tokens_per_s(recompute_tp(target())), 1)
-
-        return ares_rescheduler(predict, profile=profile, recompute_tokens_per_s=rate), feed
+        return ares_rescheduler(predict, profile=profile,
+                                recompute_tokens_per_s=lambda: recompute_tokens_per_s(profile, target())), feed
     return ares_rescheduler(predict, profile=profile, link_gbps=sim_cfg.kv_link_gbps), feed
 
 
@@ -172,8 +170,9 @@ def run_planner(
     if total is not None:  # as the operator starts an externally owned LLMServe
         current = distribute(total, current)
     routing = routing_factory(options.routing or spec.router.policy.value, spec, profile)
-    applied = [current]  # the target in force, for the rescheduler's cost filter (the router config's)
-    rescheduler, feed = _rescheduling(spec, profile, sim_cfg, lambda: applied[0])
+    # the rescheduler prices a migration with the target in force (the router config's), asked at each tick of
+    # the simulation built just below
+    rescheduler, feed = _rescheduling(spec, profile, sim_cfg, lambda: sim.target)
     duties = SimulatedDuties(spec.slo.ttft_ms / 1000.0) if spec.router.role_reassignment else None
     sim = Simulation(requests, profile, spec.slo, current, sim_cfg, policy=routing, rescheduler=rescheduler,
                      on_finished=feed, duties=duties)
@@ -208,7 +207,7 @@ def run_planner(
         for series in ("rate", "isl", "osl"):
             if series in outcome.forecast:
                 pending.setdefault(k + horizon, []).append((t, series, outcome.forecast[series]))
-        current = applied[0] = outcome.target
+        current = outcome.target
         if not current.same_pools(previous):
             scale_events += 1
             decisions.append({"time_s": t, "reason": outcome.reason,

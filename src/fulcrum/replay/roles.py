@@ -4,7 +4,7 @@
 - :class:`SimulatedDuties` — what the live router does (router config ``roles``, ``spec.router.roleReassignment``):
   a duty for each instance of a unified (``kv_both``) pool, kept in the router's own
   :class:`~fulcrum.rebalancing.duties.DutyBook`, with the bounds the operator writes from the plan
-  (:func:`~fulcrum.target.role_bounds`). ``fulcrum replay`` uses it.
+  (:func:`~fulcrum.target.plan_role_bounds`). ``fulcrum replay`` uses it.
 - :func:`role_balancer` — the simulator's own :data:`~fulcrum.simulator.RoleBalancer`: whole P and D instances
   flipped from the simulator's measured compute and memory utilisation (:class:`~fulcrum.simulator.RoleView`);
   the closure keeps the hysteresis state (last flip, per-instance dwell) between ticks. The live system never
@@ -25,7 +25,7 @@ from fulcrum.rebalancing.role_reassignment import (
 )
 from fulcrum.routing.base import InstanceView
 from fulcrum.simulator import RoleBalancer, RoleView
-from fulcrum.target import ClusterTarget, role_bounds
+from fulcrum.target import ClusterTarget, plan_role_bounds
 
 __all__ = ["SimulatedDuties", "role_balancer"]
 
@@ -34,8 +34,7 @@ class SimulatedDuties:
     """The router's role reassignment for :class:`~fulcrum.simulator.Simulation` (its ``duties`` hook): the
     router's :class:`~fulcrum.rebalancing.duties.DutyBook` with the router config the operator writes for
     ``spec.router.roleReassignment`` (``fulcrum.controller.resources``): the TTFT SLO, the default δ, cooldown and
-    dwell time, and, for a unified pool of two or more instances, the plan's duty split widened by
-    :func:`~fulcrum.target.role_bounds` (one instance per duty at least otherwise).
+    dwell time, and the bounds :func:`~fulcrum.target.plan_role_bounds` gives for the target in force.
 
     Args:
         ttft_slo_s: the TTFT SLO, seconds (a prefill-duty instance's memory pressure is its oldest wait over it).
@@ -62,11 +61,8 @@ class SimulatedDuties:
     def step(self, now: float, views: Sequence[InstanceView], oldest_wait_s: Mapping[str, float],
              target: ClusterTarget) -> tuple[str, str] | None:
         """One period: the flip made as (instance id, new duty), or None."""
-        unified = target.unified.replicas
-        if unified >= 2:
-            bounds = RoleBounds(*role_bounds(unified, target.routing.prefill_share))
-        else:
-            bounds = RoleBounds()
+        planned = plan_role_bounds(target)
+        bounds = RoleBounds(*planned) if planned is not None else RoleBounds()
         change = self.book.step(views, oldest_wait_s, self.ttft_slo_s, bounds, self.config, now)
         return None if change is None else (change.instance, change.to_duty)
 
