@@ -158,6 +158,7 @@ class FulcrumPlanner:
             # the plans' continuous needs are already divided by the planner's target utilisation (0.9): the
             # N/(N−1) check asks that N−1 instances hold that need, not 80% of it on top
             scale_in_utilisation=1.0,
+            startup_s=sc.pod_startup_seconds,
         )
         self.mode_switch = mode_switch or ModeSwitchSettings(
             min_dwell_s=max(900.0, 5 * sc.pod_startup_seconds), horizon_s=max(900.0, 5 * sc.pod_startup_seconds)

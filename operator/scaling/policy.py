@@ -8,7 +8,9 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
   with decode work queued → decode, either → unified), whatever the forecast says — unless instances of that
   pool are still starting (their capacity is on its way; reacting again every tick of a pod start-up would
   overshoot many times over) or became ready during the last interval (the miss was measured partly without
-  them);
+  them), or unless the backlog behind the miss is draining fast enough to be gone before an instance started
+  now could be ready (``startup_s``): the miss is then the backlog's past, measured on requests that waited in
+  it, and capacity that arrives after the queue is empty serves none of them (:func:`backlog_draining`);
 - **scale-in** only when every plan of the stabilisation window — the last max(``hysteresis_ticks``
   intervals, cooldown) seconds, as the HPA's scale-down window — asked for fewer instances, the pool's
   cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from fulcrum.observation import Observation
 from fulcrum.target import ClusterTarget, Pool, PoolSize
 
-__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "reactive_pools"]
+__all__ = ["ScalingSettings", "ScalingState", "apply_scaling_policy", "backlog_draining", "reactive_pools"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class ScalingSettings:
         max_window_factor: longest adaptive stabilisation window, as a multiple of the base window
             max(``hysteresis_ticks`` intervals, cooldown) (4: 20 minutes at the default cooldown, longer than the
             gaps between the bursts of the Azure code trace, shorter than a diurnal trend).
+        startup_s: pod start-up time, seconds (``spec.scaling.podStartupSeconds``): a reactive step is skipped
+            for a backlog that drains within it (:func:`backlog_draining`); 0 never skips one.
     """
 
     max_step: int = 8
@@ -68,6 +72,7 @@ class ScalingSettings:
     reactive_growth: float = 0.25
     max_gpus: int = 1 << 30
     max_window_factor: float = 4.0
+    startup_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,38 @@ class ScalingState:
     """The adaptive stabilisation window per pool, seconds (absent: the base window)."""
     window_changed_s: dict[Pool, float] = field(default_factory=dict)
     """When each pool's window last doubled or halved, seconds."""
+    queues: tuple[int, int] | None = None
+    """(prefill queue, decode queue) at the end of the last tick, requests; None before the first tick."""
+
+
+def backlog_draining(before: int, now: int, interval_s: float, startup_s: float) -> bool:
+    """Whether a queue of ``now`` requests, down from ``before`` one interval earlier, is gone within ``startup_s``
+    at the rate it drained over that interval (net of arrivals): ``now · interval_s / (before − now) ≤ startup_s``.
+
+    An instance started now serves from ``startup_s`` on; a backlog that the instances in place clear before then
+    gains nothing from it, and the reactive guard would only add the GPU-time of a pod nobody waits for. False for
+    an empty or a growing queue, and for ``startup_s`` ≤ 0.
+
+    Measured (issue 13): the Unified mode of the Auto example on the synthetic bursty-then-steady trace reacted
+    6→8 instances at 360 s, when the first burst was over and its backlog (94 → 36 prompts in the last minute)
+    was draining; the two instances were ready at 540 s to an empty queue and held to 660 s.
+    """
+    if now <= 0 or before <= now or startup_s <= 0.0 or interval_s <= 0.0:
+        return False
+    return now * interval_s / (before - now) <= startup_s
+
+
+def _draining_pools(obs: Observation, queues: tuple[int, int] | None, startup_s: float) -> set[Pool]:
+    """Pools whose reactive step is skipped: the queue behind their miss drains within ``startup_s``
+    (:func:`backlog_draining`); the unified pool when every non-empty queue does."""
+    if queues is None:
+        return set()
+    now = (obs.prefill_queue, obs.decode_queue)
+    drains = [backlog_draining(b, n, obs.interval_s, startup_s) for b, n in zip(queues, now, strict=True)]
+    out = {pool for pool, d in zip((Pool.PREFILL, Pool.DECODE), drains, strict=True) if d}
+    if any(n > 0 for n in now) and all(d for d, n in zip(drains, now, strict=True) if n > 0):
+        out.add(Pool.UNIFIED)
+    return out
 
 
 def reactive_pools(obs: Observation, s: ScalingSettings) -> set[Pool]:
@@ -135,7 +172,7 @@ def apply_scaling_policy(
         (next target, next state, reasons — one line per pool that changed).
     """
     util = utilisation or {}
-    reactive = reactive_pools(obs, settings)
+    reactive = reactive_pools(obs, settings) - _draining_pools(obs, state.queues, settings.startup_s)
     recent = dict(state.recent)
     last_in = dict(state.last_scale_in_s)
     windows = dict(state.window_s)
@@ -211,7 +248,7 @@ def apply_scaling_policy(
     nxt = _within_budget(nxt, current, settings.max_gpus)
     ready = {name: obs.ready.of(name) for name in Pool}
     return nxt, ScalingState(recent=recent, last_scale_in_s=last_in, ready=ready, window_s=windows,
-                             window_changed_s=changed), reasons
+                             window_changed_s=changed, queues=(obs.prefill_queue, obs.decode_queue)), reasons
 
 
 def _within_budget(nxt: ClusterTarget, current: ClusterTarget, max_gpus: int) -> ClusterTarget:

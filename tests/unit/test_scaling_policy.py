@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from fulcrum.observation import Observation, ReadyCounts
-from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy
+from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy, backlog_draining
 from fulcrum.target import ClusterTarget, PoolSize
 
 
@@ -135,6 +135,49 @@ def test_the_reactive_guard_waits_a_tick_after_instances_of_the_pool_became_read
     # a whole interval with all four ready and still missing: now it reacts
     cur, state, _ = apply_scaling_policy(target(4, 2), cur, now_s=180, obs=obs(180, **miss), state=state, settings=s)
     assert cur.prefill.replicas == 5
+
+
+def test_a_backlog_drains_within_the_startup_when_it_shrank_fast_enough():
+    # 94 → 36 prompts in 60 s: the 36 left are gone in ~37 s, before a pod started now (180 s) could serve one
+    assert backlog_draining(94, 36, 60.0, 180.0)
+    assert not backlog_draining(40, 36, 60.0, 180.0)  # 540 s at that pace
+    assert not backlog_draining(36, 40, 60.0, 180.0)  # growing
+    assert not backlog_draining(36, 36, 60.0, 180.0)  # stuck
+    assert not backlog_draining(94, 0, 60.0, 180.0)  # empty: no backlog behind a miss
+    assert not backlog_draining(94, 36, 60.0, 0.0)  # no start-up time given: never skip
+
+
+def test_the_reactive_guard_skips_a_pool_whose_backlog_drains_before_new_instances_could_start():
+    s = ScalingSettings(slo_target=0.9, reactive_growth=0.25, startup_s=180.0)
+    ready = ReadyCounts(prefill=4, decode=2)
+
+    def tick(settings: ScalingSettings, before: tuple[int, int] | None, queue: int) -> int:
+        o = obs(120, ttft_attainment=0.2, slo_attainment=0.2, prefill_queue=queue, ready=ready)
+        cur, _, _ = apply_scaling_policy(target(4, 2), target(4, 2), now_s=120, obs=o,
+                                         state=ScalingState(queues=before, ready={}), settings=settings)
+        return cur.prefill.replicas
+
+    assert tick(s, None, 94) == 5  # the first tick: nothing known of the queue before → react
+    assert tick(s, (0, 0), 94) == 5  # a growing backlog → react
+    assert tick(s, (94, 0), 36) == 4  # the burst is over, 94 → 36 in a minute: the misses are its past
+    assert tick(s, (40, 0), 36) == 5  # draining, but too slowly to be gone before a new pod is ready
+    assert tick(ScalingSettings(slo_target=0.9, reactive_growth=0.25), (94, 0), 36) == 5  # no start-up given
+
+
+def test_the_unified_pool_skips_a_reaction_only_when_every_queue_behind_it_drains():
+    s = ScalingSettings(slo_target=0.9, reactive_growth=0.25, startup_s=180.0)
+    uni = ClusterTarget(unified=PoolSize(6, 2))
+    ready = ReadyCounts(unified=6)
+    miss = dict(ttft_attainment=0.2, tpot_attainment=0.2, slo_attainment=0.2, kv_utilisation=0.95, ready=ready)
+
+    def second_tick(prefill_q: int, decode_q: int) -> int:
+        state = ScalingState(queues=(94, 30))
+        cur, _, _ = apply_scaling_policy(uni, uni, now_s=120, state=state, settings=s,
+                                         obs=obs(120, prefill_queue=prefill_q, decode_queue=decode_q, **miss))
+        return cur.unified.replicas
+
+    assert second_tick(36, 5) == 6  # both drain within the start-up
+    assert second_tick(36, 40) > 6  # the decode queue grows: the unified pool still needs more
 
 
 def test_an_empty_planned_pool_is_a_scale_in_not_a_tp_change():
