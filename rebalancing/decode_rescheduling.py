@@ -25,7 +25,12 @@ Algorithm 1, phase by phase:
    cost in decode steps, ``N̂(r) > C_mig / T_exec`` (KV bytes over link bandwidth, plus a fixed overhead, over
    the source's step time), and that fit the target's KV memory in the near future,
    ``N_t(0) + N(r) + N̂(r) ≤ C_mem`` (the paper's line 21 writes ``N_t + N̂(r)``; the request's current KV moves
-   too, so it is counted).
+   too, so it is counted). A migration by **recompute** (``recompute_tokens_per_s``: the live router's, since
+   vLLM cannot export a running request's KV) also stalls the target: its prefill of the context delays each of
+   the target's ``b_t`` running decodes by about C_mig, so the filter there is
+   ``N̂(r) > C_mig · (1 + b_t) / T_exec`` (Fulcrum's extension; ARES moves the KV over the link, which
+   stalls no batch). Without it, replay measured ARES by recompute 2–8 SLO points below no rescheduling on
+   the unified example's ``both`` instances (docs/rebalancing.md).
 3. **Selection** (lines 24–31): the candidate that most reduces σ̂² is chosen.
 
 Hysteresis (so nothing ping-pongs; not in the paper, which relies on its 1-s period): a migration must reduce
@@ -267,6 +272,10 @@ def plan_migration(
                 if d == s or w[d] >= w[s]:
                     continue
                 dst = instances[d]
+                # A recompute stalls the target's running batch for about C_mig (module doc, phase 2)
+                if config.recompute_tokens_per_s is not None and \
+                        r.predicted_remaining <= cost * (1 + len(dst.requests)) / src.step_time_s:
+                    continue
                 # Phase 2, line 21: memory safety on the target (its KV now + the request's KV and growth)
                 if now_tokens[d] + r.tokens + r.predicted_remaining > dst.kv_capacity_tokens:
                     continue

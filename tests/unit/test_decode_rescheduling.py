@@ -141,3 +141,24 @@ def test_a_recompute_migration_is_priced_by_the_targets_prefill_throughput_not_t
     assert recompute.migration_seconds(4000) == pytest.approx(0.5 + 0.005)
     with pytest.raises(ValueError, match="recompute_tokens_per_s"):
         ReschedulingConfig(recompute_tokens_per_s=0.0)
+
+
+def test_a_recompute_is_not_worth_it_onto_a_busy_target_whose_batch_it_would_stall() -> None:
+    """By recompute, C_mig also stalls the target's b_t running decodes: N̂(r) > C_mig·(1 + b_t)/T_exec.
+    C_mig = 2000 tokens / 8000 tokens/s + 5 ms = 0.255 s = 8.5 steps of 30 ms; N̂ = 40 steps: worth it onto an
+    idle target (8.5) or one of three decodes (34), not onto one of five (51)."""
+    cfg = dataclasses.replace(CFG, recompute_tokens_per_s=8_000.0, transfer_overhead_s=0.005)
+    # the heavy requests cannot fit the target (cap 2100 tokens): only a-0 (2000 + 40) is a candidate
+    src = inst("a", (2000, 40), *[(6000, 600)] * 6)
+
+    def target(b: int) -> DecodeInstanceLoad:
+        return inst("b", *[(10, 5)] * b, cap=2100)
+
+    for b in (0, 3):
+        m = plan_migration([src, target(b)], cfg)
+        assert m is not None and m.request_id == "a-0", b
+    assert plan_migration([src, target(5)], cfg) is None
+    # with the KV moved over the link (ARES), no batch is stalled: the busy target still takes it
+    kv = dataclasses.replace(CFG, transfer_overhead_s=0.005)
+    m = plan_migration([src, target(5)], kv)
+    assert m is not None and m.request_id == "a-0"
