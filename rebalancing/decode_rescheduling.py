@@ -264,8 +264,9 @@ def plan_migration(
             if now_s - moved.get(r.id, -math.inf) < config.request_cooldown_s:
                 continue
             cost = config.migration_seconds(r.tokens)
+            cost_steps = cost / src.step_time_s
             # Phase 2, line 20: enough remaining work to repay the move, in decode steps of the source
-            if r.predicted_remaining <= cost / src.step_time_s:
+            if r.predicted_remaining <= cost_steps:
                 continue
             prof = _request_profile(r, t)
             for d in under:
@@ -274,7 +275,7 @@ def plan_migration(
                 dst = instances[d]
                 # A recompute stalls the target's running batch for about C_mig (module doc, phase 2)
                 if config.recompute_tokens_per_s is not None and \
-                        r.predicted_remaining <= cost * (1 + len(dst.requests)) / src.step_time_s:
+                        r.predicted_remaining <= cost_steps * (1 + len(dst.requests)):
                     continue
                 # Phase 2, line 21: memory safety on the target (its KV now + the request's KV and growth)
                 if now_tokens[d] + r.tokens + r.predicted_remaining > dst.kv_capacity_tokens:
