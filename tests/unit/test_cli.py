@@ -180,6 +180,7 @@ def test_replay_json_for_one_policy_scores_it_on_the_window(capsys: pytest.Captu
 def test_replay_compare_json_scores_every_policy_and_writes_the_report(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    from fulcrum.replay.pareto import Score, dominates
     from fulcrum.scaling.registry import PLANNERS
 
     report = tmp_path / "report"
@@ -189,11 +190,23 @@ def test_replay_compare_json_scores_every_policy_and_writes_the_report(
     assert best["target_attainment"] == data["policies"]["fulcrum"]["slo_attainment"]
     assert best["reached"] == (data["policies"]["static-best"]["slo_attainment"] >= best["target_attainment"])
     assert best["deployment"].endswith("D") and best["probes"]
+    pol = data["policies"]
+    mine = Score(pol["fulcrum"]["slo_attainment"], pol["fulcrum"]["gpu_hours"])
+    winners = [n for n, p in pol.items() if dominates(Score(p["slo_attainment"], p["gpu_hours"]), mine)]
+    assert data["pareto"] == {"policy": "fulcrum", "dominated": bool(winners), "dominated_by": winners}
     for png in (GPUS_PNG, FORECAST_PNG, LATENCY_CDF_PNG, POOLS_PNG):
         assert (report / png).read_bytes()[:8] == PNG_SIGNATURE, png
     written = json.loads((report / SUMMARY_JSON).read_text())
     assert written["policies"].keys() == data["policies"].keys()
     assert written["policies"]["fulcrum"]["slo_attainment"] == data["policies"]["fulcrum"]["slo_attainment"]
+
+
+def test_replay_compare_says_under_the_table_whether_fulcrum_is_dominated(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*REPLAY, "--compare", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table_end = max(i for i, x in enumerate(lines) if x.startswith("static-best "))
+    verdict = next(x for x in lines[table_end + 1:] if x)
+    assert verdict.startswith("Pareto: fulcrum (") and ("is not dominated" in verdict or "is dominated by" in verdict)
 
 
 def test_replay_prints_a_header_and_the_comparison_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,6 +36,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, builtin_profile, resolve_profile
 from fulcrum.replay.distribution import check_records_path, write_records
 from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.replay.pareto import pareto_verdict
 from fulcrum.replay.result import PolicyRun
 from fulcrum.replay.routing import ROUTING_POLICIES, parse_routing, path_counts
 from fulcrum.scaling.registry import PLANNERS
@@ -147,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {'static-best':<12} SLO attainment {s.slo_attainment:6.1%}  GPU-hours {s.gpu_hours:7.2f}  "
                   f"({best.label}, {best.gpus} GPUs: {how} fulcrum's {target:.1%}; {len(best.probes)} static replays)",
                   flush=True)
+    verdict = pareto_verdict(runs) if args.compare else None
+    if verdict is not None:
+        extra["pareto"] = verdict.as_json()
     if args.report:
         from fulcrum.replay.report import write_report
 
@@ -162,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print()
         print(comparison_table(runs, spec.slo, trace_name=trace.name))
+        if verdict is not None:
+            print(verdict.line())
         if args.percentiles:
             print(percentiles_table(runs, trace_name=trace.name))
     return 0

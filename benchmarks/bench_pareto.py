@@ -1,0 +1,127 @@
+"""Is Fulcrum's planner on the Pareto front? Issue 13's acceptance matrix in one command.
+
+For every shipped example with a profile Fulcrum can resolve without a cluster (``examples/*.yaml``; or the files
+given with ``--llmserve``) and every trace (``--traces``, default the Azure conversation and code traces of 2023
+and ``synthetic-burst-steady``), it runs ``fulcrum replay --trace T --llmserve E --compare --json`` in a child
+process (``--jobs`` at a time) and prints, per cell, SLO attainment / GPU-hours of every policy, the deployment
+``static-best`` found, and the policies that dominate ``fulcrum`` (at least its attainment at no more GPU-hours,
+one of the two strictly: :mod:`fulcrum.replay.pareto`). The last line counts the cells where ``fulcrum`` is not
+dominated (the target: all of them) and those where its SLO attainment reaches the spec's percentile. The baseline
+measured in the same run is the ``dopd`` reference planner (DOPD Alg. 2): the same two counts for it. Being on the
+front alone says nothing about the SLO: a planner that holds few GPUs and misses most requests is on it too, which
+is why the second count is there.
+
+    python benchmarks/bench_pareto.py [--jobs 2] [--traces azure-conv-2023,...] [--llmserve FILE ...]
+                                      [--json OUT]
+
+About 7 minutes for the 12 default cells on a 2-core machine at ``--jobs 2`` (the code trace's ``static-best``
+sweeps are the long ones). Every number comes from the replay's own ``--json``; ``--json OUT`` writes them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = ("azure-conv-2023", "azure-code-2023", "synthetic-burst-steady")
+JUDGED = ("fulcrum", "dopd")
+
+
+def resolvable(path: Path) -> bool:
+    """Whether the example's profile resolves here (a built-in or a file; not a ConfigMap in a cluster)."""
+    from fulcrum.api.llmserve import load_llmserve
+    from fulcrum.commands.replay import resolve_spec_profile
+    from fulcrum.errors import ProfileError
+
+    try:
+        resolve_spec_profile(load_llmserve(path).spec, path, None)
+    except ProfileError:
+        return False
+    return True
+
+
+def run_cell(spec: Path, trace: str) -> dict[str, Any]:
+    """One ``fulcrum replay --compare --json`` in a child process; its parsed output plus the wall time.
+
+    Raises:
+        RuntimeError: the replay failed (its stderr in the message).
+    """
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "fulcrum", "replay", "--trace", trace, "--llmserve", str(spec), "--compare",
+           "--json", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    out: dict[str, Any] = json.loads(done.stdout)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def dominated_by(policies: dict[str, dict[str, Any]], judged: str) -> list[str]:
+    """The policies that dominate ``judged`` in one cell's ``--json`` ``policies`` (see the module doc)."""
+    from fulcrum.replay.pareto import Score, dominates
+
+    def score(p: dict[str, Any]) -> Score:
+        a = p["slo_attainment"]  # null in --json when no request was scored
+        return Score(float("nan") if a is None else a, p["gpu_hours"])
+
+    mine = score(policies[judged])
+    return [name for name, p in policies.items() if name != judged and dominates(score(p), mine)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llmserve", action="append", type=Path,
+                    help="LLMServe file (repeatable; default: every examples/*.yaml whose profile resolves)")
+    ap.add_argument("--traces", default=",".join(TRACES), help="comma-separated trace names or files")
+    ap.add_argument("--jobs", type=int, default=2, help="replays run at once (default 2)")
+    ap.add_argument("--json", type=Path, help="write every cell's --json output here")
+    args = ap.parse_args(argv)
+    specs = args.llmserve or [p for p in sorted((REPO / "examples").glob("llmserve-*.yaml")) if resolvable(p)]
+    traces = [t for t in args.traces.split(",") if t]
+    cells = [(s, t) for s in specs for t in traces]
+    print(f"{len(cells)} cells: {len(specs)} LLMServe examples × {len(traces)} traces, {args.jobs} at a time",
+          flush=True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        results = list(pool.map(lambda c: run_cell(*c), cells))
+    names = [n for n in results[0]["policies"]]
+    header = ["spec × trace", *names, "static-best is", "fulcrum dominated by"]
+    rows = []
+    free = dict.fromkeys(JUDGED, 0)
+    met = dict.fromkeys(JUDGED, 0)
+    for (spec, trace), res in zip(cells, results, strict=True):
+        pol = res["policies"]
+        for judged in JUDGED:
+            free[judged] += not dominated_by(pol, judged)
+            a = pol[judged]["slo_attainment"]
+            met[judged] += a is not None and a >= res["slo"]["percentile"] / 100.0
+        cell = [f"{spec.stem.removeprefix('llmserve-')} × {trace}"]
+        for n in names:
+            a = pol[n]["slo_attainment"]
+            cell.append(f"{'n/a' if a is None else f'{a:.1%}'} / {pol[n]['gpu_hours']:.2f}")
+        cell.append(res["static_best"]["deployment"])
+        cell.append(", ".join(dominated_by(pol, "fulcrum")) or "none")
+        rows.append(cell)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    n = len(cells)
+    print(f"\nfulcrum not dominated in {free['fulcrum']} of {n} cells (target: all), SLO attainment at or above the "
+          f"spec's percentile in {met['fulcrum']} of {n}; baseline dopd: not dominated in {free['dopd']} of {n}, "
+          f"at the percentile in {met['dopd']} of {n}; {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(
+            [{"llmserve": str(s), "trace": t, **r} for (s, t), r in zip(cells, results, strict=True)], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
