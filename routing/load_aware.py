@@ -19,9 +19,17 @@ request adds ``1 / max_num_seqs`` of compute and ``(P + D) / kv_capacity_tokens`
 for ``estimate_ttl_s`` (about one scrape interval) and then dropped, by which time the metrics include the
 request.
 
-BanaServe routes to prefill instances (its global KV store makes cache affinity moot). Here the policy
-colocates on a "both"/"decode" instance by default; with ``disaggregate=True`` it picks the prefill instance
-(role "prefill"/"both") and then the decode instance (role "decode"/"both", another one) by the same rule.
+BanaServe routes to prefill instances (its global KV store makes cache affinity moot). Here the policy either
+colocates a request on one "both"/"decode" instance or disaggregates it: the prefill instance (role
+"prefill"/"both") and then the decode instance (role "decode"/"both", another one), each by the same rule.
+``disaggregate=True`` always disaggregates (where a prefill instance is available), ``False`` always colocates;
+the default, ``None``, goes by the roles on offer: it disaggregates while any available instance has role
+"prefill" and colocates otherwise. That default is what an Auto-mode ``LLMServe`` needs (its pools change
+between Disaggregated and Unified as it runs), and a Unified pool under the router's role reassignment, whose
+prefill-duty instances show as "prefill" (``fulcrum.router.roles``). A fixed ``False`` there left every prefill
+instance without work: on the Auto example × the Azure code trace the colocated policy served every request on
+the decode pool, 0.0% SLO attainment at 45 GPU-hours under the ``fulcrum`` planner (``disaggregated``: 84.8%,
+12.87 GPU-hours).
 
 **Load-aware dispatch over a shared KV store** (BanaServe §4.2 "Global KV Cache Store", §4.4.2; ``prefix_pull``).
 BanaServe's store lets every instance read every cached prefix, so the router balances load alone. Fulcrum has
@@ -80,7 +88,8 @@ class LoadAwarePolicy:
             compute and memory at 80%).
         estimate_ttl_s: how long a dispatched request's EstimateLoad stays added to its instance's load, s
             (about the engine metrics' scrape interval).
-        disaggregate: choose a prefill and a separate decode instance instead of one colocated instance.
+        disaggregate: True: choose a prefill and a separate decode instance; False: one colocated instance;
+            None: disaggregate while an available instance has role "prefill", colocate otherwise (module doc).
         prefix_pull: plan prefix pulls from the instance holding a prompt's longest cached prefix (module doc;
             colocated decisions only).
         kv_block_tokens: tokens per KV block the prefix hashes stand for (the engines' block size).
@@ -93,7 +102,7 @@ class LoadAwarePolicy:
 
     name = "load_aware"
 
-    def __init__(self, *, load_threshold: float = 1.6, estimate_ttl_s: float = 5.0, disaggregate: bool = False,
+    def __init__(self, *, load_threshold: float = 1.6, estimate_ttl_s: float = 5.0, disaggregate: bool | None = None,
                  prefix_pull: bool = False, kv_block_tokens: int = 16, min_pull_tokens: int = 256,
                  index_blocks_per_instance: int = 65_536) -> None:
         if not (load_threshold >= 0.0) or not (estimate_ttl_s >= 0.0):
@@ -102,7 +111,7 @@ class LoadAwarePolicy:
             raise ValueError("kv_block_tokens must be >= 1 and min_pull_tokens >= 0")
         self.load_threshold = float(load_threshold)
         self.estimate_ttl_s = float(estimate_ttl_s)
-        self.disaggregate = bool(disaggregate)
+        self.disaggregate = None if disaggregate is None else bool(disaggregate)
         self.prefix_pull = bool(prefix_pull)
         self.kv_block_tokens = int(kv_block_tokens)
         self.capabilities = PolicyCapabilities(
@@ -153,7 +162,10 @@ class LoadAwarePolicy:
         Raises:
             NoInstanceError: no available instance may take it.
         """
-        if not self.disaggregate:
+        disaggregate = self.disaggregate
+        if disaggregate is None:
+            disaggregate = any(i.available and i.role == "prefill" for i in instances)
+        if not disaggregate:
             cands = colocated_candidates(instances)
             if not cands:
                 raise NoInstanceError("load_aware: no available instance with role 'both' or 'decode'")

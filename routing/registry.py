@@ -90,8 +90,9 @@ def policy_params(
         name: a policy name (:data:`POLICIES`).
         routing: the plan's per-request parameters (ultra-short threshold, DOPD Alg. 1's i_next, timeout and
             token budget).
-        disaggregated: the spec serves in Disaggregated mode (``load_aware`` then picks a prefill and a decode
-            instance instead of one colocated instance).
+        disaggregated: the spec serves in Disaggregated mode (``load_aware`` then always picks a prefill and a
+            decode instance; otherwise it goes by the roles on offer, :class:`LoadAwarePolicy`'s default, which
+            follows an Auto spec's mode and a Unified pool's role reassignment).
         kv_block_tokens: the engines' KV block size, tokens (prefix hashes; the split policy's handoff nudge).
         profile: timing data of the split policy's execution predictor (an object, a built-in name or the
             mapping format); None: the split policy runs its cold-start path.
@@ -116,7 +117,7 @@ def policy_params(
             params["profile"] = profile
         return params
     if name == LoadAwarePolicy.name:
-        params = {"disaggregate": disaggregated}
+        params = {"disaggregate": True} if disaggregated else {}
         if prefix_pull:  # BanaServe §4.2: pull a cached prefix from its holder when cheaper
             params.update(prefix_pull=True, kv_block_tokens=kv_block_tokens)
         return params

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -83,9 +84,30 @@ def test_disaggregate_mode_picks_prefill_and_decode_instances_by_the_same_rule()
 
 def test_load_aware_never_routes_to_unavailable_or_prefill_only_instances_when_colocating():
     insts = [InstanceView("p", role="prefill"), InstanceView("sick", healthy=False), InstanceView("ok", compute_utilisation=0.99, memory_utilisation=0.99)]
-    assert LoadAwarePolicy().route(REQ, insts, 0.0).first == "ok"
+    d = LoadAwarePolicy(disaggregate=False).route(REQ, insts, 0.0)
+    assert (d.kind, d.first) == ("colocated", "ok")
     with pytest.raises(NoInstanceError):
-        LoadAwarePolicy().route(REQ, insts[:2], 0.0)
+        LoadAwarePolicy(disaggregate=False).route(REQ, insts[:2], 0.0)
+
+
+def test_by_default_it_disaggregates_exactly_while_a_prefill_instance_is_available():
+    """An Auto LLMServe's pools move between the modes, and a Unified pool under role reassignment shows its
+    prefill-duty instances as "prefill": the default follows the roles on offer (module doc)."""
+    pol = LoadAwarePolicy(estimate_ttl_s=0.0)
+    assert pol.disaggregate is None
+    disagg = [InstanceView("p1", role="prefill"), InstanceView("d1", role="decode"), InstanceView("d2", role="decode")]
+    d = pol.route(REQ, disagg, 0.0)
+    assert (d.kind, d.first) == ("disaggregated", "p1") and d.second in {"d1", "d2"}
+    # a unified pool with no prefill duty, or whose prefill instance drains (an Auto cut-over): colocated
+    both = [InstanceView("u1", role="both"), InstanceView("u2", role="both", compute_utilisation=0.5)]
+    assert pol.route(REQ, both, 0.0).kind == "colocated"
+    draining = [dataclasses.replace(disagg[0], draining=True), *disagg[1:]]
+    d = pol.route(REQ, draining, 0.0)
+    assert d.kind == "colocated" and d.first in {"d1", "d2"}
+    # role reassignment: a prefill-duty "both" instance takes the prefill leg, a decode-duty one the decode leg
+    duties = [InstanceView("u1", role="prefill"), InstanceView("u2", role="decode")]
+    d = pol.route(REQ, duties, 0.0)
+    assert (d.kind, d.first, d.second) == ("disaggregated", "u1", "u2")
 
 
 # ------------------------------------------------------------------ BanaServe §4.2: prefix pulls over the KV connector
@@ -232,3 +254,14 @@ async def test_a_slow_link_makes_recomputing_the_prefix_the_cheaper_choice(route
                              config={"policy": POLICY, "kv_connector": {"partial_prefix": True, "link_gbps": 0.0001}})
     await _two_requests(h, SHARED)
     assert pulls(h, "recompute-cheaper") == 1 and h.engine("e1").partial_loads == 0
+
+
+def test_the_operator_forces_disaggregation_only_for_a_disaggregated_spec():
+    from fulcrum.routing.registry import make_policy, policy_params
+    from fulcrum.target import RoutingParams
+
+    assert policy_params("load_aware", RoutingParams(), disaggregated=True, kv_block_tokens=16) == {"disaggregate": True}
+    unset = policy_params("load_aware", RoutingParams(), disaggregated=False, kv_block_tokens=16)
+    assert unset == {}
+    policy = make_policy("load_aware", unset)
+    assert isinstance(policy, LoadAwarePolicy) and policy.disaggregate is None

@@ -24,6 +24,7 @@ from fulcrum.workload import Request
 REPO = Path(__file__).resolve().parents[2]
 DISAGG = REPO / "examples" / "llmserve-disaggregated-70b-h100.yaml"
 UNIFIED = REPO / "examples" / "llmserve-unified-70b-a100.yaml"
+AUTO = REPO / "examples" / "llmserve-auto.yaml"
 _SLO = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
 
 
@@ -104,6 +105,22 @@ def test_load_aware_spreads_by_utilisation_and_disaggregates_in_a_disaggregated_
     assert {r.path for r in res.records} == {"disaggregated"}
     assert {r.prefill_instance for r in res.records} == {0, 1}
     assert {r.decode_instance for r in res.records} == {2, 3, 4}
+
+
+def test_load_aware_follows_an_auto_specs_pools(window: tuple[Request, ...]) -> None:
+    """Auto mode: the operator leaves ``disaggregate`` unset, so the policy disaggregates on Disaggregated pools
+    and colocates on a Unified pool; a fixed colocation sent every request to the decode pool (router.md)."""
+    spec = load_llmserve(AUTO).spec
+    assert spec.profile.name is not None
+    profile = builtin_profile(spec.profile.name)
+    factory = routing_factory("load_aware", spec, profile)
+    assert factory(RoutingParams()).disaggregate is None  # type: ignore[attr-defined]
+    disagg = Simulation(window[:300], profile, spec.slo, ClusterTarget(prefill=PoolSize(2, 2), decode=PoolSize(2, 2)),
+                        policy=factory).finish()
+    assert {r.path for r in disagg.records} == {"disaggregated"}
+    assert {r.prefill_instance for r in disagg.records} == {0, 1}
+    unified = Simulation(window[:300], profile, spec.slo, ClusterTarget(unified=PoolSize(3, 2)), policy=factory).finish()
+    assert {r.path for r in unified.records} == {"unified"}
 
 
 def test_the_simulator_stays_deterministic_under_every_policy(window: tuple[Request, ...]) -> None:
