@@ -294,6 +294,12 @@ _CEL_CASES: list[tuple[str, dict[str, Any]]] = [
     ("prefix pull with load_aware", {"router": {"policy": "load_aware", "prefixPull": True}}),
     ("prefix pull with disaggregated", {"router": {"policy": "disaggregated", "prefixPull": True}}),
     ("prefix pull with the default policy", {"router": {"prefixPull": True}}),
+    ("round robin, unified", {"mode": "Unified", "router": {"policy": "round_robin"}}),
+    ("least loaded, unified", {"mode": "Unified", "router": {"policy": "least_loaded"}}),
+    ("round robin, default mode", {"router": {"policy": "round_robin"}}),
+    ("least loaded, disaggregated", {"mode": "Disaggregated", "router": {"policy": "least_loaded"}}),
+    ("round robin, auto", {"mode": "Auto", "router": {"policy": "round_robin"}}),
+    ("load aware, auto", {"mode": "Auto", "router": {"policy": "load_aware"}}),
 ]
 
 

@@ -165,7 +165,7 @@ def _given(field: str) -> str:
 
 # CEL rules by the property path of the spec node they are attached to (() = spec itself). They
 # mirror the model validators ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits and
-# LLMServeSpec._replicas_and_connectors.
+# LLMServeSpec._replicas_and_connectors (router.policy against mode too).
 _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         _tp_rule("tpPrefill"),
@@ -175,6 +175,11 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "rule": "!has(self.scaling.replicas) || self.scaling.replicas * self.gpu.gpusPerNode >= self.scaling.minGPUs",
             "message": "scaling.replicas × gpu.gpusPerNode must be >= scaling.minGPUs",
             "fieldPath": ".scaling.replicas",
+        },
+        {
+            "rule": "self.mode == 'Unified' || !(self.router.policy in ['round_robin', 'least_loaded'])",
+            "message": "router.policy round_robin and least_loaded never use a prefill instance: they need mode Unified",
+            "fieldPath": ".router.policy",
         },
         {
             "rule": "self.router.prefillQueue != 'nats' || size(self.connectors.nats) > 0",

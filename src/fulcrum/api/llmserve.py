@@ -145,13 +145,26 @@ class ForecasterMethod(str, Enum):
 
 
 class RouterPolicy(str, Enum):
-    """Per-request policy of the router (``router/``)."""
+    """Per-request policy of the router (``router/``; docs/router.md).
+
+    - ``round_robin``, ``least_loaded``: each request whole on one instance, in turn or the least busy; mode
+      ``Unified`` only (they never send work to a prefill instance).
+    - ``disaggregated``: DOPD's scheduling: prefill on a P instance, decode on a D instance, ultra-short prompts
+      local, DOPD Alg. 1 length-aware prefill batches.
+    - ``split``: Libra's micro-requests: a split point per request between two instances (§4.1).
+    - ``load_aware``: BanaServe Alg. 2: the least loaded instance by compute + memory utilisation (eq. 37),
+      disaggregated while a prefill instance is available.
+    """
 
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
     DISAGGREGATED = "disaggregated"
     SPLIT = "split"
     LOAD_AWARE = "load_aware"
+
+
+#: Policies that colocate every request on one instance (never a prefill-only one): Unified mode only.
+_COLOCATING_POLICIES = frozenset({RouterPolicy.ROUND_ROBIN, RouterPolicy.LEAST_LOADED})
 
 
 # The Kubernetes resource.Quantity syntax (k8s.io/apimachinery/pkg/api/resource), e.g. 500m, 4, 16Gi, 1e3.
@@ -417,6 +430,12 @@ class LLMServeSpec(_Model):
             raise ValueError("router.prefillQueue nats requires connectors.nats")
         if self.router.prefix_pull and self.router.policy is not RouterPolicy.LOAD_AWARE:
             raise ValueError(f"router.prefixPull requires router.policy load_aware, not {self.router.policy.value}")
+        if self.router.policy in _COLOCATING_POLICIES and self.mode is not Mode.UNIFIED:
+            raise ValueError(
+                f"router.policy {self.router.policy.value} runs every request on one instance and never on a prefill "
+                f"instance, so mode {self.mode.value} would leave its prefill pool idle: use disaggregated, split or "
+                f"load_aware, or mode Unified"
+            )
         return self
 
     @model_validator(mode="after")
