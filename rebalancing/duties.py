@@ -15,9 +15,18 @@ instance (:class:`~fulcrum.routing.base.InstanceView`):
 - prefill duty: compute = prompt tokens dispatched and not yet prefilled over the engine's
   ``max_num_batched_tokens`` (the share of one step's token budget the queue fills, clipped to 1); memory = the
   oldest such prefill's wait so far over the TTFT SLO (clipped to 1);
-- decode duty: compute = requests in flight over ``max_num_seqs`` (the batch slots taken); memory = KV tokens
-  held over ``kv_capacity_tokens`` (the engine's scraped ``kv_cache_usage_perc`` when the capacity is unknown, 0
-  when neither is known).
+- decode duty: compute = requests in flight over the batch at which the instance's TPOT reaches the SLO (the
+  plan's ``RoutingParams.decode_concurrency``, at most ``max_num_seqs``; ``max_num_seqs`` when not planned);
+  memory = KV tokens held over ``kv_capacity_tokens`` (the engine's scraped ``kv_cache_usage_perc`` when the
+  capacity is unknown, 0 when neither is known).
+
+The decode side's C_max is the SLO's batch, not the engine's: a decode step slows with its batch, and past the
+SLO batch every request in it misses TPOT while ``max_num_seqs`` (256, the CUDA-graph cap) is far off. Measured
+on ``examples/llmserve-unified-70b-a100.yaml`` with ``roleReassignment`` (``fulcrum replay --policy fulcrum``, A100
+TP 4, SLO batch 88 of 256): counted over ``max_num_seqs`` a decode instance at its TPOT limit read 0.34 + its KV
+share, prefill duty won every flip, and role reassignment *cost* attainment on the Azure conversation trace
+(95.8% without it, 92.2% with it: TPOT 96.8% → 92.3%); counted over the SLO batch it reached 99.2%, and on the
+code trace 68.0% (39.1% without, 67.7% before), at the same GPU-hours.
 
 Pure: no I/O, no clock (the caller passes ``now``).
 """
@@ -52,10 +61,12 @@ def prefill_utilisation(view: InstanceView, oldest_wait_s: float, ttft_slo_s: fl
     return compute + _clip01(oldest_wait_s / ttft_slo_s)
 
 
-def decode_utilisation(view: InstanceView) -> float:
-    """U of a decode-duty instance (module doc): in-flight requests over the concurrency limit + KV tokens over the
+def decode_utilisation(view: InstanceView, slo_batch: int | None = None) -> float:
+    """U of a decode-duty instance (module doc): in-flight requests over ``slo_batch`` (the most requests one
+    instance decodes within the TPOT SLO; None or above ``max_num_seqs``: ``max_num_seqs``) + KV tokens over the
     KV capacity (else the scraped KV usage, else 0), each clipped to [0, 1]; in [0, 2]."""
-    compute = _clip01(view.inflight / max(view.max_num_seqs, 1))
+    limit = view.max_num_seqs if slo_batch is None else min(slo_batch, view.max_num_seqs)
+    compute = _clip01(view.inflight / max(limit, 1))
     if view.kv_capacity_tokens > 0:
         memory = _clip01(view.running_tokens / view.kv_capacity_tokens)
     elif not math.isnan(view.memory_utilisation):
@@ -110,13 +121,15 @@ class DutyBook:
         return [replace(v, role=self.duties[v.id]) if v.role == "both" and v.id in self.duties else v for v in views]
 
     def utilisations(self, views: Sequence[InstanceView], oldest_wait_s: Mapping[str, float],
-                     ttft_slo_s: float) -> list[InstanceUtilisation]:
+                     ttft_slo_s: float, decode_slo_batch: int | None = None) -> list[InstanceUtilisation]:
         """U per ``both`` instance under its duty (module doc); draining or unhealthy ones as not accepting.
 
         Args:
             views: the instances as registered (``both`` ones unchanged by :meth:`apply`).
             oldest_wait_s: instance id → how long its oldest prompt not yet prefilled has waited, seconds.
             ttft_slo_s: the TTFT SLO, seconds.
+            decode_slo_batch: the batch at which a decode-duty instance's TPOT reaches the SLO (the plan's
+                ``RoutingParams.decode_concurrency``), requests; None: ``max_num_seqs``.
         """
         out = []
         for v in views:
@@ -124,19 +137,21 @@ class DutyBook:
             if v.role != "both" or duty is None:
                 continue
             u = (prefill_utilisation(v, oldest_wait_s.get(v.id, 0.0), ttft_slo_s) if duty == "prefill"
-                 else decode_utilisation(v))
+                 else decode_utilisation(v, decode_slo_batch))
             out.append(InstanceUtilisation(v.id, duty, u, v.tp, accepting=v.available))
         return out
 
     def step(self, views: Sequence[InstanceView], oldest_wait_s: Mapping[str, float], ttft_slo_s: float,
-             bounds: RoleBounds, config: RoleBalanceConfig, now: float) -> RoleChange | None:
-        """One period: plan (BanaServe Alg. 1 with a role flip) and apply at most one flip.
+             bounds: RoleBounds, config: RoleBalanceConfig, now: float,
+             decode_slo_batch: int | None = None) -> RoleChange | None:
+        """One period: plan (BanaServe Alg. 1 with a role flip) and apply at most one flip (``decode_slo_batch``:
+        :meth:`utilisations`).
 
         Returns:
             The flip made, or None when nothing changes (see :func:`plan_role_change`).
         """
         self.sync(views)
-        utils = self.utilisations(views, oldest_wait_s, ttft_slo_s)
+        utils = self.utilisations(views, oldest_wait_s, ttft_slo_s, decode_slo_batch)
         change = plan_role_change(utils, bounds, config, now_s=now, last_change_s=self.last_change_s,
                                   flipped_at_s=self.flipped_at_s)
         if change is None:

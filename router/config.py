@@ -262,6 +262,9 @@ class RolesSection(_Strict):
     dwell_s: float = Field(default=60.0, ge=0)
     ttft_slo_s: float = Field(default=2.0, gt=0)
     """TTFT SLO, seconds: a prefill-duty instance's memory pressure is its oldest queued prefill's wait over it."""
+    decode_slo_batch: int | None = Field(default=None, ge=1)
+    """Requests one instance decodes within the TPOT SLO (the plan's, written by the operator): a decode-duty
+    instance's compute is full there (``fulcrum.rebalancing.duties``); unset: the engine's ``max_num_seqs``."""
     migrate_on_flip: bool = False
     """Move a decode instance's running requests away when it takes prefill duty (needs ``rescheduling``);
     otherwise they finish where they are."""

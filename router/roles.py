@@ -93,7 +93,8 @@ class RoleBalancer:
         nothing changes)."""
         bounds = RoleBounds(section.min_prefill, section.max_prefill, section.min_decode, section.max_decode)
         cfg = RoleBalanceConfig(delta=section.delta, cooldown_s=section.cooldown_s, dwell_s=section.dwell_s)
-        change = self.book.step(views, oldest_wait_s, section.ttft_slo_s, bounds, cfg, now)
+        change = self.book.step(views, oldest_wait_s, section.ttft_slo_s, bounds, cfg, now,
+                                decode_slo_batch=section.decode_slo_batch)
         if change is None:
             return None
         self.metrics.child(self.metrics.role_changes, change.to_duty).inc()

@@ -579,6 +579,8 @@ def router_config(
         if bounds is not None:  # the plan's duty split bounds the flips (BanaServe Alg. 1 within it)
             lo_p, hi_p, lo_d, hi_d = bounds
             doc["roles"].update(min_prefill=lo_p, max_prefill=hi_p, min_decode=lo_d, max_decode=hi_d)
+        if target.routing.decode_concurrency is not None:  # a decode-duty instance's full compute (duties module)
+            doc["roles"]["decode_slo_batch"] = target.routing.decode_concurrency
     if spec.router.prefix_pull:
         doc["kv_connector"] = _kv_connector(spec.engine.kind, target, profile)
     if spec.router.prefill_queue == "nats":

@@ -121,6 +121,7 @@ def target_from_status(status: Mapping[str, Any] | None) -> ClusterTarget | None
                 length_aware_batching=bool(r.get("lengthAwareBatching", routing.length_aware_batching)),
                 max_prefill_batch_tokens=int(r.get("maxPrefillBatchTokens", routing.max_prefill_batch_tokens)),
                 prefill_share=float(r["prefillShare"]) if r.get("prefillShare") is not None else None,
+                decode_concurrency=int(r["decodeConcurrency"]) if r.get("decodeConcurrency") is not None else None,
             )
         except (TypeError, ValueError):
             routing = RoutingParams()
@@ -132,7 +133,8 @@ def routing_status(routing: RoutingParams) -> dict[str, Any]:
     return {"ultraShortTokens": routing.ultra_short_tokens, "longRequestTokens": routing.long_request_tokens,
             "batchTimeoutSeconds": routing.batch_timeout_s, "lengthAwareBatching": routing.length_aware_batching,
             "maxPrefillBatchTokens": routing.max_prefill_batch_tokens,
-            **({"prefillShare": round(routing.prefill_share, 4)} if routing.prefill_share is not None else {})}
+            **({"prefillShare": round(routing.prefill_share, 4)} if routing.prefill_share is not None else {}),
+            **({"decodeConcurrency": routing.decode_concurrency} if routing.decode_concurrency is not None else {})}
 
 
 def pools_status(target: ClusterTarget, ready: ReadyCounts) -> dict[str, dict[str, int]]:

@@ -73,6 +73,11 @@ class RoutingParams:
             r / (1 + r) with r DOPD eq. (15)'s n_p/n_d = cc_d·t_p/(t_d·OSL) at the unified TP; the bounds of the
             router's role reassignment are drawn around it (:func:`fulcrum.target.role_bounds`). None: no plan
             for duties (Disaggregated mode, or a plan without decode capacity).
+        decode_concurrency: in Unified mode, the most requests one instance of the pool decodes within the TPOT
+            SLO at the forecast lengths (cc of DOPD eqs. 11–14 with the profiled TPOT check): the router's role
+            reassignment counts a decode-duty instance's compute as full there (eq. 32's C_max,
+            :func:`fulcrum.rebalancing.duties.decode_utilisation`). None: not planned (the engine's
+            ``max_num_seqs`` stands in).
     """
 
     ultra_short_tokens: int = 0
@@ -81,6 +86,7 @@ class RoutingParams:
     length_aware_batching: bool = False
     max_prefill_batch_tokens: int = 8192
     prefill_share: float | None = None
+    decode_concurrency: int | None = None
 
 
 @dataclass(frozen=True)

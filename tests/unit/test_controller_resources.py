@@ -519,12 +519,14 @@ def test_role_reassignment_bounds_come_from_the_plans_duty_split() -> None:
     name = serve.metadata.name
     base = initial_target(serve)
     planned = ClusterTarget(unified=PoolSize(8, base.unified.tp),
-                            routing=RoutingParams(prefill_share=0.8, long_request_tokens=1000))
+                            routing=RoutingParams(prefill_share=0.8, long_request_tokens=1000, decode_concurrency=88))
     roles = parse_config(yaml.safe_load(_by(_objects(serve, planned), "ConfigMap", f"{name}-router")["data"]["router.yaml"])).roles
     assert (roles.min_prefill, roles.max_prefill, roles.min_decode, roles.max_decode) == (3, 7, 1, 5)
+    assert roles.decode_slo_batch == 88  # a decode-duty instance is full at the plan's SLO batch
     unplanned = ClusterTarget(unified=PoolSize(8, base.unified.tp))
     roles = parse_config(yaml.safe_load(_by(_objects(serve, unplanned), "ConfigMap", f"{name}-router")["data"]["router.yaml"])).roles
     assert (roles.min_prefill, roles.max_prefill, roles.min_decode, roles.max_decode) == (1, 7, 1, 7)
+    assert roles.decode_slo_batch is None
 
 
 def test_vllm_workers_serve_the_scheduler_metrics_on_a_named_port_the_pod_monitor_scrapes() -> None:

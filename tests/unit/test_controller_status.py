@@ -15,7 +15,8 @@ from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=timezone.utc)
 TARGET = ClusterTarget(prefill=PoolSize(4, 1), decode=PoolSize(2, 2),
                        routing=RoutingParams(ultra_short_tokens=64, long_request_tokens=1024, batch_timeout_s=0.05,
-                                             length_aware_batching=True, prefill_share=0.25))
+                                             length_aware_batching=True, prefill_share=0.25,
+                                             decode_concurrency=88))
 
 
 def outcome(observed: bool = True, att: float = 0.95) -> LoopOutcome:

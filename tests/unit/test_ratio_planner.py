@@ -163,6 +163,9 @@ def test_unified_mode_needs_a_tp_measured_for_both_phases(table_i, splitwise):
     assert p.routing.prefill_share == pytest.approx(r / (1 + r))
     longer = plan_unified(WorkloadEstimate.from_means(4, 1000, 800), splitwise, SLOSpec())
     assert longer.routing.prefill_share < p.routing.prefill_share  # longer outputs: more decode duty
+    # a decode-duty instance is full at the batch whose TPOT reaches the SLO (rebalancing.duties)
+    assert p.routing.decode_concurrency == cap.cc == p.decode_concurrency
+    assert splitwise.tpot(cap.cc, cap.context_tokens, p.unified.tp) <= SLOSpec().tpot_ms / 1e3
 
 
 def test_auto_mode_picks_the_plan_with_fewer_gpus(splitwise):

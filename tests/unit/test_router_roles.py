@@ -121,6 +121,29 @@ async def test_utilisation_is_compute_plus_memory_on_the_zero_to_two_scale():
     assert decode_utilisation(InstanceView("c", inflight=16, max_num_seqs=8)) == pytest.approx(1.0)
 
 
+async def test_a_decode_instance_is_fully_busy_at_its_slo_batch_not_at_max_num_seqs():
+    """rebalancing.duties module doc: past the batch at which TPOT reaches the SLO every request misses, however
+    far max_num_seqs (the CUDA-graph cap) is."""
+    d = InstanceView("d", inflight=88, max_num_seqs=256, running_tokens=0, kv_capacity_tokens=575_000)
+    assert decode_utilisation(d) == pytest.approx(88 / 256)
+    assert decode_utilisation(d, 88) == pytest.approx(1.0)
+    assert decode_utilisation(d, 176) == pytest.approx(0.5)
+    assert decode_utilisation(d, 1000) == pytest.approx(88 / 256)  # never past the engine's own limit
+
+
+async def test_the_balancer_counts_decode_load_against_the_configured_slo_batch():
+    """A prefill queue half a step deep against decode instances at their SLO batch: over max_num_seqs decode
+    looks idle and loses an instance; over the plan's SLO batch (roles.decode_slo_batch) it holds."""
+    views = [InstanceView("p", role="both", queued_prefill_tokens=1000, max_num_batched_tokens=1000),
+             InstanceView("d1", role="both", inflight=88), InstanceView("d2", role="both", inflight=88)]
+    for slo_batch, flips in ((None, True), (88, False)):
+        rb = RoleBalancer(RouterMetrics())
+        rb.book.duties.update({"p": "prefill", "d1": "decode", "d2": "decode"})
+        sec = RolesSection(enabled=True, cooldown_s=0.0, ttft_slo_s=2.0, min_decode=1, decode_slo_batch=slo_batch)
+        change = rb.step(views, {"p": 0.8}, sec, now=0.0)  # prefill U = 1.0 + 0.4
+        assert (change is not None) is flips, slo_batch
+
+
 class PinnedTestPolicy:
     """TEST DOUBLE policy: every request colocated on ``target``."""
 

@@ -34,7 +34,8 @@ class SimulatedDuties:
     """The router's role reassignment for :class:`~fulcrum.simulator.Simulation` (its ``duties`` hook): the
     router's :class:`~fulcrum.rebalancing.duties.DutyBook` with the router config the operator writes for
     ``spec.router.roleReassignment`` (``fulcrum.controller.resources``): the TTFT SLO, the default δ, cooldown and
-    dwell time, and the bounds :func:`~fulcrum.target.plan_role_bounds` gives for the target in force.
+    dwell time, the bounds :func:`~fulcrum.target.plan_role_bounds` gives for the target in force, and its plan's
+    SLO decode batch (``RoutingParams.decode_concurrency``, a decode-duty instance's full compute).
 
     Args:
         ttft_slo_s: the TTFT SLO, seconds (a prefill-duty instance's memory pressure is its oldest wait over it).
@@ -63,7 +64,8 @@ class SimulatedDuties:
         """One period: the flip made as (instance id, new duty), or None."""
         planned = plan_role_bounds(target)
         bounds = RoleBounds(*planned) if planned is not None else RoleBounds()
-        change = self.book.step(views, oldest_wait_s, self.ttft_slo_s, bounds, self.config, now)
+        change = self.book.step(views, oldest_wait_s, self.ttft_slo_s, bounds, self.config, now,
+                                decode_slo_batch=target.routing.decode_concurrency)
         return None if change is None else (change.instance, change.to_duty)
 
 
