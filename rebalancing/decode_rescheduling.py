@@ -84,6 +84,8 @@ class DecodeInstanceLoad:
         kv_capacity_tokens: C_mem, the KV cache capacity, tokens.
         step_time_s: T_exec, the current decode step time, seconds (> 0).
         accepting: False for an instance that is draining or unhealthy: never a target.
+        batch: b_t, requests in its running batch, when the caller knows more of them than ``requests`` lists
+            (the live router folds work it does not track into one pinned entry); None: ``len(requests)``.
     """
 
     id: str
@@ -91,6 +93,12 @@ class DecodeInstanceLoad:
     kv_capacity_tokens: float
     step_time_s: float
     accepting: bool = True
+    batch: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """b_t: requests in the running batch (``batch``, else the requests listed)."""
+        return len(self.requests) if self.batch is None else max(self.batch, 0)
 
     @property
     def tokens(self) -> int:
@@ -275,7 +283,7 @@ def plan_migration(
                 dst = instances[d]
                 # A recompute stalls the target's running batch for about C_mig (module doc, phase 2)
                 if config.recompute_tokens_per_s is not None and \
-                        r.predicted_remaining <= cost_steps * (1 + len(dst.requests)):
+                        r.predicted_remaining <= cost_steps * (1 + dst.batch_size):
                     continue
                 # Phase 2, line 21: memory safety on the target (its KV now + the request's KV and growth)
                 if now_tokens[d] + r.tokens + r.predicted_remaining > dst.kv_capacity_tokens:

@@ -192,9 +192,11 @@ class Rescheduler:
                 reqs = [*reqs, DecodeRequestLoad(rid, rest, float(section.horizon_steps))]
                 pinned[rid] = math.inf
             cap = v.kv_capacity_tokens or section.default_kv_capacity_tokens or math.inf
+            # b_t of the recompute filter: every request in flight there, tracked or not (the untracked rest is
+            # one entry above, however many requests it holds)
             out.append(DecodeInstanceLoad(v.id, tuple(reqs), float(cap),
                                           self.step_time_s.get(v.id, section.default_step_time_s),
-                                          accepting=v.available))
+                                          accepting=v.available, batch=max(v.inflight, len(reqs))))
         return out, pinned
 
     def step(self, views: Sequence[InstanceView], section: ReschedulingSection, now: float) -> Migration | None:

@@ -158,6 +158,9 @@ def test_a_recompute_is_not_worth_it_onto_a_busy_target_whose_batch_it_would_sta
         m = plan_migration([src, target(b)], cfg)
         assert m is not None and m.request_id == "a-0", b
     assert plan_migration([src, target(5)], cfg) is None
+    # b_t counts the whole batch where the caller knows it (the router's untracked work): three listed, five running
+    m = plan_migration([src, dataclasses.replace(target(3), batch=5)], cfg)
+    assert m is None and dataclasses.replace(target(3), batch=5).batch_size == 5 and target(3).batch_size == 3
     # with the KV moved over the link (ARES), no batch is stalled: the busy target still takes it
     kv = dataclasses.replace(CFG, transfer_overhead_s=0.005)
     m = plan_migration([src, target(5)], kv)

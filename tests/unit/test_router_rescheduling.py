@@ -182,6 +182,11 @@ async def test_the_planner_sees_untracked_work_as_a_pinned_load_and_never_moves_
     by_id: dict[str, DecodeInstanceLoad] = {x.id: x for x in loads}
     assert by_id["a"].tokens == 5000 and by_id["b"].tokens == 0
     assert "_untracked:a" in pinned and "r1" not in pinned
+    # b_t of the recompute filter counts every request in flight, not the one entry the untracked rest makes
+    busy = [InstanceView("a", running_tokens=5000, inflight=7), InstanceView("b", inflight=3)]
+    batches = {x.id: x.batch_size for x in rs.loads(busy, ReschedulingSection(), 0.0)[0]}
+    assert batches == {"a": 7, "b": 3}
+    assert {x.id: x.batch_size for x in loads} == {"a": 2, "b": 0}  # inflight unknown: what is listed
     plan = rs.step(views, ReschedulingSection(), 0.0)
     assert plan is not None and plan.request_id == "r1" and plan.target == "b"
     assert rs.requests["r1"].target == "b"
