@@ -16,7 +16,10 @@ routed by the router's ``disaggregated`` policy:
 - ``roles+ares``: the same plus ARES decode rescheduling with the oracle remaining length;
 - ``both``: a unified pool, each instance taking either part of any request (the router without ``roles``);
 - ``duties``: the same pool with the live router's role reassignment (``roles``: a duty per instance, the
-  router's :class:`~fulcrum.rebalancing.duties.DutyBook`, as ``fulcrum replay`` runs it);
+  router's :class:`~fulcrum.rebalancing.duties.DutyBook`, as ``fulcrum replay`` runs it), a decode-duty
+  instance's compute counted against ``max_num_seqs`` (no plan);
+- ``duties@slo-batch``: the same, counted against the batch at which TPOT reaches the SLO at the trace's mean
+  lengths (what the operator writes from a Unified plan, ``RoutingParams.decode_concurrency``);
 - ``duties+ares``: the same plus ARES with the learnt remaining length, migrating by recompute as the router
   does (a new prefill-duty instance keeps its decodes, the router config the operator writes);
 - ``duties+ares+mof``: the same with ``migrate_on_flip``: a new prefill-duty instance's decodes move off.
@@ -36,13 +39,14 @@ from typing import Any
 
 from fulcrum.api.llmserve import SLOSpec
 from fulcrum.data import bundled_trace_path
+from fulcrum.ratio.capacity import decode_capacity
 from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.replay.rescheduling import ares_rescheduler, learned_remaining, oracle_remaining
 from fulcrum.replay.roles import SimulatedDuties, role_balancer
 from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
 from fulcrum.rebalancing.role_reassignment import RoleBalanceConfig
 from fulcrum.simulator import SimConfig, Simulation
-from fulcrum.target import ClusterTarget, PoolSize
+from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 from fulcrum.traces.reader import load_trace
 from fulcrum.workload import Request
 
@@ -77,6 +81,11 @@ def main() -> int:
           f"×{args.scale}); cluster {args.prefill}P+{args.decode}D at TP {args.tp} = "
           f"{(args.prefill + args.decode) * args.tp} GPUs; SLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms @ p{slo.percentile:.0f}")
     unified = ClusterTarget(unified=PoolSize(args.prefill + args.decode, args.tp))
+    # what the operator writes from a Unified plan: the batch at which one instance's TPOT reaches the SLO, at the
+    # trace's mean lengths (decode-duty compute counts against it: fulcrum.rebalancing.duties)
+    cc = decode_capacity(profile, args.tp, sum(r.isl for r in reqs) / len(reqs), sum(r.osl for r in reqs) / len(reqs),
+                         slo.tpot_ms / 1000.0).cc
+    slo_unified = replace(unified, routing=RoutingParams(decode_concurrency=cc))
     recompute = replace(cfg, migration="recompute")
     rate = profile.prefill_tokens_per_s(args.tp)
     predict, feed = learned_remaining("bench")
@@ -89,6 +98,7 @@ def main() -> int:
                                                                      profile=profile, link_gbps=cfg.kv_link_gbps)}),
         "both": (unified, cfg, {}),
         "duties": (unified, cfg, {"duties": SimulatedDuties(slo.ttft_ms / 1000.0)}),
+        "duties@slo-batch": (slo_unified, cfg, {"duties": SimulatedDuties(slo.ttft_ms / 1000.0)}),
         "duties+ares": (unified, recompute, {"duties": SimulatedDuties(slo.ttft_ms / 1000.0), "on_finished": feed,
                                              "rescheduler": ares_rescheduler(predict, profile=profile,
                                                                              recompute_tokens_per_s=lambda: rate)}),
