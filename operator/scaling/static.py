@@ -5,6 +5,7 @@ from __future__ import annotations
 from fulcrum.api.llmserve import LLMServeSpec, Mode
 from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
+from fulcrum.ratio.capacity import decode_capacity
 from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.planner import PlannerSettings, ultra_short_threshold
 from fulcrum.ratio.profile import PerformanceProfile
@@ -37,7 +38,11 @@ class StaticPlanner:
         if spec.mode == Mode.UNIFIED:
             common = sorted(set(profile.prefill) & set(profile.decode))
             tp_u = sc.tp_unified or (common[0] if common else min(profile.decode_tps))
-            self._target = ClusterTarget(unified=PoolSize(sc.initial_unified, tp_u))
+            # the router config a static pool gets too: the batch at which one instance's TPOT reaches the SLO
+            # (role reassignment counts decode-duty compute against it), at the nominal lengths used below
+            cc = decode_capacity(profile, tp_u, 1024, 256, tpot).cc if tp_u in profile.decode else 0
+            self._target = ClusterTarget(unified=PoolSize(sc.initial_unified, tp_u),
+                                         routing=RoutingParams(decode_concurrency=cc if cc >= 1 else None))
             return
         cap = choose_decode_tp(profile, 1024, 256, tpot, fixed=sc.tp_decode, max_tp=s.max_tp)
         tp_p = choose_prefill_tp(profile, LengthDistribution.point(1024), spec.slo.ttft_ms / 1e3, 0.9,

@@ -242,7 +242,6 @@ def test_replay_runs_the_specs_role_reassignment_of_unified_instances(
     doc = yaml.safe_load(UNIFIED_SPEC.read_text())
     doc["spec"]["scaling"].update(initialUnified=4)
     plain_path, rr_path = tmp_path / "plain.yaml", tmp_path / "roles.yaml"
-    doc["spec"]["router"]["roleReassignment"] = False  # the example turns it on
     plain_path.write_text(yaml.safe_dump(doc))
     doc["spec"]["router"]["roleReassignment"] = True
     rr_path.write_text(yaml.safe_dump(doc))

@@ -74,6 +74,21 @@ def test_the_static_planner_runs_a_given_target_unchanged(table_i):
     assert StaticPlanner(SPEC, table_i).initial().prefill.tp == 1  # without one: the spec's TP
 
 
+def test_a_static_unified_pool_gets_the_slo_batch_its_router_config_needs():
+    """Role reassignment counts a decode-duty instance's compute against the batch at which its TPOT reaches the
+    SLO (fulcrum.rebalancing.duties); a static pool's router config carries it as a plan's would, so that
+    static-best is not run with a weaker router than fulcrum's."""
+    from fulcrum.ratio.capacity import decode_capacity
+    from fulcrum.ratio.profiles import builtin_profile
+
+    spec = parse_llmserve({"spec": {"model": {"name": "m"}, "mode": "Unified", "profile": {"name": "splitwise-llama2-70b-a100"},
+                                    "scaling": {"tpUnified": 4, "initialUnified": 3}}}).spec
+    profile = builtin_profile("splitwise-llama2-70b-a100")
+    target = StaticPlanner(spec, profile).initial()
+    assert target.unified.replicas == 3 and target.unified.tp == 4
+    assert target.routing.decode_concurrency == decode_capacity(profile, 4, 1024, 256, spec.slo.tpot_ms / 1e3).cc > 1
+
+
 def test_a_steady_load_settles_and_never_oscillates(table_i):
     decisions = drive(FulcrumPlanner(SPEC, table_i), [obs(60 * (i + 1), 6.0) for i in range(60)])
     counts = [(d.target.prefill.replicas, d.target.decode.replicas) for d in decisions]

@@ -25,15 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 DISAGG = REPO / "examples" / "llmserve-disaggregated-70b-h100.yaml"
 UNIFIED = REPO / "examples" / "llmserve-unified-70b-a100.yaml"
 AUTO = REPO / "examples" / "llmserve-auto.yaml"
-
-
-def _spec(path: Path) -> LLMServeSpec:
-    """The example's spec; the Unified one without its role reassignment, so that its instances stay ``both``
-    (the duties turn them into prefill and decode instances: tests/unit/test_cli.py covers that)."""
-    spec = load_llmserve(path).spec
-    if path == UNIFIED:
-        spec = spec.model_copy(update={"router": spec.router.model_copy(update={"role_reassignment": False})})
-    return spec
 _SLO = SLOSpec(ttft_ms=2000, tpot_ms=100, percentile=90)
 
 
@@ -55,7 +46,7 @@ def test_the_five_routing_policies_are_the_routers() -> None:
 @pytest.mark.parametrize("spec_file", [DISAGG, UNIFIED], ids=["disaggregated-spec", "unified-spec"])
 @pytest.mark.parametrize("routing", ROUTING_POLICIES)
 def test_a_replay_runs_under_each_routing_policy(window: tuple[Request, ...], spec_file: Path, routing: str) -> None:
-    spec = _spec(spec_file)
+    spec = load_llmserve(spec_file).spec
     assert spec.profile.name is not None
     run = run_policy("static", window, spec, builtin_profile(spec.profile.name), ReplayOptions(routing=routing))
     assert len(run.records) == len(window)
@@ -70,7 +61,7 @@ def test_a_replay_runs_under_each_routing_policy(window: tuple[Request, ...], sp
 
 def test_split_runs_libra_micro_requests_on_a_pool_of_kv_both_instances(window: tuple[Request, ...]) -> None:
     # Libra §4.1: A prefills and decodes k tokens, hands the KV off, B decodes the rest
-    spec = _spec(UNIFIED)
+    spec: LLMServeSpec = load_llmserve(UNIFIED).spec
     assert spec.profile.name is not None
     profile = builtin_profile(spec.profile.name)
     run = run_policy("static", window, spec, profile, ReplayOptions(routing="split"))
