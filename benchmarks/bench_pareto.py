@@ -11,6 +11,10 @@ measured in the same run is the ``dopd`` reference planner (DOPD Alg. 2): the sa
 front alone says nothing about the SLO: a planner that holds few GPUs and misses most requests is on it too, which
 is why the second count is there.
 
+Then, for each ``mode: Auto`` example, the criterion "Auto is at least as good as the better of its two modes":
+the same example with ``mode`` pinned to Disaggregated and to Unified, ``--policy fulcrum`` on each trace, and
+whether either pinned mode dominates Auto (about 1 minute more).
+
     python benchmarks/bench_pareto.py [--jobs 2] [--traces azure-conv-2023,...] [--llmserve FILE ...]
                                       [--json OUT]
 
@@ -47,14 +51,15 @@ def resolvable(path: Path) -> bool:
     return True
 
 
-def run_cell(spec: Path, trace: str) -> dict[str, Any]:
-    """One ``fulcrum replay --compare --json`` in a child process; its parsed output plus the wall time.
+def run_cell(spec: Path, trace: str, policy_args: tuple[str, ...] = ("--compare",)) -> dict[str, Any]:
+    """One ``fulcrum replay --compare --json`` (or other ``policy_args``) in a child process; its parsed output
+    plus the wall time.
 
     Raises:
         RuntimeError: the replay failed (its stderr in the message).
     """
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "fulcrum", "replay", "--trace", trace, "--llmserve", str(spec), "--compare",
+    cmd = [sys.executable, "-m", "fulcrum", "replay", "--trace", trace, "--llmserve", str(spec), *policy_args,
            "--json", "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
     if done.returncode != 0:
@@ -117,10 +122,56 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfulcrum not dominated in {free['fulcrum']} of {n} cells (target: all), SLO attainment at or above the "
           f"spec's percentile in {met['fulcrum']} of {n}; baseline dopd: not dominated in {free['dopd']} of {n}, "
           f"at the percentile in {met['dopd']} of {n}; {time.perf_counter() - t0:.0f} s")
+    modes = auto_against_modes(specs, traces, args.jobs)
     if args.json:
         args.json.write_text(json.dumps(
-            [{"llmserve": str(s), "trace": t, **r} for (s, t), r in zip(cells, results, strict=True)], indent=2))
+            {"cells": [{"llmserve": str(s), "trace": t, **r} for (s, t), r in zip(cells, results, strict=True)],
+             "auto_against_modes": modes}, indent=2))
     return 0
+
+
+def auto_against_modes(specs: list[Path], traces: list[str], jobs: int) -> list[dict[str, Any]]:
+    """Issue 13's second criterion: each ``mode: Auto`` example against itself with the mode pinned to
+    Disaggregated and to Unified (``--policy fulcrum``), per trace; prints a table and returns its rows."""
+    import tempfile
+
+    import yaml
+
+    autos = [s for s in specs if (yaml.safe_load(s.read_text()).get("spec") or {}).get("mode") == "Auto"]
+    if not autos:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        runs: list[tuple[Path, str, str, Path]] = []
+        for spec in autos:
+            doc = yaml.safe_load(spec.read_text())
+            for mode in ("Auto", "Disaggregated", "Unified"):
+                doc["spec"]["mode"] = mode
+                path = Path(tmp) / f"{spec.stem}-{mode}.yaml"
+                path.write_text(yaml.safe_dump(doc))
+                runs += [(spec, trace, mode, path) for trace in traces]
+        with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+            outs = list(pool.map(lambda r: run_cell(r[3], r[1], ("--policy", "fulcrum")), runs))
+    got = {(s, t, m): o["policies"]["fulcrum"] for (s, t, m, _), o in zip(runs, outs, strict=True)}
+    rows = []
+    print("\nAuto against its two modes (fulcrum planner; SLO attainment / GPU-hours):")
+    header = ["spec × trace", "Auto", "Disaggregated", "Unified", "Auto dominated by"]
+    table = []
+    for spec in autos:
+        for trace in traces:
+            pol = {m: got[(spec, trace, m)] for m in ("Auto", "Disaggregated", "Unified")}
+            by = dominated_by(pol, "Auto")
+            rows.append({"llmserve": str(spec), "trace": trace, "policies": pol, "dominated_by": by})
+            table.append([f"{spec.stem.removeprefix('llmserve-')} × {trace}",
+                          *(f"{pol[m]['slo_attainment']:.1%} / {pol[m]['gpu_hours']:.2f}"
+                            if pol[m]["slo_attainment"] is not None else f"n/a / {pol[m]['gpu_hours']:.2f}"
+                            for m in ("Auto", "Disaggregated", "Unified")),
+                          ", ".join(by) or "none"])
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    free = sum(not r["dominated_by"] for r in rows)
+    print(f"Auto not dominated by either of its modes in {free} of {len(rows)} cells (target: all)")
+    return rows
 
 
 if __name__ == "__main__":
