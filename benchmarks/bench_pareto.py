@@ -69,16 +69,32 @@ def run_cell(spec: Path, trace: str, policy_args: tuple[str, ...] = ("--compare"
     return out
 
 
+def score(policy: dict[str, Any]) -> Any:
+    """A policy's ``--json`` entry as a :class:`fulcrum.replay.pareto.Score` (null attainment: no request scored)."""
+    from fulcrum.replay.pareto import Score
+
+    a = policy["slo_attainment"]
+    return Score(float("nan") if a is None else a, policy["gpu_hours"])
+
+
 def dominated_by(policies: dict[str, dict[str, Any]], judged: str) -> list[str]:
     """The policies that dominate ``judged`` in one cell's ``--json`` ``policies`` (see the module doc)."""
-    from fulcrum.replay.pareto import Score, dominates
+    from fulcrum.replay.pareto import dominators
 
-    def score(p: dict[str, Any]) -> Score:
-        a = p["slo_attainment"]  # null in --json when no request was scored
-        return Score(float("nan") if a is None else a, p["gpu_hours"])
+    return dominators({name: score(p) for name, p in policies.items()}, judged)
 
-    mine = score(policies[judged])
-    return [name for name, p in policies.items() if name != judged and dominates(score(p), mine)]
+
+def cell_text(policy: dict[str, Any]) -> str:
+    """``attainment / GPU-hours`` of a policy's ``--json`` entry, as the tables show it."""
+    a = policy["slo_attainment"]
+    return f"{'n/a' if a is None else f'{a:.1%}'} / {policy['gpu_hours']:.2f}"
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Left-aligned columns under a dashed rule."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,16 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             free[judged] += not dominated_by(pol, judged)
             a = pol[judged]["slo_attainment"]
             met[judged] += a is not None and a >= res["slo"]["percentile"] / 100.0
-        cell = [f"{spec.stem.removeprefix('llmserve-')} × {trace}"]
-        for n in names:
-            a = pol[n]["slo_attainment"]
-            cell.append(f"{'n/a' if a is None else f'{a:.1%}'} / {pol[n]['gpu_hours']:.2f}")
+        cell = [f"{spec.stem.removeprefix('llmserve-')} × {trace}", *(cell_text(pol[n]) for n in names)]
         cell.append(res["static_best"]["deployment"])
         cell.append(", ".join(dominated_by(pol, "fulcrum")) or "none")
         rows.append(cell)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print_table(header, rows)
     n = len(cells)
     print(f"\nfulcrum not dominated in {free['fulcrum']} of {n} cells (target: all), SLO attainment at or above the "
           f"spec's percentile in {met['fulcrum']} of {n}; baseline dopd: not dominated in {free['dopd']} of {n}, "
@@ -137,13 +148,14 @@ def auto_against_modes(specs: list[Path], traces: list[str], jobs: int) -> list[
 
     import yaml
 
-    autos = [s for s in specs if (yaml.safe_load(s.read_text()).get("spec") or {}).get("mode") == "Auto"]
+    docs = {s: yaml.safe_load(s.read_text()) for s in specs}
+    autos = [s for s in specs if (docs[s].get("spec") or {}).get("mode") == "Auto"]
     if not autos:
         return []
     with tempfile.TemporaryDirectory() as tmp:
         runs: list[tuple[Path, str, str, Path]] = []
         for spec in autos:
-            doc = yaml.safe_load(spec.read_text())
+            doc = docs[spec]
             for mode in ("Auto", "Disaggregated", "Unified"):
                 doc["spec"]["mode"] = mode
                 path = Path(tmp) / f"{spec.stem}-{mode}.yaml"
@@ -161,14 +173,9 @@ def auto_against_modes(specs: list[Path], traces: list[str], jobs: int) -> list[
             pol = {m: got[(spec, trace, m)] for m in ("Auto", "Disaggregated", "Unified")}
             by = dominated_by(pol, "Auto")
             rows.append({"llmserve": str(spec), "trace": trace, "policies": pol, "dominated_by": by})
-            table.append([f"{spec.stem.removeprefix('llmserve-')} × {trace}",
-                          *(f"{pol[m]['slo_attainment']:.1%} / {pol[m]['gpu_hours']:.2f}"
-                            if pol[m]["slo_attainment"] is not None else f"n/a / {pol[m]['gpu_hours']:.2f}"
-                            for m in ("Auto", "Disaggregated", "Unified")),
+            table.append([f"{spec.stem.removeprefix('llmserve-')} × {trace}", *(cell_text(p) for p in pol.values()),
                           ", ".join(by) or "none"])
-    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    for r in [header, ["-" * w for w in widths], *table]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print_table(header, table)
     free = sum(not r["dominated_by"] for r in rows)
     print(f"Auto not dominated by either of its modes in {free} of {len(rows)} cells (target: all)")
     return rows

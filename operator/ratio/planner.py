@@ -713,7 +713,7 @@ def plan_unified(
             length_aware_batching=False,
             max_prefill_batch_tokens=settings.max_model_len,
             prefill_share=share,
-            decode_concurrency=cap.cc if cap.cc >= 1 else None,
+            decode_concurrency=cap.cc,  # >= 1: TPs with cc < 1 were skipped above
         ),
         ratio=math.nan,
         balanced_ratio=math.nan,

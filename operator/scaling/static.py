@@ -15,6 +15,10 @@ from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 
 __all__ = ["StaticPlanner"]
 
+#: Prompt and output lengths, tokens, a static deployment's TPs and router parameters are chosen at (it forecasts
+#: nothing).
+_NOMINAL_ISL, _NOMINAL_OSL = 1024, 256
+
 
 class StaticPlanner:
     """Fixed pools from ``spec.scaling.initialPrefill/initialDecode/initialUnified`` (TP from the spec, else the
@@ -39,19 +43,19 @@ class StaticPlanner:
             common = sorted(set(profile.prefill) & set(profile.decode))
             tp_u = sc.tp_unified or (common[0] if common else min(profile.decode_tps))
             # the router config a static pool gets too: the batch at which one instance's TPOT reaches the SLO
-            # (role reassignment counts decode-duty compute against it), at the nominal lengths used below
-            cc = decode_capacity(profile, tp_u, 1024, 256, tpot).cc if tp_u in profile.decode else 0
+            # (role reassignment counts decode-duty compute against it), at the nominal lengths
+            cc = decode_capacity(profile, tp_u, _NOMINAL_ISL, _NOMINAL_OSL, tpot).cc if tp_u in profile.decode else 0
             self._target = ClusterTarget(unified=PoolSize(sc.initial_unified, tp_u),
                                          routing=RoutingParams(decode_concurrency=cc if cc >= 1 else None))
             return
-        cap = choose_decode_tp(profile, 1024, 256, tpot, fixed=sc.tp_decode, max_tp=s.max_tp)
-        tp_p = choose_prefill_tp(profile, LengthDistribution.point(1024), spec.slo.ttft_ms / 1e3, 0.9,
+        cap = choose_decode_tp(profile, _NOMINAL_ISL, _NOMINAL_OSL, tpot, fixed=sc.tp_decode, max_tp=s.max_tp)
+        tp_p = choose_prefill_tp(profile, LengthDistribution.point(_NOMINAL_ISL), spec.slo.ttft_ms / 1e3, 0.9,
                                  fixed=sc.tp_prefill, max_tp=s.max_tp, max_model_len=s.max_model_len)
         u = ultra_short_threshold(profile, tp_p, cap.tp, cap.step_s, tpot, s)
         self._target = ClusterTarget(
             prefill=PoolSize(sc.initial_prefill, tp_p),
             decode=PoolSize(sc.initial_decode, cap.tp),
-            routing=RoutingParams(ultra_short_tokens=u, long_request_tokens=1024, length_aware_batching=False),
+            routing=RoutingParams(ultra_short_tokens=u, long_request_tokens=_NOMINAL_ISL, length_aware_batching=False),
         )
 
     def initial(self) -> ClusterTarget:

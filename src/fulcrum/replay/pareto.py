@@ -14,13 +14,13 @@ Pure: no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from fulcrum.replay.result import PolicyRun, PolicySummary
 
-__all__ = ["ParetoVerdict", "Score", "dominates", "pareto_verdict"]
+__all__ = ["ParetoVerdict", "Score", "dominates", "dominators", "pareto_verdict"]
 
 
 class Score(NamedTuple):
@@ -47,6 +47,16 @@ def dominates(a: Score, b: Score) -> bool:
     return no_worse and better
 
 
+def dominators(scores: Mapping[str, Score], judged: str) -> list[str]:
+    """The names in ``scores`` (policy → score) whose score dominates ``judged``'s, in the mapping's order.
+
+    Raises:
+        KeyError: ``judged`` is not in ``scores``.
+    """
+    mine = scores[judged]
+    return [name for name, s in scores.items() if name != judged and dominates(s, mine)]
+
+
 @dataclass(frozen=True)
 class ParetoVerdict:
     """Whether ``policy`` is dominated in a comparison.
@@ -55,14 +65,14 @@ class ParetoVerdict:
         policy: the policy judged (``fulcrum``).
         dominated_by: the policies that dominate it, in the comparison's order (empty: on the Pareto front).
         slo_attainment, gpu_hours: the judged policy's numbers (0..1, GPU-hours).
-        others: for each dominating policy, its (SLO attainment, GPU-hours).
+        others: for each dominating policy, its score.
     """
 
     policy: str
     dominated_by: tuple[str, ...]
     slo_attainment: float
     gpu_hours: float
-    others: tuple[tuple[float, float], ...]
+    others: tuple[Score, ...]
 
     @property
     def dominated(self) -> bool:
@@ -84,16 +94,16 @@ class ParetoVerdict:
 
 
 def pareto_verdict(runs: Sequence[PolicyRun], policy: str = "fulcrum") -> ParetoVerdict | None:
-    """The verdict for ``policy`` among ``runs`` (every other run is a candidate), or None when ``policy`` did
-    not run."""
-    mine = next((r for r in runs if r.policy == policy), None)
-    if mine is None:
+    """The verdict for ``policy`` among ``runs`` (every other run is a candidate; the names are unique, as
+    :func:`fulcrum.replay.table.check_runs` requires of a comparison), or None when ``policy`` did not run."""
+    scores = {r.policy: Score.of(r.summary) for r in runs}
+    if policy not in scores:
         return None
-    winners = [r for r in runs if r is not mine and dominates(Score.of(r.summary), Score.of(mine.summary))]
+    winners = dominators(scores, policy)
     return ParetoVerdict(
         policy=policy,
-        dominated_by=tuple(r.policy for r in winners),
-        slo_attainment=mine.summary.slo_attainment,
-        gpu_hours=mine.summary.gpu_hours,
-        others=tuple((r.summary.slo_attainment, r.summary.gpu_hours) for r in winners),
+        dominated_by=tuple(winners),
+        slo_attainment=scores[policy].slo_attainment,
+        gpu_hours=scores[policy].gpu_hours,
+        others=tuple(scores[n] for n in winners),
     )
