@@ -236,3 +236,39 @@ def test_a_backlog_is_planned_as_the_rate_that_drains_it_over_the_horizon(table_
     b = drive(queued, stream[:-1] + [obs(30 * 60, 4.0 + 0.1 * (29 % 3), prefill_queue=360)])[-1]
     ra, rb = _planned_rate(a.reason), _planned_rate(b.reason)
     assert ra is not None and rb is not None and rb == pytest.approx(ra + 2.0, abs=0.01)
+
+
+def _cold_start_head(reason: str) -> float | None:
+    """The headroom a cold-start decision added to the observed rate, req/s; None after cold start."""
+    m = re.search(r"cold start: planning for the observed load \+ ([0-9.]+) req/s", reason)
+    return float(m.group(1)) if m else None
+
+
+def test_a_jump_in_cold_start_is_planned_once_not_twice(table_i):
+    # 1.5 req/s, then a burst to 8: the one-step residuals are ~0, ~0, 6.5. Their P90 is the jump itself, and
+    # the observed 8 plus that would plan for 14.5 req/s; with fewer than min_residuals residuals the median
+    # is planned for (cold_start_level), so the burst is planned at about its own rate
+    planner = FulcrumPlanner(SPEC, table_i)
+    cur = planner.initial()
+    heads = []
+    for i, r in enumerate([1.5, 1.6, 1.5, 8.0, 8.1, 7.9]):
+        d = planner.step(obs(60 * (i + 1), r), cur)
+        cur = d.target
+        heads.append(_cold_start_head(d.reason))
+    assert all(h is not None for h in heads), "the stream should still be in cold start"
+    assert planner.cold_start_level(planner.min_residuals - 1) == 0.5
+    assert max(h for h in heads if h is not None) <= 0.2
+    assert cur.prefill.replicas == plan(WorkloadEstimate.from_means(8.2, 1000.0, 200.0), table_i, SPEC).prefill.replicas
+
+
+def test_a_ramp_in_cold_start_keeps_its_headroom(table_i):
+    # every residual of a ramp is positive, so their median is too: the plan stays above the observed rate
+    planner = FulcrumPlanner(SPEC, table_i)
+    cur = planner.initial()
+    heads = []
+    for i in range(5):
+        d = planner.step(obs(60 * (i + 1), 2.0 + 1.0 * i), cur)
+        cur = d.target
+        heads.append(_cold_start_head(d.reason))
+    assert heads[0] == 0.0  # nothing scored yet
+    assert all(h is not None and h == pytest.approx(1.0, abs=0.05) for h in heads[2:])
