@@ -358,16 +358,22 @@ class FulcrumPlanner:
 
     def _peak_confirms(self, serving: ModeName, workload: WorkloadEstimate, plans: dict[ModeName, Plan],
                        current: ClusterTarget) -> tuple[bool, str]:
-        """Whether the other mode is still cheaper (and feasible where the serving one is) at the highest rate
-        planned for over the switch horizon (:func:`decide_mode`'s ``confirm``); ``plans`` are this tick's, at
-        ``workload``, reused when this tick's rate is the peak."""
+        """Whether the other mode is no dearer (and feasible where the serving one is) at the highest rate planned
+        for over the switch horizon (:func:`decide_mode`'s ``confirm``); ``plans`` are this tick's, at
+        ``workload``, reused when this tick's rate is the peak.
+
+        A tie at the peak lets the switch through: the saving off the peak is what :func:`decide_mode` has
+        weighed, and at the peak the other mode costs the same. (Until 2026-11-28 a tie vetoed it: on the
+        synthetic trace both modes plan 8 GPUs at its bursts' 8.8 req/s, which kept the steady half, where
+        Unified holds 4 GPUs to Disaggregated's 8, from switching until the last burst left the horizon.)
+        """
         peak = max(r for _, r in self._planned_rates)
         if peak > workload.rate_rps:
             plans = self._plans(WorkloadEstimate(peak, workload.isl, workload.osl, workload.arrival_cv2), current)
         other = other_mode(serving)
         if other not in plans or (plans[serving].feasible and not plans[other].feasible):
             return False, f"{other} cannot serve the horizon's peak of {peak:.2f} req/s within the SLOs"
-        if plans[other].gpus >= plans[serving].gpus and plans[serving].feasible:
+        if plans[other].gpus > plans[serving].gpus and plans[serving].feasible:
             return False, (f"at the horizon's peak of {peak:.2f} req/s {other} needs {plans[other].gpus} GPUs, "
                            f"{serving} {plans[serving].gpus}")
         return True, ""

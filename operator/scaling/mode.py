@@ -6,14 +6,23 @@ decision — made Auto flip every few minutes on a load where the two modes cost
 switch is not free: the new pools are provisioned for a whole pod start-up before they serve, and the pools of
 the old mode drain after. :func:`decide_mode` therefore switches only when
 
-- the other mode's plan was cheaper in every one of the last ``agree_ticks`` ticks (or the serving mode's plan
-  is infeasible and the other's is not), so plan noise cannot trigger it;
-- the saving is a real share of the serving plan (``min_saving_fraction``, 30%): the two plans come from two
-  models (:func:`fulcrum.ratio.planner.plan_disaggregated`, :func:`~fulcrum.ratio.planner.plan_unified`) whose
+- over the last ``agree_ticks`` ticks the other mode's plan was never dearer than the serving mode's (or the
+  serving mode's plan is infeasible and the other's is not), and it saves GPUs by one of two measures: the
+  *tick saving*, the least of the ticks' savings (GPUs of the serving plan − GPUs of the other plan), or the
+  *held saving*, the GPUs each mode would hold over those ticks — the largest of its plans there, what the
+  scaling policy's stabilisation window keeps (:mod:`fulcrum.scaling.policy`) — the serving mode's minus the
+  other's. Plan noise cannot trigger either. The tick saving alone kept Auto Disaggregated through the
+  synthetic trace's steady half: its Disaggregated plan flapped 4/6/8 GPUs with the interval's ISL (a need of
+  0.93–1.07 decode instances), so Unified's steady 4 was seldom cheaper five ticks running, while the pools
+  held the 8 (issue 13). The held saving alone delayed the Azure conversation trace's switch by four minutes,
+  where a Unified plan of 6 GPUs in the window counted against the steady 4;
+- the saving is a real share (``min_saving_fraction``, 30%) of the serving plan (tick saving) or of what the
+  serving mode holds (held saving), whichever measure gives the larger share: the two plans come from two models
+  (:func:`fulcrum.ratio.planner.plan_disaggregated`, :func:`~fulcrum.ratio.planner.plan_unified`) whose
   errors differ, and a near-tie switched on lost to staying put;
-- the expected saving over the horizon pays for the switch: ``min(saving) · horizon_s > G_new · t_startup``,
-  saving = GPUs(serving plan) − GPUs(other plan), G_new = GPUs of the other plan, t_startup = pod start-up
-  (the GPU-seconds the new pools are held before serving);
+- the expected saving (that measure's) over the horizon pays for the switch: ``saving · horizon_s > G_new · t_startup``,
+  G_new = GPUs of the other plan, t_startup = pod start-up (the GPU-seconds the new pools are held before
+  serving);
 - the serving mode has served for at least ``min_dwell_s`` (hysteresis);
 - there is no SLO pressure (a backlog or a missed SLO makes both plans grow with the backlog, not the load);
 - both deployments fit ``maxGPUs`` at once (make-before-break needs room for both);
@@ -92,6 +101,8 @@ class ModeState:
         started_s: when the switch under way began, seconds (NaN when none).
         savings: GPUs the other mode's plan would save, one per recent tick, newest last (+inf: the serving
             plan is infeasible and the other's is not; −inf: the other plan is infeasible).
+        plans: (GPUs of the serving mode's plan, GPUs of the other mode's plan), one per recent tick, newest
+            last (the held GPUs of the module doc are the largest of each over the last ``agree_ticks``).
     """
 
     serving: ModeName
@@ -99,6 +110,7 @@ class ModeState:
     switching_to: ModeName | None = None
     started_s: float = math.nan
     savings: tuple[float, ...] = field(default_factory=tuple)
+    plans: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)
@@ -161,12 +173,22 @@ def decide_mode(
             return ModeDecision(new, "cut-over", f"{to} pools ready: {state.serving} pools drain")
         return ModeDecision(state, "starting", f"{to} pools starting; {state.serving} keeps serving")
     saving = _saving(gpus, feasible, state.serving)
-    recent = (state.savings + (saving,))[-settings.agree_ticks:]
-    st = replace(state, savings=recent)
     other = other_mode(state.serving)
-    if len(recent) < settings.agree_ticks or min(recent) <= 0:
-        return ModeDecision(st, "steady", f"{state.serving}: {other} not cheaper for {settings.agree_ticks} ticks")
-    share = min(recent) / gpus[state.serving] if gpus[state.serving] > 0 else math.inf
+    k = settings.agree_ticks
+    recent = (state.savings + (saving,))[-k:]
+    plans = (state.plans + ((gpus[state.serving], gpus[other]),))[-k:]
+    st = replace(state, savings=recent, plans=plans)
+    if len(recent) < k or min(recent) < 0:
+        return ModeDecision(st, "steady", f"{state.serving}: {other} not cheaper over {k} ticks")
+    # The saving, as the larger share of the two measures (module doc): the least saving of a tick, of the
+    # serving plan's GPUs now; the held saving, of the GPUs the serving mode would hold. +inf while the serving
+    # plan is infeasible and the other's is not in every tick.
+    held_serving = max(s for s, _ in plans)
+    measures = [(min(recent), gpus[state.serving]), (float(held_serving - max(o for _, o in plans)), held_serving)]
+    gain, of = max(measures, key=lambda m: m[0] / m[1] if m[1] > 0 else (math.inf if m[0] > 0 else 0.0))
+    if gain <= 0:
+        return ModeDecision(st, "steady", f"{state.serving}: {other} not cheaper over {k} ticks")
+    share = gain / of if of > 0 else math.inf
     if share < settings.min_saving_fraction:
         return ModeDecision(
             st, "steady",
@@ -178,7 +200,7 @@ def decide_mode(
         return ModeDecision(st, "steady", f"{state.serving}: SLO pressure, no mode switch now")
     if not room:
         return ModeDecision(st, "steady", f"{state.serving}: no GPU room to start {other} beside it")
-    benefit = min(recent) * settings.horizon_s
+    benefit = gain * settings.horizon_s
     cost = gpus[other] * startup_s
     if benefit <= cost:
         return ModeDecision(
@@ -189,4 +211,4 @@ def decide_mode(
         if not go:
             return ModeDecision(st, "steady", f"{state.serving}: {why}")
     new = ModeState(serving=state.serving, since_s=state.since_s, switching_to=other, started_s=now_s)
-    return ModeDecision(new, "start", f"switch {state.serving}→{other}: saves {min(recent):g} GPUs (≥ {cost:.0f} GPU·s start-up)")
+    return ModeDecision(new, "start", f"switch {state.serving}→{other}: saves {gain:g} GPUs (≥ {cost:.0f} GPU·s start-up)")

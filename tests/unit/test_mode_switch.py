@@ -85,6 +85,59 @@ def test_the_callers_last_check_can_veto_a_switch_and_runs_only_when_all_else_ho
     assert tick(old, 1000.0, 6, 4, confirm=lambda m: (True, "")).phase == "start"
 
 
+def test_a_serving_plan_that_flaps_above_a_steady_other_plan_is_switched_on_what_the_pools_hold() -> None:
+    # Disaggregated plans flap 6/4/8 GPUs with the interval's lengths (a need near 1.0 instance per pool), and
+    # the scaling policy's window holds their largest, 8; Unified plans 4 throughout. No tick saving (the 4 is a
+    # tie), but a held saving of 8 − 4 = 4 GPUs, 50% of what Disaggregated holds: the switch starts.
+    strict = ModeSwitchSettings(agree_ticks=5, min_dwell_s=600.0, horizon_s=900.0, min_saving_fraction=0.3)
+    st = ModeState("Disaggregated", since_s=0.0)
+    phases = []
+    for i, dis in enumerate([6, 4, 8, 6, 4]):
+        d = tick(st, 1000.0 + 60 * i, dis, 4, settings=strict)
+        st = d.state
+        phases.append(d.phase)
+    assert phases == ["steady"] * 4 + ["start"], phases
+    assert "saves 4 GPUs" in d.reason
+    # but never while a tick of the window found the other mode dearer
+    st = ModeState("Disaggregated", since_s=0.0)
+    for i, (dis, uni) in enumerate([(6, 4), (4, 6), (8, 4), (6, 4), (8, 4)]):
+        d = tick(st, 1000.0 + 60 * i, dis, uni, settings=strict)
+        st = d.state
+    assert d.phase == "steady" and "not cheaper" in d.reason
+    # nor on a held saving that is a small share of what the serving mode holds (2 of 8 GPUs, 25%)
+    st = ModeState("Disaggregated", since_s=0.0)
+    for i, (dis, uni) in enumerate([(8, 6), (8, 6), (6, 6), (8, 6), (8, 6)]):
+        d = tick(st, 1000.0 + 60 * i, dis, uni, settings=strict)
+        st = d.state
+    assert d.phase == "steady" and "25%" in d.reason
+
+
+def test_a_tie_at_the_horizons_peak_does_not_veto_a_switch(splitwise) -> None:
+    # the fulcrum planner's last check: at the highest rate planned over the horizon the other mode may cost
+    # the same (both plan 8 GPUs at 8.8 req/s of 1,030/228-token requests), not more
+    from collections import deque
+
+    from fulcrum.ratio.planner import WorkloadEstimate, plan_modes
+    from fulcrum.target import ClusterTarget, PoolSize
+
+    spec = parse_llmserve({"model": {"name": "m"}, "mode": "Auto", "profile": {"name": "splitwise-llama2-70b-h100"},
+                           "scaling": {"maxGPUs": 64, "minGPUs": 0}}).spec
+    planner = FulcrumPlanner(spec, splitwise)
+    current = ClusterTarget(prefill=PoolSize(2, 2), decode=PoolSize(2, 2))
+    now = WorkloadEstimate.from_means(2.0, 1030, 228)
+    plans = planner._plans(now, current)
+    peak = plan_modes(WorkloadEstimate.from_means(8.8, 1030, 228), splitwise, spec, planner.settings)
+    assert peak["Disaggregated"].gpus == peak["Unified"].gpus
+    planner._planned_rates = deque([(0.0, 8.8), (60.0, 2.0)])
+    assert planner._peak_confirms("Disaggregated", now, plans, current) == (True, "")
+    # where the other mode is dearer at the peak, the check still vetoes
+    dearer = plan_modes(WorkloadEstimate.from_means(5.0, 1030, 228), splitwise, spec, planner.settings)
+    assert dearer["Unified"].gpus > dearer["Disaggregated"].gpus
+    planner._planned_rates = deque([(0.0, 5.0), (60.0, 2.0)])
+    go, why = planner._peak_confirms("Disaggregated", now, plans, current)
+    assert not go and "peak of 5.00" in why
+
+
 def test_the_fulcrum_planner_stays_in_its_mode_through_a_lull_between_bursts(splitwise) -> None:
     # Auto serving Disaggregated: 20 minutes of bursts at 8 req/s, then a lull at 0.5 req/s. In the lull the
     # Unified plan is the cheaper, but not at the bursts' rate while the 15-minute horizon still holds them: the
