@@ -261,9 +261,9 @@ class FulcrumPlanner:
 
         The level the rate is planned at after cold start (:attr:`headroom_level`: the SLO percentile, lower
         while the SLO is met with room to spare) once ``min_residuals`` residuals exist; at most their median
-        before. The P90 of a handful of
-        residuals is their largest, and in cold start the largest is typically one jump of the load: planning the
-        new level plus that jump again asks for a second burst on top of the first. Measured (issue 13): the
+        before. The P90 of a handful of residuals is their largest, and in cold start the largest is typically
+        one jump of the load: planning the new level plus that jump again asks for a second burst on top of the
+        first. Measured (issue 13): the
         synthetic bursty-then-steady trace jumps 1.67 → 7.38 req/s at 180 s; with the residuals' P90 the 70B H100
         example planned 12.7 req/s and a third prefill instance (3.82 GPU-h), and the Auto example's code-trace
         replay nine prefill instances at 16.8 req/s for a burst of 8.9 (12.87 GPU-h); with the median 10.6 req/s
