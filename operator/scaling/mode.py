@@ -131,6 +131,13 @@ def _saving(gpus: Mapping[ModeName, int], feasible: Mapping[ModeName, bool], ser
     return float(gpus[serving] - gpus[other])
 
 
+def _share(saving: float, of: float) -> float:
+    """``saving`` GPUs as a share of ``of`` GPUs (+inf for a positive saving of nothing, 0 for none)."""
+    if of > 0:
+        return saving / of
+    return math.inf if saving > 0 else 0.0
+
+
 def decide_mode(
     state: ModeState,
     *,
@@ -184,11 +191,12 @@ def decide_mode(
     # serving plan's GPUs now; the held saving, of the GPUs the serving mode would hold. +inf while the serving
     # plan is infeasible and the other's is not in every tick.
     held_serving = max(s for s, _ in plans)
-    measures = [(min(recent), gpus[state.serving]), (float(held_serving - max(o for _, o in plans)), held_serving)]
-    gain, of = max(measures, key=lambda m: m[0] / m[1] if m[1] > 0 else (math.inf if m[0] > 0 else 0.0))
+    tick_saving = (min(recent), float(gpus[state.serving]))
+    held_saving = (float(held_serving - max(o for _, o in plans)), float(held_serving))
+    gain, of = max(tick_saving, held_saving, key=lambda m: _share(*m))
     if gain <= 0:
         return ModeDecision(st, "steady", f"{state.serving}: {other} not cheaper over {k} ticks")
-    share = gain / of if of > 0 else math.inf
+    share = _share(gain, of)
     if share < settings.min_saving_fraction:
         return ModeDecision(
             st, "steady",
