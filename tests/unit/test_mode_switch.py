@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 
 import pytest
 
 from fulcrum.api import parse_llmserve
 from fulcrum.observation import Observation, ReadyCounts
+from fulcrum.ratio.planner import WorkloadEstimate, plan_modes
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.fulcrum import FulcrumPlanner
 from fulcrum.scaling.mode import ModeState, ModeSwitchSettings, decide_mode
 from fulcrum.simulator import SimConfig, Simulation
+from fulcrum.target import ClusterTarget, PoolSize
 from fulcrum.workload import Request
 
 FEASIBLE = {"Disaggregated": True, "Unified": True}
@@ -115,11 +118,6 @@ def test_a_serving_plan_that_flaps_above_a_steady_other_plan_is_switched_on_what
 def test_a_tie_at_the_horizons_peak_does_not_veto_a_switch(splitwise) -> None:
     # the fulcrum planner's last check: at the highest rate planned over the horizon the other mode may cost
     # the same (both plan 8 GPUs at 8.8 req/s of 1,030/228-token requests), not more
-    from collections import deque
-
-    from fulcrum.ratio.planner import WorkloadEstimate, plan_modes
-    from fulcrum.target import ClusterTarget, PoolSize
-
     spec = parse_llmserve({"model": {"name": "m"}, "mode": "Auto", "profile": {"name": "splitwise-llama2-70b-h100"},
                            "scaling": {"maxGPUs": 64, "minGPUs": 0}}).spec
     planner = FulcrumPlanner(spec, splitwise)
