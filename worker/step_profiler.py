@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fulcrum.cancellation import cancel_and_wait
 from fulcrum.errors import FulcrumError
 from fulcrum.worker.latency_table import StepLatencyTable
+from fulcrum.worker.profiler import probe_endpoint
 
 __all__ = [
     "MixedLoadResult",
@@ -63,11 +64,15 @@ def synthetic_prompt(tokens: int, rng: random.Random, token_ids: tuple[int, int]
     return [rng.randint(*token_ids) for _ in range(tokens)]
 
 
-def table_from_metrics_text(text: str) -> StepLatencyTable:
+def table_from_metrics_text(text: str, *, allow_empty: bool = False) -> StepLatencyTable:
     """Rebuild the scheduler's table from its Prometheus exposition (the three ``…_step_table_*`` gauges).
 
+    ``allow_empty`` returns an empty table where the text holds no table metrics (an engine that has not
+    executed a step yet).
+
     Raises:
-        FulcrumError: the text holds no table metrics (not the scheduler's endpoint, or nothing recorded).
+        FulcrumError: the text holds no table metrics (not the scheduler's endpoint, or nothing recorded), unless
+            ``allow_empty``.
     """
     rows: dict[tuple[str, str, str], dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
@@ -76,7 +81,7 @@ def table_from_metrics_text(text: str) -> StepLatencyTable:
         for sample in family.samples:
             key = (sample.labels["prefill_tokens"], sample.labels["context_tokens"], sample.labels["decodes"])
             rows.setdefault(key, {})[family.name] = sample.value
-    if not rows:
+    if not rows and not allow_empty:
         raise FulcrumError("no fulcrum_scheduler_step_table_* samples in the metrics: is this the scheduler's "
                            "endpoint (FULCRUM_SCHEDULER_METRICS_PORT), and has it executed a step?")
     table = StepLatencyTable()
@@ -92,11 +97,11 @@ def table_from_metrics_text(text: str) -> StepLatencyTable:
     return table
 
 
-async def fetch_table(session: aiohttp.ClientSession, metrics_url: str) -> StepLatencyTable:
+async def fetch_table(session: aiohttp.ClientSession, metrics_url: str, *, allow_empty: bool = False) -> StepLatencyTable:
     """GET the scheduler's metrics and rebuild its table (:func:`table_from_metrics_text`).
 
     Raises:
-        FulcrumError: the endpoint is unreachable, answers non-200, or holds no table.
+        FulcrumError: the endpoint is unreachable, answers non-200, or holds no table (unless ``allow_empty``).
     """
     try:
         async with session.get(metrics_url) as resp:
@@ -105,7 +110,7 @@ async def fetch_table(session: aiohttp.ClientSession, metrics_url: str) -> StepL
                 raise FulcrumError(f"{metrics_url} answered HTTP {resp.status}")
     except aiohttp.ClientError as err:
         raise FulcrumError(f"cannot read the scheduler metrics at {metrics_url}: {err}") from err
-    return table_from_metrics_text(text)
+    return table_from_metrics_text(text, allow_empty=allow_empty)
 
 
 @dataclass
@@ -130,15 +135,20 @@ class StreamTiming:
 
 async def stream_completion(
     session: aiohttp.ClientSession, base_url: str, *, model: str, prompt: list[int], max_tokens: int,
-    first_token: asyncio.Event | None = None, timing: StreamTiming | None = None,
+    first_token: asyncio.Event | None = None, timing: StreamTiming | None = None, stream_interval: int | None = None,
 ) -> StreamTiming:
     """Send one streaming ``/v1/completions`` request (greedy, ``ignore_eos``) and time its tokens.
 
     ``first_token`` is set when the first token arrives. Pass ``timing`` (a fresh :class:`StreamTiming`) to
-    watch ``timing.chunks`` grow while the stream runs. Raises :class:`FulcrumError` on a non-200 answer.
+    watch ``timing.chunks`` grow while the stream runs. ``stream_interval`` (tokens, vLLM's per-request
+    extension) makes the server send one chunk per that many tokens after the first (the first and last chunks
+    go at once): the API server then does a fraction of the per-token work. Raises :class:`FulcrumError` on a
+    non-200 answer.
     """
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if stream_interval is not None:
+        body["stream_interval"] = int(stream_interval)
     timing = timing if timing is not None else StreamTiming(len(prompt))
     start = last = time.monotonic()
     async with session.post(f"{base_url}/v1/completions", json=body) as resp:
@@ -224,49 +234,53 @@ async def _wait_for_chunks(streams: Sequence[StreamTiming], tasks: Sequence[asyn
         await asyncio.sleep(0.002)
 
 
+def _mixed_steps(table: StepLatencyTable, decodes: int, prefill: int) -> int:
+    """Measured steps in the buckets of ``prefill`` tokens beside ``decodes`` decodes (any decode context)."""
+    key = StepLatencyTable.key_for(prefill, 0, decodes)
+    return sum(e.samples for e in table
+               if e.key.prefill_tokens == key.prefill_tokens and e.key.decodes == key.decodes)
+
+
 async def _profile_composition(
-    session: aiohttp.ClientSession, base_url: str, *, model: str, decodes: int, context: int, prefill: int,
-    decode_cap: int, rng: random.Random, timeout_s: float, settle_chunks: int = 3,
+    session: aiohttp.ClientSession, base_url: str, metrics_url: str, *, model: str, decodes: int, context: int,
+    prefill: int, decode_cap: int, rng: random.Random, timeout_s: float, stream_interval: int,
 ) -> bool:
     """One composition of :func:`profile_steps`: ``decodes`` streams of ``context``-token prompts, then one
     ``prefill``-token prompt beside them, then the decodes alone again; the decodes are cancelled (the engine
-    aborts them) once they have streamed ``settle_chunks`` more chunks after the prompt's prefill.
+    aborts them) once each has streamed one more chunk (``stream_interval`` tokens) after the prompt's prefill.
 
-    Returns False when a decode had reached ``decode_cap`` tokens when the prompt's first token arrived (the
-    mixed step may not have had all ``decodes``; the caller retries with a larger cap). Raises
-    :class:`FulcrumError` on a failed request.
+    Whether the prompt's prefill ran beside the decodes is read from the engine's own table (the bucket of
+    ``prefill`` tokens beside ``decodes`` decodes gained a step), not from the client's view of the streams:
+    when the API server lags the engine core, a client can see the prompt's token before or after the decodes'
+    last ones whatever the engine did. The table is read while the engine is idle (before the decodes start,
+    after they are cancelled): the engine core serves its metrics from a thread that a busy core starves.
+    Returns False when that step is not there (a decode had reached ``decode_cap`` before the prompt was
+    admitted; the caller retries with a larger cap). Raises :class:`FulcrumError` on a failed request or an
+    unreadable table.
     """
+    before = _mixed_steps(await fetch_table(session, metrics_url, allow_empty=True), decodes, prefill)
     timings = [StreamTiming(context) for _ in range(decodes)]
     tasks = [
         asyncio.create_task(stream_completion(session, base_url, model=model, prompt=synthetic_prompt(context, rng),
-                                              max_tokens=decode_cap, timing=t))
+                                              max_tokens=decode_cap, timing=t, stream_interval=stream_interval))
         for t in timings
     ]
     try:
-        # decode-only steps with all ``decodes`` running: each stream has its first token and a few more
-        await _wait_for_chunks(timings, tasks, [settle_chunks] * decodes, timeout_s)
-        # the prompt's first token comes out of its prefill step: the decodes still streaming then ran beside it
-        admitted = asyncio.Event()
-        prompt = asyncio.create_task(stream_completion(session, base_url, model=model,
-                                                       prompt=synthetic_prompt(prefill, rng), max_tokens=1,
-                                                       first_token=admitted))
-        first = asyncio.create_task(admitted.wait())
-        await asyncio.wait({prompt, first}, return_when=asyncio.FIRST_COMPLETED)
-        beside = admitted.is_set() and not any(task.done() for task in tasks)
-        await cancel_and_wait([first])
-        await prompt  # its failure is the caller's FulcrumError
-        if not beside:
-            return False
+        # decode-only steps with all ``decodes`` running: each stream has its first token and the next chunk
+        await _wait_for_chunks(timings, tasks, [2] * decodes, timeout_s)
+        await stream_completion(session, base_url, model=model, prompt=synthetic_prompt(prefill, rng), max_tokens=1)
         # decode-only steps after the mixed one
-        await _wait_for_chunks(timings, tasks, [t.chunks + settle_chunks for t in timings], timeout_s)
-        return True
+        await _wait_for_chunks(timings, tasks, [t.chunks + 1 for t in timings], timeout_s)
     finally:
         await cancel_and_wait(tasks)
+    # the prompt's step was recorded before its token left the engine core
+    return _mixed_steps(await fetch_table(session, metrics_url, allow_empty=True), decodes, prefill) > before
 
 
 async def profile_steps(
     base_url: str, metrics_url: str, *, model: str, prefill_tokens: Sequence[int], decode_counts: Sequence[int],
-    contexts: Sequence[int], decode_tokens: int = 256, seed: int = 0, timeout_s: float = 600.0, retries: int = 2,
+    contexts: Sequence[int], decode_tokens: int = 256, seed: int = 0, timeout_s: float = 600.0, retries: int = 4,
+    stream_interval: int = 16,
 ) -> StepLatencyTable:
     """Fill the step latency table from measured steps of a running engine (the offline mode of Alg. 2's table).
 
@@ -274,17 +288,29 @@ async def profile_steps(
     ``p`` in ``prefill_tokens`` (tokens): ``d`` decodes with ``c``-token prompts stream (decode-only steps),
     one ``p``-token prompt prefills beside all of them (the mixed step), the decodes stream a few more steps
     alone, then they are cancelled. The engine's scheduler records every step; afterwards the table is read
-    from ``metrics_url``. ``decode_tokens`` caps each decode (tokens): it only has to outlast the prompt's
-    admission; when a decode reaches it first, the composition is run again with twice the cap (``retries``
-    times at most).
+    from ``metrics_url``. Whether the mixed step ran is checked in that table after every composition (its
+    bucket gained a step). ``decode_tokens`` caps each decode (tokens): it only has to outlast the prompt's
+    admission; when the mixed step is missing (a decode reached the cap first), the composition is run again
+    with twice the cap, at most the engine's ``max_model_len`` (``/v1/models``) less the context (``retries``
+    reruns at most). The decodes stream one chunk per ``stream_interval`` tokens (vLLM's per-request
+    ``stream_interval``), a sixteenth of the API server's per-token work at the default.
+
+    Why the reruns: a fast engine (a small model on a CPU: ~2 ms a step) can outrun its own API server, which
+    then stops taking new requests and sending tokens until the running ones end (seen with vLLM 0.32's CPU
+    engine, for up to 1.5 s, in about one composition of ten on a loaded 2-core machine); the prompt then
+    prefills alone and the composition is run again.
 
     The engine must run ``--scheduler-cls fulcrum.worker.slo_scheduler.SLOAwareScheduler`` without
     ``FULCRUM_TPOT_SLO_MS`` (recording only) and with ``FULCRUM_SCHEDULER_METRICS_PORT``. Its
-    ``--max-model-len`` must exceed ``max(contexts) + decode_tokens · 2**retries`` and ``max(prefill_tokens)``.
+    ``--max-model-len`` must exceed ``max(contexts) + 8`` and ``max(prefill_tokens)``, and its
+    ``--max-num-batched-tokens`` must reach ``max(prefill_tokens) + max(decode_counts)`` (a chunked prompt lands
+    in smaller buckets, and its composition is not measured).
 
     Raises:
-        ValueError: an empty or non-positive grid, or ``decode_tokens`` < 8.
-        FulcrumError: a request fails, a composition still ran out of decode tokens after ``retries`` reruns,
+        ValueError: an empty or non-positive grid, ``decode_tokens`` < 8, ``stream_interval`` < 1, or a context
+            or prompt that the engine's ``max_model_len`` cannot hold.
+        ProfileError: the endpoint does not answer ``/v1/models`` or does not serve ``model``.
+        FulcrumError: a request fails, a composition's mixed step was still missing after ``retries`` reruns,
             or the metrics hold no table.
     """
     grids = {"prefill_tokens": prefill_tokens, "decode_counts": decode_counts, "contexts": contexts}
@@ -293,20 +319,37 @@ async def profile_steps(
             raise ValueError(f"{name} must be a non-empty list of positive integers, got {list(grid)!r}")
     if decode_tokens < 8:
         raise ValueError(f"decode_tokens must be >= 8 (the decodes stream before and after the prompt), got {decode_tokens}")
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    # a connection per request: a kept-alive one can be closed by the server (its keep-alive timeout, or the
+    # abort of a cancelled stream) just as the next request goes out on it (seen under load)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
+        max_model_len = (await probe_endpoint(session, base_url, model)).max_model_len
+        if max_model_len is not None:
+            too_long = [v for v in (*(int(c) + 8 for c in contexts), *(int(p) for p in prefill_tokens)) if v > max_model_len]
+            if too_long:
+                raise ValueError(f"the engine's max_model_len is {max_model_len} tokens: contexts + 8 decode tokens and "
+                                 f"prompts must fit in it (got {max(too_long)})")
         for c in contexts:
+            longest = max_model_len - int(c) if max_model_len is not None else None
             for d in decode_counts:
                 for p in prefill_tokens:
-                    cap = decode_tokens
+                    cap = decode_tokens if longest is None else min(decode_tokens, longest)
+                    caps = []
                     for _ in range(retries + 1):
-                        if await _profile_composition(session, base_url, model=model, decodes=int(d), context=int(c),
-                                                      prefill=int(p), decode_cap=cap, rng=rng, timeout_s=timeout_s):
+                        caps.append(cap)
+                        if await _profile_composition(session, base_url, metrics_url, model=model, decodes=int(d),
+                                                      context=int(c), prefill=int(p), decode_cap=cap, rng=rng,
+                                                      timeout_s=timeout_s, stream_interval=int(stream_interval)):
                             break
-                        cap *= 2
+                        cap = 2 * cap if longest is None else min(2 * cap, longest)
                     else:
                         raise FulcrumError(
-                            f"the {d} decodes (context {c}) finished {cap // 2} tokens before the {p}-token prompt "
-                            f"was admitted, {retries + 1} times: is the engine overloaded? raise decode_tokens")
+                            f"the {p}-token prompt did not prefill beside the {d} decodes (context {c}) in {retries + 1} "
+                            f"tries (decode caps {caps} tokens): the engine's table has no such step. Is the engine "
+                            f"overloaded (raise decode_tokens or retries), or --max-num-batched-tokens below {p + d} "
+                            f"(the prompt was chunked)?")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         return await fetch_table(session, metrics_url)

@@ -144,10 +144,9 @@ def test_offline_profiling_fills_the_table_from_measured_steps(request: pytest.F
     model = build_tiny_model(tmp_path / "tiny-model")
     metrics_port = free_port()
     env = {"FULCRUM_SCHEDULER_METRICS_PORT": str(metrics_port), **fulcrum_worker_pythonpath(tmp_path)}
-    # The decodes must still run when the prompt's first token reaches the client. On a loaded 2-core machine the
-    # API server lags the engine core by over 1,000 tiny-model steps at times (a CI run failed at the default
-    # caps 256, 512, 1,024, 3 times): caps 480, 960, 1,920, the most the tiny model's 2,048 positions allow
-    # (64 + 1,920 < 2,048).
+    # A tiny model's ~2 ms steps can outrun the engine's API server, which then takes no new request until the
+    # running decodes end (a CI run failed 3 tries of one composition; profile_steps reruns it, up to 4 times,
+    # with caps of at most max_model_len - context: 480, 960, 1,984, 1,984, 1,984 here).
     spec = EngineSpec("profile", cpu=0, kv_role=None, max_model_len=2048, extra_env=env,
                       extra_args=("--scheduler-cls", SCHEDULER_CLS, "--max-num-batched-tokens", "2048"))
     with Engine(spec, model, tmp_path) as eng:
