@@ -324,7 +324,9 @@ def test_a_bursty_trace_scales_out_and_drains_back_in_with_no_failed_request(
 
         wait("scale-in after the burst", lambda: sum(p["replicas"] for p in watcher.pools().values()) <= max(
             initial, peak - 2) and not _draining_now(local_cluster, ns), timeout_s=180, every_s=2)
-        time.sleep(3)
+        # a drain's ScaledIn Event comes after its pool has shrunk (drain_pool returns first)
+        wait("a ScaledIn Event", lambda: any(e["reason"] == "ScaledIn" for e in events(local_cluster, ns)),
+             timeout_s=60, every_s=1)
     finally:
         watcher.stop()
     t_end = time.time()
