@@ -234,6 +234,11 @@ async def _wait_for_chunks(streams: Sequence[StreamTiming], tasks: Sequence[asyn
         await asyncio.sleep(0.002)
 
 
+def _decode_caps(first: int, longest: int | None, tries: int) -> list[int]:
+    """The decode caps of a composition's ``tries`` tries, tokens: ``first``, doubling, at most ``longest``."""
+    return [first * 2**i if longest is None else min(first * 2**i, longest) for i in range(tries)]
+
+
 def _mixed_steps(table: StepLatencyTable, decodes: int, prefill: int) -> int:
     """Measured steps in the buckets of ``prefill`` tokens beside ``decodes`` decodes (any decode context)."""
     key = StepLatencyTable.key_for(prefill, 0, decodes)
@@ -336,15 +341,12 @@ async def profile_steps(
             longest = max_model_len - int(c) if max_model_len is not None else None
             for d in decode_counts:
                 for p in prefill_tokens:
-                    cap = decode_tokens if longest is None else min(decode_tokens, longest)
-                    caps = []
-                    for _ in range(retries + 1):
-                        caps.append(cap)
+                    caps = _decode_caps(decode_tokens, longest, retries + 1)
+                    for cap in caps:
                         if await _profile_composition(session, base_url, metrics_url, model=model, decodes=int(d),
                                                       context=int(c), prefill=int(p), decode_cap=cap, rng=rng,
                                                       timeout_s=timeout_s, stream_interval=int(stream_interval)):
                             break
-                        cap = 2 * cap if longest is None else min(2 * cap, longest)
                     else:
                         raise FulcrumError(
                             f"the {p}-token prompt did not prefill beside the {d} decodes (context {c}) in {retries + 1} "
