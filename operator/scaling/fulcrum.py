@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from collections import deque
 from collections.abc import Sequence
 from typing import cast
@@ -123,6 +124,8 @@ class FulcrumPlanner:
         min_level: float = 0.5,
         attainment_window: int = 15,
         peak_window: int = 60,
+        unspent_share: float = 0.9,
+        spend_step: float = 0.25,
     ) -> None:
         """
         Args:
@@ -145,6 +148,9 @@ class FulcrumPlanner:
             peak_window: intervals over which the highest observed rate caps the headroom (60: an hour at the
                 shipped 60-s interval): the rate planned for is at most that peak, or the point forecast where
                 the forecast itself is higher (a rising load keeps its forecast, not its error band).
+            unspent_share: share of the error budget (1 − the SLO percentile) that must be unspent over the
+                ``attainment_window`` before the plans spend it (0.9: attainment ≥ 99% for a P90 SLO; :meth:`budgeted`).
+            spend_step: how much of the relaxation is taken per interval while that holds (0.25: fully in four).
         """
         self.spec = spec
         self.profile = profile
@@ -185,6 +191,9 @@ class FulcrumPlanner:
         self.min_level = min_level
         self._attained: deque[tuple[int, float]] = deque(maxlen=attainment_window)
         self._planned_rates: deque[tuple[float, float]] = deque()  # (time s, rate req/s) over the switch horizon
+        self.unspent_share = unspent_share
+        self.spend_step = spend_step
+        self._spend = 0.0
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -253,8 +262,51 @@ class FulcrumPlanner:
         q = self._slo_q
         if a < q + (1.0 - q) / 5.0:
             self._level = q
+            self._spend = 0.0
         elif a > q + (1.0 - q) / 2.0:
+            if self._level <= self.min_level and a >= 1.0 - (1.0 - q) * (1.0 - self.unspent_share):
+                self._spend = min(1.0, self._spend + self.spend_step)
             self._level = max(self.min_level, self._level - 0.05)
+
+    @property
+    def budget_spend(self) -> float:
+        """The share (0–1) of the error budget's relaxation the plans use now (:meth:`budgeted`)."""
+        return self._spend
+
+    def budgeted(self) -> tuple[LLMServeSpec, PlannerSettings]:
+        """The spec and settings the plans are made with: the spec's own, or relaxed by the error budget.
+
+        The SLO asks that a share q of the requests meet it (the percentile); 1 − q may miss: the error budget.
+        While the attainment pooled over the last ``attainment_window`` intervals leaves at least ``unspent_share``
+        of that budget unspent (≥ 99% for a P90 SLO at the default 0.9) and the headroom level is already at
+        ``min_level`` (:meth:`_adapt_level`), the spend s steps up by ``spend_step`` per interval, to 1; under
+        q + (1 − q)/5 (92%) it returns to 0 at once, with the level. At spend s the plans are made for the
+        percentile q − s·(1 − q) (P90 → P80, at least P50) with the prefill and decode target utilisations raised
+        by s·(1 − target) (0.9 → 1.0), i.e. for a per-interval attainment the SLO over the window still allows.
+        The per-interval plans of :func:`fulcrum.ratio.planner.plan` hold the percentile in every interval; a
+        steady load that a cheaper deployment serves at 95% was planned a deployment serving 100% (issue 13: the
+        70B H100 example kept two prefill instances through the synthetic trace's steady 5 req/s, where one
+        serves 95.7%). The reactive guard still grows a pool behind an interval under the percentile.
+        """
+        s = self._spend
+        if s <= 0.0:
+            return self.spec, self.settings
+        q = self._slo_q
+        slo = self.spec.slo.model_copy(update={"percentile": max(q - s * (1.0 - q), 0.5) * 100.0})
+        st = self.settings
+        settings = replace(
+            st,
+            prefill_target_utilisation=st.prefill_target_utilisation + s * (1.0 - st.prefill_target_utilisation),
+            decode_target_utilisation=st.decode_target_utilisation + s * (1.0 - st.decode_target_utilisation),
+        )
+        return self.spec.model_copy(update={"slo": slo}), settings
+
+    def _budget_note(self) -> str:
+        """``; error budget: planned at P80, ρ ≤ 1.00`` while the plans spend it (:meth:`budgeted`), else empty."""
+        if self._spend <= 0.0:
+            return ""
+        spec, settings = self.budgeted()
+        return f"; error budget: planned at P{spec.slo.percentile:.3g}, ρ ≤ {settings.prefill_target_utilisation:.2f}"
 
     def cold_start_level(self, n: int) -> float:
         """The level (0–1) of the one-step residual quantile planned for in cold start, with ``n`` residuals scored.
@@ -335,7 +387,8 @@ class FulcrumPlanner:
 
     def _plans(self, workload: WorkloadEstimate, current: ClusterTarget) -> dict[ModeName, Plan]:
         """Both modes' plans for Auto (Unified left out when the profile cannot plan it), :func:`plan_modes`."""
-        plans = plan_modes(workload, self.profile, self.spec, self.settings, current_tp_unified=_current_tp(current))
+        spec, settings = self.budgeted()
+        plans = plan_modes(workload, self.profile, spec, settings, current_tp_unified=_current_tp(current))
         return cast(dict[ModeName, Plan], plans)
 
     def step(self, obs: Observation, current: ClusterTarget) -> Decision:
@@ -347,14 +400,16 @@ class FulcrumPlanner:
                 return self._step_auto(obs, current, plans, fc, why, workload)
             p = plans["Disaggregated"]
         else:
-            p = plan(workload, self.profile, self.spec, self.settings, current_tp_unified=_current_tp(current))
+            spec, settings = self.budgeted()
+            p = plan(workload, self.profile, spec, settings, current_tp_unified=_current_tp(current))
         self.last_plan = p
         nxt, self._state, reasons = apply_scaling_policy(
             p.target(), current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling,
             utilisation=_needs(p),
         )
         reason = "; ".join(reasons) if reasons else "hold"
-        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=plan_numbers(p))
+        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}{self._budget_note()}]", forecast=fc,
+                        numbers=plan_numbers(p))
 
     def _peak_confirms(self, serving: ModeName, workload: WorkloadEstimate, plans: dict[ModeName, Plan],
                        current: ClusterTarget) -> tuple[bool, str]:
@@ -434,7 +489,7 @@ class FulcrumPlanner:
         reason = "; ".join(reasons) if reasons else "hold"
         numbers = plan_numbers(p, mode_phase=md.phase, mode_serving=now_serving, mode_reason=md.reason,
                                gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
-        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}]", forecast=fc, numbers=numbers)
+        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}{self._budget_note()}]", forecast=fc, numbers=numbers)
 
 
 def _current_tp(current: ClusterTarget) -> int | None:

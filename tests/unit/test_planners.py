@@ -152,6 +152,48 @@ def test_the_headroom_level_follows_the_observed_slo_attainment(table_i):
     assert quiet.headroom_level == 0.9
 
 
+def test_the_error_budget_is_spent_only_while_it_is_nearly_whole(table_i):
+    # P90 SLO, attainment 99.5% (≥ 99%: nine tenths of the 10% budget unspent): once the headroom level is at
+    # the median, the spend steps up 0.25 per interval to 1, and the plans are made at P80 with ρ ≤ 1.0
+    planner = FulcrumPlanner(SPEC, table_i)
+    cur = planner.initial()
+    spends, levels = [], []
+    for i in range(14):
+        d = planner.step(obs(60 * (i + 1), 4.0, slo_attainment=0.995), cur)
+        cur = d.target
+        spends.append(planner.budget_spend)
+        levels.append(planner.headroom_level)
+    first = next(i for i, s in enumerate(spends) if s > 0)
+    assert levels[first - 1] == 0.5 and all(s == 0.0 for s in spends[:first])
+    assert spends[first:first + 4] == [0.25, 0.5, 0.75, 1.0] and spends[-1] == 1.0
+    spec, settings = planner.budgeted()
+    assert spec.slo.percentile == pytest.approx(80.0) and spec.slo.ttft_ms == SPEC.slo.ttft_ms
+    assert settings.prefill_target_utilisation == pytest.approx(1.0)
+    assert settings.decode_target_utilisation == pytest.approx(1.0)
+    assert "error budget: planned at P80, ρ ≤ 1.00" in d.reason
+    # the relaxation has teeth: some load needs fewer prefill instances under it than under the spec
+    fewer = [r / 4 for r in range(4, 80)
+             if plan(WorkloadEstimate.from_means(r / 4, 1000.0, 200.0), table_i, spec, settings).prefill.replicas
+             < plan(WorkloadEstimate.from_means(r / 4, 1000.0, 200.0), table_i, SPEC).prefill.replicas]
+    assert fewer
+    # pooled attainment under 92% → no spend at once, and the plans use the spec itself again
+    for i in range(14, 17):
+        d = planner.step(obs(60 * (i + 1), 4.0, slo_attainment=0.3), cur)
+    assert planner.budget_spend == 0.0 and planner.budgeted() == (SPEC, planner.settings)
+    assert "error budget" not in d.reason
+
+
+def test_the_error_budget_is_not_spent_at_an_attainment_under_99_percent(table_i):
+    # 97% meets a P90 SLO with room (the headroom level goes to the median) but leaves under nine tenths of the
+    # budget: nothing is spent
+    planner = FulcrumPlanner(SPEC, table_i)
+    cur = planner.initial()
+    for i in range(20):
+        cur = planner.step(obs(60 * (i + 1), 4.0, slo_attainment=0.97), cur).target
+    assert planner.headroom_level == 0.5 and planner.budget_spend == 0.0
+    assert planner.budgeted() == (SPEC, planner.settings)
+
+
 def test_the_reactive_guard_adds_prefill_on_a_ttft_miss_with_a_queue(table_i):
     planner = FulcrumPlanner(SPEC, table_i)
     before = planner.initial()
