@@ -16,9 +16,11 @@ import pytest
 from fulcrum.api.llmserve import LLMServeSpec, ReplicaOwner, load_llmserve, parse_llmserve
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.replay.driver import ReplayOptions, run_planner, run_policy, scale_arrivals, warmup_seconds
 from fulcrum.scaling.registry import PLANNERS, make_planner
+from fulcrum.scaling.static import StaticPlanner
 from fulcrum.replay.result import PolicyRun
+from fulcrum.target import ClusterTarget, PoolSize
 from fulcrum.traces import load_trace
 from fulcrum.workload import Request
 
@@ -135,6 +137,23 @@ def test_fulcrum_scales_out_when_the_rate_quadruples_and_beats_static_on_slo_att
     assert {p.prefill for p in static.timeline} == {spec.scaling.initial_prefill}
     assert fulcrum.summary.slo_attainment > static.summary.slo_attainment + 0.2
     assert fulcrum.summary.requests == static.summary.requests
+
+
+def test_a_steady_load_met_with_room_to_spare_spends_the_error_budget(
+    spec: LLMServeSpec, profile: PerformanceProfile
+) -> None:
+    # the synthetic trace's steady half (5 req/s): two prefill instances meet every request, one meets ~96%;
+    # once the attainment leaves the P90 budget unspent, Fulcrum plans at P80 / ρ ≤ 1.0 and holds fewer GPUs
+    # than the static 2P+1D while still meeting the SLO percentile
+    trace = load_trace("synthetic-burst-steady", start_s=1800.0).requests
+    fulcrum = run_policy("fulcrum", trace, spec, profile)
+    tp_p, tp_d = spec.scaling.tp_prefill or 1, spec.scaling.tp_decode or 2
+    both = run_planner(StaticPlanner(spec, profile, target=ClusterTarget(
+        prefill=PoolSize(2, tp_p), decode=PoolSize(1, tp_d))), trace, spec, profile, name="2P+1D")
+    assert both.summary.slo_attainment > 0.99
+    assert spec.slo.percentile / 100.0 <= fulcrum.summary.slo_attainment < both.summary.slo_attainment
+    assert fulcrum.summary.gpu_hours < both.summary.gpu_hours
+    assert any("error budget: planned at P80" in d["reason"] and d["prefill"] == 1 for d in fulcrum.decisions)
 
 
 # ---------------------------------------------------------------------------------------------- warm-up
