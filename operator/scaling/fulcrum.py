@@ -20,6 +20,8 @@ Each tick (``spec.scaling.intervalSeconds``):
    on the conversation traces, where the first minutes are not the busiest). Lengths are forecast distributions
    (quantiles rescaled to the forecast mean, DOPD eqs. 6–8). A backlog at admission adds the rate
    that drains it over the horizon (:meth:`FulcrumPlanner.backlog_rate`).
+   **Error budget**: while the SLO attainment of the last intervals leaves nearly all of the 1 − percentile budget
+   unspent, the plans are made at a lower percentile and higher target utilisations (:meth:`FulcrumPlanner.budgeted`).
 3. **plan** with :func:`fulcrum.ratio.planner.plan` (eqs. 11–18, TP, Kingman headroom); in Auto mode both modes
    are planned and :func:`fulcrum.scaling.mode.decide_mode` decides whether to switch (cost-weighed, with dwell
    time, make-before-break).
@@ -31,9 +33,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 import numpy as np
@@ -149,7 +151,8 @@ class FulcrumPlanner:
                 shipped 60-s interval): the rate planned for is at most that peak, or the point forecast where
                 the forecast itself is higher (a rising load keeps its forecast, not its error band).
             unspent_share: share of the error budget (1 − the SLO percentile) that must be unspent over the
-                ``attainment_window`` before the plans spend it (0.9: attainment ≥ 99% for a P90 SLO; :meth:`budgeted`).
+                ``attainment_window`` before the plans spend it (0.9: attainment ≥ 99% for a P90 SLO;
+                :meth:`budgeted`).
             spend_step: how much of the relaxation is taken per interval while that holds (0.25: fully in four).
         """
         self.spec = spec
@@ -252,6 +255,8 @@ class FulcrumPlanner:
         headroom is more than the SLO needs and the level steps down by 0.05 per interval, to ``min_level``; the
         moment it falls under q + (1 − q)/5 (92%) the level returns to q at once. A load the forecaster predicts
         well is then planned near its point forecast (what DOPD Alg. 2 does), an erratic one at the percentile.
+        At the lowest level, an attainment that leaves ``unspent_share`` of the error budget unspent steps up the
+        spend of :meth:`budgeted`; under q + (1 − q)/5 the spend returns to 0 with the level.
         """
         if obs.completed > 0 and math.isfinite(obs.slo_attainment):
             self._attained.append((obs.completed, obs.slo_attainment))
@@ -306,7 +311,8 @@ class FulcrumPlanner:
         if self._spend <= 0.0:
             return ""
         spec, settings = self.budgeted()
-        return f"; error budget: planned at P{spec.slo.percentile:.3g}, ρ ≤ {settings.prefill_target_utilisation:.2f}"
+        rho = settings.prefill_target_utilisation
+        return f"; error budget: planned at P{spec.slo.percentile:.3g}, ρ ≤ {rho:.2f}"
 
     def cold_start_level(self, n: int) -> float:
         """The level (0–1) of the one-step residual quantile planned for in cold start, with ``n`` residuals scored.
@@ -489,7 +495,8 @@ class FulcrumPlanner:
         reason = "; ".join(reasons) if reasons else "hold"
         numbers = plan_numbers(p, mode_phase=md.phase, mode_serving=now_serving, mode_reason=md.reason,
                                gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
-        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}{self._budget_note()}]", forecast=fc, numbers=numbers)
+        return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}{self._budget_note()}]", forecast=fc,
+                        numbers=numbers)
 
 
 def _current_tp(current: ClusterTarget) -> int | None:
