@@ -226,8 +226,8 @@ def test_the_operator_pod_killed_mid_scale_out_is_replaced_and_its_successor_con
     assert len(rs) == 3, [r["metadata"]["name"] for r in rs]  # no roll: one live ReplicaSet per Deployment
     # the drain's ScaledIn Event comes after the pool has shrunk and its pod has gone (drain_pool returns first):
     # wait for it rather than read the Events at once (a CI-like run read them a moment too early)
-    ins = wait("the successor's ScaledIn Event", lambda: [e for e in events(local_cluster, ns) if e["reason"] == "ScaledIn"],
-               timeout_s=60, every_s=1)
+    wait("the successor's ScaledIn Event", lambda: [e for e in events(local_cluster, ns) if e["reason"] == "ScaledIn"],
+         timeout_s=60, every_s=1)
     print("events:", [(e["time"], e["reason"], e["message"][:100]) for e in events(local_cluster, ns)])
     assert [p["metadata"]["name"] for p in _operator_pods(local_cluster, ns)] == [successor["metadata"]["name"]]
     assert "chose a draining instance" not in router_log(local_cluster, ns, NAME)

@@ -16,11 +16,9 @@ import pytest
 from fulcrum.api.llmserve import LLMServeSpec, ReplicaOwner, load_llmserve, parse_llmserve
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import builtin_profile
-from fulcrum.replay.driver import ReplayOptions, run_planner, run_policy, scale_arrivals, warmup_seconds
+from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
 from fulcrum.scaling.registry import PLANNERS, make_planner
-from fulcrum.scaling.static import StaticPlanner
 from fulcrum.replay.result import PolicyRun
-from fulcrum.target import ClusterTarget, PoolSize
 from fulcrum.traces import load_trace
 from fulcrum.workload import Request
 
@@ -147,9 +145,10 @@ def test_a_steady_load_met_with_room_to_spare_spends_the_error_budget(
     # than the static 2P+1D while still meeting the SLO percentile
     trace = load_trace("synthetic-burst-steady", start_s=1800.0).requests
     fulcrum = run_policy("fulcrum", trace, spec, profile)
-    tp_p, tp_d = spec.scaling.tp_prefill or 1, spec.scaling.tp_decode or 2
-    both = run_planner(StaticPlanner(spec, profile, target=ClusterTarget(
-        prefill=PoolSize(2, tp_p), decode=PoolSize(1, tp_d))), trace, spec, profile, name="2P+1D")
+    # the 2P+1D deployment as static-best runs it: the static policy on the spec's counts
+    two_one = spec.model_copy(update={"scaling": spec.scaling.model_copy(update={"initial_prefill": 2,
+                                                                                 "initial_decode": 1})})
+    both = run_policy("static", trace, two_one, profile)
     assert both.summary.slo_attainment > 0.99
     assert spec.slo.percentile / 100.0 <= fulcrum.summary.slo_attainment < both.summary.slo_attainment
     assert fulcrum.summary.gpu_hours < both.summary.gpu_hours
