@@ -155,6 +155,26 @@ def test_a_steady_load_met_with_room_to_spare_spends_the_error_budget(
     assert any("error budget: planned at P80" in d["reason"] and d["prefill"] == 1 for d in fulcrum.decisions)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "known defect (docs/replay.md, thirteenth session): after one burst met in full, the headroom level falls to "
+    "the median within eight intervals and the 300-s scale-in window is shorter than the 5-minute lull, so the "
+    "planner drops a prefill instance at 600 s, just before the second burst"))
+def test_a_periodic_burst_met_in_full_does_not_license_a_scale_in_before_the_next_one() -> None:
+    # the Auto example started at 2P+2D (not its 1P+1D): the first burst (120–300 s) is met in full, which is what
+    # lets the level fall; the trace bursts every 8 minutes, so 600–780 s is the second burst
+    path = REPO / "examples" / "llmserve-auto.yaml"
+    auto = load_llmserve(path).spec
+    auto = auto.model_copy(update={"scaling": auto.scaling.model_copy(update={"initial_prefill": 2,
+                                                                              "initial_decode": 2})})
+    assert auto.profile.name is not None
+    run = run_policy("fulcrum", load_trace("synthetic-burst-steady", duration_s=1200.0).requests, auto,
+                     builtin_profile(auto.profile.name))
+    second = [r for r in run.records if 600.0 <= r.arrival_s < 780.0]
+    met = sum(r.ttft_s * 1e3 <= auto.slo.ttft_ms and r.tpot_s * 1e3 <= auto.slo.tpot_ms for r in second)
+    assert len(second) > 1000
+    assert met / len(second) >= auto.slo.percentile / 100.0
+
+
 # ---------------------------------------------------------------------------------------------- warm-up
 def test_the_warmup_leaves_early_requests_out_of_scoring_but_not_out_of_the_records(
     spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
