@@ -18,6 +18,13 @@ Series and their gaps (``observe``):
   forecast mean while keeping the recent shape. 0 before any interval with arrivals.
 - ``arrival_cv2``: running mean of ``obs.arrival_cv2`` over the last ``spec.window`` intervals with at least three
   arrivals (fewer give no measurement); 1.0 (Poisson) before any.
+
+Refits per interval: the ``select`` method staggers its own (series slots 0–3 of 4). With ``stagger_refits`` the
+``arima`` method's four series refit at most one per interval as well: a series whose refit is due waits for an
+interval in which no other has refitted, those already waiting first, then in the order rate, ISL, OSL,
+concurrency (its cheap update runs meanwhile; :meth:`ArimaForecaster.observe`). Fulcrum's planner turns it on so
+that its cycle stays within the 50-ms p99 of ``benchmarks/bench_planner_cycle.py``; the DOPD reference planner
+leaves it off and refits every due series at once, as DOPD Alg. 2 does.
 """
 
 from __future__ import annotations
@@ -126,13 +133,15 @@ class WorkloadForecaster:
     Args:
         spec: forecaster settings (method, ARIMA order, window, refit error, season length, prediction level);
             ``ForecasterSpec()`` defaults when None.
+        stagger_refits: at most one ARIMA series refits per interval (module doc); no effect on other methods.
 
     Raises:
         SpecError: for an unknown ``spec.method``.
     """
 
-    def __init__(self, spec: ForecasterSpec | None = None) -> None:
+    def __init__(self, spec: ForecasterSpec | None = None, *, stagger_refits: bool = False) -> None:
         self.spec = spec if spec is not None else ForecasterSpec()
+        self.stagger_refits = stagger_refits
         # Four series, slots 0–3 of 4: a method that staggers its refits (select) never refits two in one cycle.
         self.rate = make_series_forecaster(self.spec.method, self.spec, 0, 4)
         self.isl = make_series_forecaster(self.spec.method, self.spec, 1, 4)
@@ -160,17 +169,17 @@ class WorkloadForecaster:
             ValueError: when a non-empty quantile vector does not have ``len(QUANTILE_LEVELS)`` entries.
         """
         rate = obs.rate_rps
-        self.rate.observe(rate if math.isfinite(rate) and rate >= 0 else math.nan)
-        if math.isfinite(rate):
-            self._rate_points += 1
         arrived = obs.arrivals > 0
         isl = obs.mean_isl if arrived and obs.mean_isl > 0 else math.nan
         osl = obs.mean_osl if arrived and obs.mean_osl > 0 else math.nan
-        self.isl.observe(isl)
-        self.osl.observe(osl)
+        self._observe_series([
+            (self.rate, rate if math.isfinite(rate) and rate >= 0 else math.nan),
+            (self.isl, isl), (self.osl, osl), (self.concurrency, obs.concurrency),
+        ])
+        if math.isfinite(rate):
+            self._rate_points += 1
         self._isl_points += not math.isnan(isl)
         self._osl_points += not math.isnan(osl)
-        self.concurrency.observe(obs.concurrency)
         if arrived:
             self.isl_distribution.observe(obs.isl_quantiles, isl)
             self.osl_distribution.observe(obs.osl_quantiles, osl)
@@ -178,6 +187,23 @@ class WorkloadForecaster:
                 self._isl_shape.append(max(obs.isl_sq_mean / isl**2, 1.0))
         if obs.arrivals >= _MIN_ARRIVALS_FOR_CV2 and math.isfinite(obs.arrival_cv2) and obs.arrival_cv2 >= 0:
             self._cv2.append(obs.arrival_cv2)
+
+    def _observe_series(self, values: list[tuple[SeriesForecaster, float]]) -> None:
+        """Feed each series its value; with ``stagger_refits``, let at most one ARIMA series refit (module doc)."""
+        if not self.stagger_refits:
+            for series, value in values:
+                series.observe(value)
+            return
+        refitted = False
+        # those whose refit is already due (deferred before) first; sorted() is stable: rate, ISL, OSL, concurrency
+        for series, value in sorted(values, key=lambda sv: not (isinstance(sv[0], ArimaForecaster)
+                                                                and sv[0].refit_due)):
+            if not isinstance(series, ArimaForecaster):
+                series.observe(value)
+                continue
+            before = series.refits
+            series.observe(value, allow_refit=not refitted)
+            refitted = refitted or series.refits > before
 
     def forecast(self, steps: int = 1, level: float | None = None) -> WorkloadForecast:
         """Forecast of the interval ``steps`` ahead with one-sided bounds at ``level``.

@@ -173,7 +173,7 @@ class FulcrumPlanner:
         self.mode_switch = mode_switch or ModeSwitchSettings(
             min_dwell_s=max(900.0, 5 * sc.pod_startup_seconds), horizon_s=max(900.0, 5 * sc.pod_startup_seconds)
         )
-        self.forecaster = WorkloadForecaster(sc.forecaster)
+        self.forecaster = WorkloadForecaster(sc.forecaster, stagger_refits=True)
         self.horizon_steps = max(1, math.ceil((sc.interval_seconds + sc.pod_startup_seconds) / sc.interval_seconds))
         self._state = ScalingState()
         self.last_plan: Plan | None = None

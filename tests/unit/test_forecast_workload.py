@@ -124,3 +124,45 @@ def test_forecast_checks_its_arguments() -> None:
     with pytest.raises(ValueError):
         f.forecast(1, level=1.5)
     assert not math.isnan(f.forecast(1).rate.mean)
+
+
+def _refit_counts(f: WorkloadForecaster) -> list[int]:
+    series = (f.rate, f.isl, f.osl, f.concurrency)
+    assert all(isinstance(s, ArimaForecaster) for s in series)
+    return [s.refits for s in series]  # type: ignore[union-attr]
+
+
+def test_staggered_arima_refits_at_most_one_series_per_interval_and_defers_none_for_good() -> None:
+    # a load whose every series shifts level at once (t = 20, 40): each series' refit test fires in the same
+    # interval; unstaggered, several refit together, staggered one per interval and the rest in the next ones
+    def obs(t: int) -> Observation:
+        k = t // 20
+        return busy(t, arrivals=600 * (1 + k), isl=1000.0 * (1 + k), osl=120.0 * (1 + k))
+
+    spec = ForecasterSpec(method=ForecasterMethod.ARIMA)
+    plain, staggered = WorkloadForecaster(spec), WorkloadForecaster(spec, stagger_refits=True)
+    together = 0
+    for t in range(60):
+        before = (_refit_counts(plain), _refit_counts(staggered))
+        plain.observe(obs(t))
+        staggered.observe(obs(t))
+        moved = [sum(b > a for a, b in zip(old, new)) for old, new in
+                 zip(before, (_refit_counts(plain), _refit_counts(staggered)), strict=True)]
+        together = max(together, moved[0])
+        assert moved[1] <= 1, f"interval {t}: {moved[1]} series refitted"
+    assert together >= 2  # the load does make several series due at once
+    # rate, ISL and OSL refit at the first shift (t = 20, 21, 22: deferred in turn), and again at their safety
+    # nets, which the staggered first fits left staggered; the constant concurrency never needs a model
+    assert _refit_counts(staggered)[:3] == _refit_counts(plain)[:3] and min(_refit_counts(staggered)[:3]) >= 2
+    assert not any(s.refit_due for s in (staggered.rate, staggered.isl, staggered.osl))  # type: ignore[union-attr]
+    fc = staggered.forecast(1)
+    assert fc.rate.mean == pytest.approx(30.0, rel=0.05)
+    assert fc.isl.mean == pytest.approx(3000.0, rel=0.05)
+
+
+def test_staggering_leaves_methods_other_than_arima_alone() -> None:
+    spec = ForecasterSpec(method=ForecasterMethod.LAST_VALUE)
+    f = WorkloadForecaster(spec, stagger_refits=True)
+    for t in range(5):
+        f.observe(busy(t, arrivals=60 * (t + 1)))
+    assert f.forecast(1).rate.mean == pytest.approx(5.0)
