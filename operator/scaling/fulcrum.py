@@ -197,6 +197,7 @@ class FulcrumPlanner:
         self.unspent_share = unspent_share
         self.spend_step = spend_step
         self._spend = 0.0
+        self._budgeted: tuple[float, tuple[LLMServeSpec, PlannerSettings]] | None = None  # (spend, budgeted())
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -296,6 +297,8 @@ class FulcrumPlanner:
         s = self._spend
         if s <= 0.0:
             return self.spec, self.settings
+        if self._budgeted is not None and self._budgeted[0] == s:
+            return self._budgeted[1]  # asked several times a tick (plans, the peak check, the reason): built once
         q = self._slo_q
         slo = self.spec.slo.model_copy(update={"percentile": max(q - s * (1.0 - q), 0.5) * 100.0})
         st = self.settings
@@ -304,7 +307,9 @@ class FulcrumPlanner:
             prefill_target_utilisation=st.prefill_target_utilisation + s * (1.0 - st.prefill_target_utilisation),
             decode_target_utilisation=st.decode_target_utilisation + s * (1.0 - st.decode_target_utilisation),
         )
-        return self.spec.model_copy(update={"slo": slo}), settings
+        out = self.spec.model_copy(update={"slo": slo}), settings
+        self._budgeted = (s, out)
+        return out
 
     def _budget_note(self) -> str:
         """``; error budget: planned at P80, ρ ≤ 1.00`` while the plans spend it (:meth:`budgeted`), else empty."""
