@@ -197,7 +197,8 @@ class FulcrumPlanner:
         self.unspent_share = unspent_share
         self.spend_step = spend_step
         self._spend = 0.0
-        self._budgeted: tuple[float, tuple[LLMServeSpec, PlannerSettings]] | None = None  # (spend, budgeted())
+        # (spend, spec, settings) → budgeted(): built once per spend and per spec/settings object
+        self._budgeted: tuple[tuple[float, int, int], tuple[LLMServeSpec, PlannerSettings]] | None = None
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -297,7 +298,8 @@ class FulcrumPlanner:
         s = self._spend
         if s <= 0.0:
             return self.spec, self.settings
-        if self._budgeted is not None and self._budgeted[0] == s:
+        key = (s, id(self.spec), id(self.settings))
+        if self._budgeted is not None and self._budgeted[0] == key:
             return self._budgeted[1]  # asked several times a tick (plans, the peak check, the reason): built once
         q = self._slo_q
         slo = self.spec.slo.model_copy(update={"percentile": max(q - s * (1.0 - q), 0.5) * 100.0})
@@ -308,7 +310,7 @@ class FulcrumPlanner:
             decode_target_utilisation=st.decode_target_utilisation + s * (1.0 - st.decode_target_utilisation),
         )
         out = self.spec.model_copy(update={"slo": slo}), settings
-        self._budgeted = (s, out)
+        self._budgeted = (key, out)
         return out
 
     def _budget_note(self) -> str:
