@@ -73,6 +73,7 @@ from fulcrum.simulator.instances import EngineInstance, Instance, InstanceState,
 from fulcrum.simulator.kernel import Kernel, Priority
 from fulcrum.simulator.metrics import ClusterSnapshot, MetricsRecorder, summarize
 from fulcrum.simulator.records import (
+    REJECTED,
     DecodeInstanceView,
     DecodeRequestView,
     InstanceStatus,
@@ -191,9 +192,12 @@ class SimConfig:
             ``supports_partial_prefix``): the split policy may cut a request inside its prompt (Libra §4.1,
             s < P: A prefills the head, B loads it and prefills the rest). The router's equivalent is its
             config's ``kv_connector.partial_prefix`` (vLLM with NIXL ``bidirectional_kv_xfer``).
-        max_model_len: the model's context, tokens: the output cap the policy sees for a request of ``isl``
-            prompt tokens is ``max_model_len − isl`` (what the router assumes when a client sends no
-            ``max_tokens``).
+        max_model_len: the model's context, tokens, as the engines and the router enforce it: a prompt of
+            ``max_model_len`` tokens or more is rejected at admission, as the router answers it (HTTP 400
+            ``context_length_exceeded``; path ``"rejected"``, never served, a miss of both SLOs in the scores,
+            not an arrival in the planner's observations); a request's output stops at the context's end,
+            ``max_model_len − isl`` tokens (vLLM's default ``max_tokens``), which is also the output cap the
+            policy sees (what the router assumes when a client sends no ``max_tokens``).
         migration: how a decode migration (the rescheduler's, or a unified instance leaving decode duty) moves
             a running request: ``"kv"`` — its KV crosses the link (ARES §5.2; ``kv_link_gbps``, counted in
             ``migration_seconds``); ``"recompute"`` — the live router's way (vLLM's NIXL connector cannot hand
@@ -353,16 +357,21 @@ class Simulation:
                 raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got {q.arrival_s!r}")
             if q.isl < 1 or q.osl < 1:
                 raise ValueError(f"request {i}: isl and osl must be >= 1, got isl={q.isl}, osl={q.osl}")
-            reqs.append(SimRequest(k, float(q.arrival_s), int(q.isl), int(q.osl)))
+            # the engine stops a request at the context's end (vLLM's default max_tokens = max_model_len − isl)
+            room = config.max_model_len - int(q.isl)
+            reqs.append(SimRequest(k, float(q.arrival_s), int(q.isl), int(q.osl) if room < 1 else min(int(q.osl), room)))
+            if room < 1:
+                reqs[-1].path = REJECTED  # the router answers 400 context_length_exceeded (router/app.py)
         self._reqs = reqs
         self._profile = profile
         self._slo = slo
         self._cfg = config
         self._max_batch = config.max_decode_batch or profile.cuda_graph_max_batch
         self._kernel = Kernel()
-        arr = np.fromiter((r.arrival for r in reqs), dtype=float, count=len(reqs))
-        isl = np.fromiter((r.isl for r in reqs), dtype=float, count=len(reqs))
-        osl = np.fromiter((r.osl for r in reqs), dtype=float, count=len(reqs))
+        admitted = [r for r in reqs if r.path != REJECTED]  # what the router's metrics see
+        arr = np.fromiter((r.arrival for r in admitted), dtype=float, count=len(admitted))
+        isl = np.fromiter((r.isl for r in admitted), dtype=float, count=len(admitted))
+        osl = np.fromiter((r.osl for r in admitted), dtype=float, count=len(admitted))
         self._metrics = MetricsRecorder(arr, isl, osl, slo)
         self._pools: dict[str, list[Instance]] = {role: [] for role in _ROLES}
         self._by_id: dict[int, Instance] = {}
@@ -696,9 +705,12 @@ class Simulation:
     def _on_arrival(self, i: int) -> None:
         r = self._reqs[i]
         t = self._kernel.now
-        self._metrics.arrive(t)
         if i + 1 < len(self._reqs):
             self._kernel.schedule(self._reqs[i + 1].arrival, Priority.ARRIVAL, self._on_arrival, i + 1)
+        if r.path == REJECTED:  # its prompt does not fit the context: answered 400, done
+            self._done += 1
+            return
+        self._metrics.arrive(t)
         self._dispatch_new(r)
 
     def _dispatch_new(self, r: SimRequest) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["RequestRecord", "InstanceStatus", "DecodeRequestView", "DecodeInstanceView", "RoleView"]
+__all__ = ["REJECTED", "RequestRecord", "InstanceStatus", "DecodeRequestView", "DecodeInstanceView", "RoleView"]
+
+#: ``RequestRecord.path`` of a request the router rejected: its prompt does not fit the model's context.
+REJECTED = "rejected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,14 +18,15 @@ class RequestRecord:
     Attributes:
         arrival_s: arrival time.
         isl: prompt tokens.
-        osl: output tokens.
+        osl: output tokens: the trace's, or fewer where the context ends first (``max_model_len − isl``).
         ttft_s: time to first token (arrival → first token), seconds; ``inf`` if never served.
         tpot_s: mean time per output token after the first, seconds; 0 when osl == 1; ``inf`` if unfinished.
         finish_s: completion time; ``inf`` if never finished.
         path: the routing decision's kind and where it ran: "disaggregated" (A prefilled, B decoded, KV
             transferred) | "split" (Libra micro-requests: A prefilled the prompt head or the prompt and some
             tokens, B the rest) | "local" (colocated on a decode instance, e.g. an ultra-short prompt) |
-            "unified" (colocated on a unified instance).
+            "unified" (colocated on a unified instance) | "rejected" (:data:`REJECTED`: the prompt is at least the
+            model's context, ``max_model_len``, and the router answered 400; never served).
         queue_s: queueing time, arrival → start of its first prefill (the shared P queue and the router, or an
             engine's waiting queue for local and unified prompts), seconds; ``inf`` if its prefill never began.
         prefill_instance: id of the instance that (first) prefilled it; -1 if none did.

@@ -19,10 +19,15 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
 - a TP change replaces the pool at once (new instances start, old ones drain); a pool planned empty is a
   scale-in whatever TP the plan writes for it (an empty pool's TP means nothing);
 - the GPU budget (maxGPUs) is never exceeded;
-- the stabilisation window **adapts per pool** to how the load has behaved: a scale-out within the longest
-  window (``max_window_factor`` × the base) after the pool's last scale-in shows that scale-in was premature (a
-  burst came back before a longer window would have), and doubles the pool's window, up to that longest one;
-  twice the longest window without such a change halves it back towards the base. A bursty load thus keeps the
+- the stabilisation window **adapts per pool** to how the load has behaved: a scale-out within twice the pool's
+  window after its last scale-in (at most the longest window, ``max_window_factor`` × the base) shows that
+  scale-in was premature (a burst came back before a window twice as long would have let it go), and doubles
+  the pool's window, up to that longest one; twice the longest window without such a change halves it back
+  towards the base. A scale-out later than that is the load growing again, not a premature scale-in: until
+  2026-11-28 any scale-out within the longest window counted, and the unified A100 example on the Azure
+  conversation trace, whose diurnal rise scaled out 840 s and 1,140 s after a scale-in, held its peak's eight
+  instances through the 1,200-s window it had thus earned (94.4% / 26.42 GPU-h, dominated by a static 7U at
+  94.7% / 26.13; now 94.4% / 24.10). A bursty load thus keeps the
   capacity its bursts keep asking for between them (what a static deployment sized for the peak does), and a
   steady or slowly varying load scales in after the base window (issue 13: a fixed 5-minute window made
   Fulcrum pay a start-up per burst on the Azure code trace; a fixed 15-minute one cost 6% more GPU-hours on the
@@ -181,8 +186,9 @@ def apply_scaling_policy(
     longest_s = settings.max_window_factor * base_s
 
     def grew(name: Pool) -> None:
-        """A scale-out: a last scale-in within the longest window was premature and doubles the pool's window."""
-        if now_s - last_in.get(name, -math.inf) <= longest_s:
+        """A scale-out: a last scale-in within twice the pool's window (at most the longest) was premature and
+        doubles the pool's window."""
+        if now_s - last_in.get(name, -math.inf) <= min(2.0 * windows.get(name, base_s), longest_s):
             windows[name] = min(2.0 * windows.get(name, base_s), longest_s)
             changed[name] = now_s
 

@@ -177,6 +177,18 @@ def test_replay_json_for_one_policy_scores_it_on_the_window(capsys: pytest.Captu
     assert (data["profile"], data["mode"], data["warmup_s"]) == ("dopd-llama70b-fp8-h100", "Disaggregated", 300.0)
 
 
+def test_replay_says_how_many_prompts_the_models_context_cannot_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    # the unified example serves Llama-2-70B (maxModelLen 4,096): the router rejects longer prompts, and so does
+    # the simulated one; the replay says how many, in text and in --json
+    argv = ["replay", "--trace", "azure-conv-2023", "--duration", "300", "--llmserve",
+            str(REPO / "examples" / "llmserve-unified-70b-a100.yaml"), "--policy", "static"]
+    data = run_json(capsys, [*argv, "--json"])
+    assert data["rejected_requests"] > 0
+    assert main([*argv, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"{data['rejected_requests']} of " in out and "(maxModelLen 4096 tokens): rejected at admission" in out
+
+
 def test_replay_compare_json_scores_every_policy_and_writes_the_report(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -237,8 +237,10 @@ def test_a_unified_mode_spec_replays_with_unified_instances_only(name: str, wind
     assert all(p.prefill == 0 and p.decode == 0 and p.unified >= 1 for p in run.timeline)
     # the spec's default router policy (disaggregated) runs as the router runs it: over kv_both instances it
     # prefills on one and decodes on another, or colocates (single instance, ultra-short prompts)
-    assert {r.path for r in run.records} <= {"unified", "disaggregated"}
-    assert all(r.prefill_instance >= 0 for r in run.records)
+    assert {r.path for r in run.records} <= {"unified", "disaggregated", "rejected"}
+    # prompts of the model's context (4,096 tokens) or more are rejected as the router rejects them, never served
+    assert {r.arrival_s for r in run.records if r.path == "rejected"} == {q.arrival_s for q in window if q.isl >= 4096}
+    assert all(r.prefill_instance >= 0 for r in run.records if r.path != "rejected")
     assert len(run.records) == len(window)
     if name == "fulcrum":  # the planner resizes the unified pool with the load
         assert len({p.unified for p in run.timeline}) > 1

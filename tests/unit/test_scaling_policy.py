@@ -224,3 +224,22 @@ def test_a_scale_out_soon_after_a_scale_in_lengthens_that_pools_window_and_calm_
         (7740.0, 2, 300.0),   # and again, back to the base
     ]
     assert Pool.DECODE not in state.window_s  # the decode pool never scaled out after a scale-in
+
+
+def test_a_scale_out_long_after_a_scale_in_is_the_load_growing_and_leaves_the_window_alone():
+    # base window 300 s: a scale-out 120 s after the scale-in doubles it; one 840 s after (more than twice the
+    # window, less than the longest 1,200 s) is a load that grew again, not a premature scale-in
+    from fulcrum.target import Pool
+
+    s = ScalingSettings(hysteresis_ticks=3, cooldown_s=300, max_window_factor=4.0)
+
+    def run(lull: int) -> dict[Pool, float]:
+        state, cur, t = ScalingState(), target(3, 1), 0.0
+        for p in [3] * 5 + [2] * (5 + lull) + [3]:
+            t += 60.0
+            cur, state, _ = apply_scaling_policy(target(p, 1), cur, now_s=t, obs=obs(t), state=state, settings=s)
+        assert cur.prefill.replicas == 3  # scaled in at 600 s, out again at the end
+        return dict(state.window_s)
+
+    assert run(lull=1)[Pool.PREFILL] == 600.0  # out 120 s after the scale-in: premature, doubled
+    assert Pool.PREFILL not in run(lull=13)  # out 840 s after it: the base window stays

@@ -56,6 +56,21 @@ def test_a_lone_request_sees_its_prefill_time_as_ttft_and_the_profile_step_time_
     assert rec.tpot_s == pytest.approx(step + transfer / 10, rel=1e-12)
 
 
+def test_a_prompt_the_context_cannot_hold_is_rejected_and_an_output_stops_at_the_context_end() -> None:
+    # max_model_len 1,024: the router answers a prompt of 1,024 tokens or more with 400 (context_length_exceeded);
+    # vLLM's default max_tokens stops a 1,000-token prompt's output at 24 tokens
+    cfg = SimConfig(max_model_len=1024)
+    reqs = [Request(0.0, 1024, 50), Request(0.5, 1000, 100), Request(1.0, 200, 30)]
+    sim = Simulation(reqs, make_profile(), SLO, pd(1, 1), cfg)
+    sim.run_until(2.0)
+    assert sim.observe(2.0).arrivals == 2  # the router's metrics see the admitted requests only
+    rejected, capped, whole = sim.finish().records
+    assert rejected.path == "rejected" and rejected.prefill_instance == -1
+    assert math.isinf(rejected.ttft_s) and math.isinf(rejected.finish_s)
+    assert capped.osl == 24 and math.isfinite(capped.finish_s)
+    assert whole.osl == 30 and whole.path == "disaggregated"
+
+
 def test_one_event_per_step_follows_the_growing_context_and_spans_stay_within_it() -> None:
     prof = make_profile()
     cfg = SimConfig(max_span_steps=1, kv_transfer_overhead_s=0.0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from fulcrum.replay.routing import ROUTING_POLICIES, parse_routing, path_counts
 from fulcrum.scaling.registry import PLANNERS
 from fulcrum.replay.table import comparison_table, infeasible_lines, percentiles_table, summary_json
 from fulcrum.traces import TRACE_FORMATS, load_trace
+from fulcrum.workload import Request
 
 __all__ = ["add_parser", "run", "resolve_spec_profile"]
 
@@ -122,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
               f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
               f"routing {routings[0]}", flush=True)
         print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
+        if too_long(spec, requests):
+            print(rejected_line(spec, requests))
     runs = []
     for name in policies:
         runs.append(run_policy(name, requests, spec, profile, options))
@@ -132,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
             for line in infeasible_lines(runs[-1:]):
                 print(f"  {line}", flush=True)
     extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
-                             "warmup_s": warmup, "routing": routings[0]}
+                             "warmup_s": warmup, "routing": routings[0],
+                             "rejected_requests": too_long(spec, requests)}
     if args.compare:
         from fulcrum.replay.static_best import static_best
 
@@ -173,6 +178,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def too_long(spec: LLMServeSpec, requests: Sequence[Request]) -> int:
+    """Requests whose prompt is at least the model's context (``engine.maxModelLen`` tokens): the router rejects
+    them (400 ``context_length_exceeded``), and so does the simulated one (``SimConfig.max_model_len``)."""
+    return sum(r.isl >= spec.engine.max_model_len for r in requests)
+
+
+def rejected_line(spec: LLMServeSpec, requests: Sequence[Request]) -> str:
+    """The line ``fulcrum replay`` prints when the trace has prompts the model's context cannot hold."""
+    return (f"{too_long(spec, requests)} of {len(requests)} prompts are at least the model's context (maxModelLen "
+            f"{spec.engine.max_model_len} tokens): rejected at admission, as the router rejects them (400 "
+            "context_length_exceeded), and scored as misses under every policy")
+
+
 def _rebalancing(run: PolicyRun) -> str:
     """``"; N migrations, M role changes"`` for what the simulated router rebalanced in flight ("" when nothing)."""
     parts = [f"{n} {what}" for n, what in ((run.migrations, "migrations"), (run.role_changes, "role changes")) if n]
@@ -189,6 +207,8 @@ def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformancePr
               f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
               f"planner {args.policy}; routing policies compared: {', '.join(routings)}", flush=True)
         print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
+        if too_long(spec, requests):
+            print(rejected_line(spec, requests))
     runs: list[PolicyRun] = []
     paths: dict[str, dict[str, int]] = {}
     for name in routings:
