@@ -359,7 +359,8 @@ class Simulation:
                 raise ValueError(f"request {i}: isl and osl must be >= 1, got isl={q.isl}, osl={q.osl}")
             # the engine stops a request at the context's end (vLLM's default max_tokens = max_model_len − isl)
             room = config.max_model_len - int(q.isl)
-            reqs.append(SimRequest(k, float(q.arrival_s), int(q.isl), int(q.osl) if room < 1 else min(int(q.osl), room)))
+            out = int(q.osl) if room < 1 else min(int(q.osl), room)
+            reqs.append(SimRequest(k, float(q.arrival_s), int(q.isl), out))
             if room < 1:
                 reqs[-1].path = REJECTED  # the router answers 400 context_length_exceeded (router/app.py)
         self._reqs = reqs
