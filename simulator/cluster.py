@@ -79,6 +79,7 @@ from fulcrum.simulator.records import (
     InstanceStatus,
     RequestRecord,
     RoleView,
+    exceeds_context,
 )
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
@@ -357,12 +358,12 @@ class Simulation:
                 raise ValueError(f"request {i}: arrival_s must be a finite number >= 0, got {q.arrival_s!r}")
             if q.isl < 1 or q.osl < 1:
                 raise ValueError(f"request {i}: isl and osl must be >= 1, got isl={q.isl}, osl={q.osl}")
+            rejected = exceeds_context(int(q.isl), config.max_model_len)
             # the engine stops a request at the context's end (vLLM's default max_tokens = max_model_len − isl)
-            room = config.max_model_len - int(q.isl)
-            out = int(q.osl) if room < 1 else min(int(q.osl), room)
+            out = int(q.osl) if rejected else min(int(q.osl), config.max_model_len - int(q.isl))
             reqs.append(SimRequest(k, float(q.arrival_s), int(q.isl), out))
-            if room < 1:
-                reqs[-1].path = REJECTED  # the router answers 400 context_length_exceeded (router/app.py)
+            if rejected:
+                reqs[-1].path = REJECTED
         self._reqs = reqs
         self._profile = profile
         self._slo = slo

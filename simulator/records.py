@@ -5,10 +5,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["REJECTED", "RequestRecord", "InstanceStatus", "DecodeRequestView", "DecodeInstanceView", "RoleView"]
+__all__ = ["REJECTED", "exceeds_context", "RequestRecord", "InstanceStatus", "DecodeRequestView",
+           "DecodeInstanceView", "RoleView"]
 
 #: ``RequestRecord.path`` of a request the router rejected: its prompt does not fit the model's context.
 REJECTED = "rejected"
+
+
+def exceeds_context(isl: int, max_model_len: int) -> bool:
+    """Whether a prompt of ``isl`` tokens is rejected at admission: it is at least the model's context
+    (``max_model_len`` tokens), which the router answers with 400 ``context_length_exceeded`` (router/app.py)."""
+    return isl >= max_model_len
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,8 +188,9 @@ def apply_scaling_policy(
     def grew(name: Pool) -> None:
         """A scale-out: a last scale-in within twice the pool's window (at most the longest) was premature and
         doubles the pool's window."""
-        if now_s - last_in.get(name, -math.inf) <= min(2.0 * windows.get(name, base_s), longest_s):
-            windows[name] = min(2.0 * windows.get(name, base_s), longest_s)
+        doubled = min(2.0 * windows.get(name, base_s), longest_s)
+        if now_s - last_in.get(name, -math.inf) <= doubled:
+            windows[name] = doubled
             changed[name] = now_s
 
     pools: dict[Pool, PoolSize] = {}

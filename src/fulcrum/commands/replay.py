@@ -41,6 +41,7 @@ from fulcrum.replay.pareto import pareto_verdict
 from fulcrum.replay.result import PolicyRun
 from fulcrum.replay.routing import ROUTING_POLICIES, parse_routing, path_counts
 from fulcrum.scaling.registry import PLANNERS
+from fulcrum.simulator.records import exceeds_context
 from fulcrum.replay.table import comparison_table, infeasible_lines, percentiles_table, summary_json
 from fulcrum.traces import TRACE_FORMATS, load_trace
 from fulcrum.workload import Request
@@ -118,14 +119,15 @@ def run(args: argparse.Namespace) -> int:
     if len(routings) > 1:
         return _compare_routing(args, spec, profile, requests, trace.name, routings, options, warmup)
     policies = list(PLANNERS) if args.compare else [args.policy]
+    rejected = too_long(spec, requests)
     if not args.json:
         print(f"trace {trace.name}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
               f"(time scale {args.time_scale:g}); profile {profile.name}; mode {spec.mode.value}; "
               f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
               f"routing {routings[0]}", flush=True)
         print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
-        if too_long(spec, requests):
-            print(rejected_line(spec, requests))
+        if rejected:
+            print(rejected_line(spec, rejected, len(requests)))
     runs = []
     for name in policies:
         runs.append(run_policy(name, requests, spec, profile, options))
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {line}", flush=True)
     extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
                              "warmup_s": warmup, "routing": routings[0],
-                             "rejected_requests": too_long(spec, requests)}
+                             "rejected_requests": rejected}
     if args.compare:
         from fulcrum.replay.static_best import static_best
 
@@ -181,12 +183,13 @@ def run(args: argparse.Namespace) -> int:
 def too_long(spec: LLMServeSpec, requests: Sequence[Request]) -> int:
     """Requests whose prompt is at least the model's context (``engine.maxModelLen`` tokens): the router rejects
     them (400 ``context_length_exceeded``), and so does the simulated one (``SimConfig.max_model_len``)."""
-    return sum(r.isl >= spec.engine.max_model_len for r in requests)
+    return sum(exceeds_context(r.isl, spec.engine.max_model_len) for r in requests)
 
 
-def rejected_line(spec: LLMServeSpec, requests: Sequence[Request]) -> str:
-    """The line ``fulcrum replay`` prints when the trace has prompts the model's context cannot hold."""
-    return (f"{too_long(spec, requests)} of {len(requests)} prompts are at least the model's context (maxModelLen "
+def rejected_line(spec: LLMServeSpec, rejected: int, total: int) -> str:
+    """The line ``fulcrum replay`` prints when ``rejected`` of the trace's ``total`` prompts are too long for the
+    model's context (:func:`too_long`)."""
+    return (f"{rejected} of {total} prompts are at least the model's context (maxModelLen "
             f"{spec.engine.max_model_len} tokens): rejected at admission, as the router rejects them (400 "
             "context_length_exceeded), and scored as misses under every policy")
 
@@ -207,8 +210,9 @@ def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformancePr
               f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
               f"planner {args.policy}; routing policies compared: {', '.join(routings)}", flush=True)
         print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
-        if too_long(spec, requests):
-            print(rejected_line(spec, requests))
+        rejected = too_long(spec, requests)
+        if rejected:
+            print(rejected_line(spec, rejected, len(requests)))
     runs: list[PolicyRun] = []
     paths: dict[str, dict[str, int]] = {}
     for name in routings:
