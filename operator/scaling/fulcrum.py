@@ -418,7 +418,7 @@ class FulcrumPlanner:
         self.last_plan = p
         nxt, self._state, reasons = apply_scaling_policy(
             p.target(), current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling,
-            utilisation=_needs(p),
+            utilisation=_needs(p), out_of_reach=_out_of_reach(p),
         )
         reason = "; ".join(reasons) if reasons else "hold"
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}{self._budget_note()}]", forecast=fc,
@@ -476,7 +476,7 @@ class FulcrumPlanner:
             gpus={m: p.gpus for m, p in plans.items()},
             feasible={m: p.feasible for m, p in plans.items()},
             new_pools_ready=new_ready,
-            pressure=bool(reactive_pools(obs, self.scaling)) or obs.prefill_queue > max(obs.arrivals, 1),
+            pressure=bool(reactive_pools(obs, self.scaling, _out_of_reach(*plans.values()))) or obs.prefill_queue > max(obs.arrivals, 1),
             room=serving_gpus + plans[other].gpus <= self.spec.scaling.max_gpus,
             startup_s=self.spec.scaling.pod_startup_seconds,
             settings=self.mode_switch,
@@ -501,7 +501,8 @@ class FulcrumPlanner:
                 planned = ClusterTarget.of(
                     {n: _at_least(planned.pool(n), current.pool(n)) for n in MODE_POOLS[now_serving]}, p.routing)
         nxt, self._state, reasons = apply_scaling_policy(
-            planned, current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling, utilisation=needs
+            planned, current, now_s=obs.time_s, obs=obs, state=self._state, settings=self.scaling, utilisation=needs,
+            out_of_reach=_out_of_reach(p),
         )
         if md.phase == "cut-over":  # the old mode's pools drain now: the new ones are ready
             nxt = ClusterTarget.of(
@@ -513,6 +514,16 @@ class FulcrumPlanner:
                                gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}{self._budget_note()}]", forecast=fc,
                         numbers=numbers)
+
+
+def _out_of_reach(*plans: Plan) -> frozenset[str]:
+    """The SLO metrics (``"ttft"``, ``"tpot"``) every one of ``plans`` found out of the profile's reach at the
+    forecast lengths (:func:`fulcrum.ratio.feasibility.slo_feasibility`): the reactive guard does not judge an
+    interval by those targets (:func:`fulcrum.scaling.policy.reactive_pools`)."""
+    if not plans:
+        return frozenset()
+    sets = [frozenset(f.metric for f in p.slo_infeasible) for p in plans]
+    return frozenset.intersection(*sets)
 
 
 def _current_tp(current: ClusterTarget) -> int | None:

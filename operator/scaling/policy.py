@@ -10,7 +10,9 @@ Per pool (prefill, decode, unified), given the plan for this tick and the target
   overshoot many times over) or became ready during the last interval (the miss was measured partly without
   them), or unless the backlog behind the miss is draining fast enough to be gone before an instance started
   now could be ready (``startup_s``): the miss is then the backlog's past, measured on requests that waited in
-  it, and capacity that arrives after the queue is empty serves none of them (:func:`backlog_draining`);
+  it, and capacity that arrives after the queue is empty serves none of them (:func:`backlog_draining`). A
+  target the plan found out of the profile's reach (``out_of_reach``, :mod:`fulcrum.ratio.feasibility`) is not
+  judged: its misses come whatever the pools (a backlog or a full KV cache still count);
 - **scale-in** only when every plan of the stabilisation window — the last max(``hysteresis_ticks``
   intervals, cooldown) seconds, as the HPA's scale-down window — asked for fewer instances, the pool's
   cooldown has passed since its last scale-in, and the N/(N−1) check holds: the load the plan saw would
@@ -128,10 +130,14 @@ def _draining_pools(obs: Observation, queues: tuple[int, int] | None, startup_s:
     return out
 
 
-def reactive_pools(obs: Observation, s: ScalingSettings) -> set[Pool]:
+def reactive_pools(obs: Observation, s: ScalingSettings, out_of_reach: frozenset[str] = frozenset()) -> set[Pool]:
     """Pools the reactive guard would grow after ``obs`` (see the module doc): TTFT missed with prompts queued,
     or a prompt backlog larger than an interval's arrivals → prefill/unified; decode work queued with TPOT missed
-    or the KV cache nearly full → decode/unified. Empty when the SLO holds.
+    or the KV cache nearly full → decode/unified. Empty when the SLO holds. ``out_of_reach``: the metrics
+    (``"ttft"``, ``"tpot"``) whose attainment is not judged, because the plan found their target out of the
+    profile's reach (:class:`fulcrum.ratio.feasibility.SLOInfeasible`): their misses come whatever the pools
+    (until 2026-11-28 they grew a pool every interval with work queued and the plans shrank it a window later:
+    20 scale events on the sim example with a 15-ms TPOT target × the Azure conversation trace, 8 now).
 
     A TPOT miss with no decode work queued is not enough (the module doc's "work is queueing"): TPOT is measured
     when a request finishes, over a decode that may have run behind a backlog now drained, and more decode
@@ -140,8 +146,10 @@ def reactive_pools(obs: Observation, s: ScalingSettings) -> set[Pool]:
     the plans never asked for: 7.53 GPU-h with it, 7.35 without, the same 98.7% attainment."""
     pools: set[Pool] = set()
     enough = obs.completed >= s.reactive_min_samples
-    ttft_bad = enough and math.isfinite(obs.ttft_attainment) and obs.ttft_attainment < s.slo_target
-    tpot_bad = enough and math.isfinite(obs.tpot_attainment) and obs.tpot_attainment < s.slo_target
+    ttft_bad = (enough and "ttft" not in out_of_reach and math.isfinite(obs.ttft_attainment)
+                and obs.ttft_attainment < s.slo_target)
+    tpot_bad = (enough and "tpot" not in out_of_reach and math.isfinite(obs.tpot_attainment)
+                and obs.tpot_attainment < s.slo_target)
     if (ttft_bad and obs.prefill_queue > 0) or obs.prefill_queue > max(obs.arrivals, 1):
         pools |= {Pool.PREFILL, Pool.UNIFIED}
     if obs.decode_queue > 0 and (tpot_bad or obs.kv_utilisation > 0.9):
@@ -160,6 +168,7 @@ def apply_scaling_policy(
     state: ScalingState,
     settings: ScalingSettings,
     utilisation: dict[Pool, float] | None = None,
+    out_of_reach: frozenset[str] = frozenset(),
 ) -> tuple[ClusterTarget, ScalingState, list[str]]:
     """The next target from this tick's plan (see module doc).
 
@@ -172,12 +181,13 @@ def apply_scaling_policy(
         settings: the policy's tunables.
         utilisation: per pool, the continuous instance need of the plan (e.g. 2.4 instances), for the
             N/(N−1) check; planned replicas are used when missing.
+        out_of_reach: SLO metrics the reactive guard does not judge (:func:`reactive_pools`).
 
     Returns:
         (next target, next state, reasons — one line per pool that changed).
     """
     util = utilisation or {}
-    reactive = reactive_pools(obs, settings) - _draining_pools(obs, state.queues, settings.startup_s)
+    reactive = reactive_pools(obs, settings, out_of_reach) - _draining_pools(obs, state.queues, settings.startup_s)
     recent = dict(state.recent)
     last_in = dict(state.last_scale_in_s)
     windows = dict(state.window_s)

@@ -88,6 +88,29 @@ def test_the_reactive_guard_grows_decode_on_a_tpot_miss_only_with_decode_work_qu
     assert run([target(4, 2)], target(4, 2), s, [full]) == [(4, 3)]
 
 
+def test_the_reactive_guard_does_not_judge_an_interval_by_a_target_out_of_reach():
+    # a target the plan found out of reach (fulcrum.ratio.feasibility) is missed whatever the pools: its misses
+    # are no reason to grow them; a real backlog or a full KV cache still is
+    s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
+    ready = ReadyCounts(prefill=4, decode=2)
+    slow_prompts = obs(60, ttft_attainment=0.3, slo_attainment=0.3, prefill_queue=40, ready=ready)
+    slow_tokens = obs(60, tpot_attainment=0.0, slo_attainment=0.0, decode_queue=12, ready=ready)
+
+    def step(o: Observation, out_of_reach: frozenset[str]) -> tuple[int, int]:
+        cur, _, _ = apply_scaling_policy(target(4, 2), target(4, 2), now_s=60, obs=o, state=ScalingState(),
+                                         settings=s, out_of_reach=out_of_reach)
+        return cur.prefill.replicas, cur.decode.replicas
+
+    assert step(slow_prompts, frozenset()) == (5, 2) and step(slow_tokens, frozenset()) == (4, 3)
+    assert step(slow_prompts, frozenset({"ttft"})) == (4, 2)
+    assert step(slow_tokens, frozenset({"tpot"})) == (4, 2)
+    assert step(slow_tokens, frozenset({"ttft"})) == (4, 3)  # only the metric out of reach is set aside
+    backlog = obs(60, ttft_attainment=0.3, slo_attainment=0.3, arrivals=300, prefill_queue=400, ready=ready)
+    assert step(backlog, frozenset({"ttft"})) == (5, 2)
+    full = obs(60, tpot_attainment=0.0, slo_attainment=0.0, decode_queue=12, kv_utilisation=0.95, ready=ready)
+    assert step(full, frozenset({"tpot"})) == (4, 3)
+
+
 def test_the_reactive_guard_waits_while_instances_of_the_pool_are_starting():
     s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
     starting = obs(60, ttft_attainment=0.5, slo_attainment=0.5, prefill_queue=40, ready=ReadyCounts(prefill=2, decode=2))

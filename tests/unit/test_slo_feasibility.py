@@ -80,3 +80,38 @@ def test_unified_plans_report_an_unreachable_tpot_and_stay_under_the_cap(splitwi
     p = plan_unified(w, splitwise, SLOSpec(tpot_ms=best * 1e3 * 0.9), max_gpus=64)
     assert [f.metric for f in p.slo_infeasible] == ["tpot"] and isinstance(p.slo_infeasible[0], SLOInfeasible)
     assert p.gpus < 64 and not p.feasible
+
+
+def test_the_fulcrum_planner_does_not_grow_pools_for_a_target_out_of_reach(table_i):
+    # the sim example's limits with a 15-ms TPOT: Table I's decode step is slower at batch 1, so every request
+    # misses it whatever the pools; the intervals' TPOT misses (decode work queued) must not grow decode, as
+    # they do under a target the profile can meet
+    from fulcrum.api import parse_llmserve
+    from fulcrum.observation import Observation, ReadyCounts
+    from fulcrum.scaling.fulcrum import FulcrumPlanner
+
+    def spec(tpot_ms: float):
+        return parse_llmserve({
+            "model": {"name": "m"}, "slo": {"ttftMs": 2000, "tpotMs": tpot_ms, "percentile": 90},
+            "scaling": {"minGPUs": 3, "maxGPUs": 12, "intervalSeconds": 30, "podStartupSeconds": 15,
+                        "tpPrefill": 1, "tpDecode": 2},
+        }).spec
+
+    def decode_after(tpot_ms: float) -> tuple[int, str]:
+        planner = FulcrumPlanner(spec(tpot_ms), table_i)
+        cur = planner.initial()
+        reasons = []
+        for i in range(20):
+            o = Observation(time_s=30.0 * (i + 1), interval_s=30.0, arrivals=60, mean_isl=1000.0, mean_osl=200.0,
+                            completed=60, ttft_attainment=1.0, tpot_attainment=0.0, slo_attainment=0.0,
+                            decode_queue=5, ready=ReadyCounts(prefill=cur.prefill.replicas,
+                                                              decode=cur.decode.replicas))
+            d = planner.step(o, cur)
+            cur = d.target
+            reasons.append(d.reason)
+        return cur.decode.replicas, " | ".join(reasons)
+
+    n_out, why_out = decode_after(15.0)
+    n_in, why_in = decode_after(80.0)
+    assert "reactive" in why_in and n_in > 1
+    assert "reactive" not in why_out and n_out == 1
