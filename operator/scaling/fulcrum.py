@@ -516,14 +516,16 @@ class FulcrumPlanner:
                         numbers=numbers)
 
 
-def _out_of_reach(*plans: Plan) -> frozenset[str]:
+def _out_of_reach(*plans: Plan) -> dict[str, float]:
     """The SLO metrics (``"ttft"``, ``"tpot"``) every one of ``plans`` found out of the profile's reach at the
-    forecast lengths (:func:`fulcrum.ratio.feasibility.slo_feasibility`): the reactive guard does not judge an
-    interval by those targets (:func:`fulcrum.scaling.policy.reactive_pools`)."""
+    forecast lengths (:func:`fulcrum.ratio.feasibility.slo_feasibility`), each with the target the plans were
+    sized for instead (the largest, seconds): the reactive guard judges those metrics by it
+    (:func:`fulcrum.scaling.policy.reactive_pools`)."""
     if not plans:
-        return frozenset()
-    sets = [frozenset(f.metric for f in p.slo_infeasible) for p in plans]
-    return frozenset.intersection(*sets)
+        return {}
+    found = [{f.metric: f.planned_for_s for f in p.slo_infeasible} for p in plans]
+    common = set(found[0]).intersection(*found[1:])
+    return {m: max(f[m] for f in found) for m in sorted(common)}
 
 
 def _current_tp(current: ClusterTarget) -> int | None:

@@ -88,27 +88,37 @@ def test_the_reactive_guard_grows_decode_on_a_tpot_miss_only_with_decode_work_qu
     assert run([target(4, 2)], target(4, 2), s, [full]) == [(4, 3)]
 
 
-def test_the_reactive_guard_does_not_judge_an_interval_by_a_target_out_of_reach():
-    # a target the plan found out of reach (fulcrum.ratio.feasibility) is missed whatever the pools: its misses
-    # are no reason to grow them; a real backlog or a full KV cache still is
+def test_the_reactive_guard_judges_a_target_out_of_reach_by_the_target_the_plan_was_sized_for():
+    # a target the plan found out of reach (fulcrum.ratio.feasibility) is missed whatever the pools; the plan was
+    # sized for a reachable one (planned_for_s), and the interval's value at the SLO percentile is judged by it
     s = ScalingSettings(slo_target=0.9, reactive_growth=0.25)
     ready = ReadyCounts(prefill=4, decode=2)
-    slow_prompts = obs(60, ttft_attainment=0.3, slo_attainment=0.3, prefill_queue=40, ready=ready)
-    slow_tokens = obs(60, tpot_attainment=0.0, slo_attainment=0.0, decode_queue=12, ready=ready)
 
-    def step(o: Observation, out_of_reach: frozenset[str]) -> tuple[int, int]:
+    def step(o: Observation, out_of_reach: dict[str, float] | None) -> tuple[int, int]:
         cur, _, _ = apply_scaling_policy(target(4, 2), target(4, 2), now_s=60, obs=o, state=ScalingState(),
                                          settings=s, out_of_reach=out_of_reach)
         return cur.prefill.replicas, cur.decode.replicas
 
-    assert step(slow_prompts, frozenset()) == (5, 2) and step(slow_tokens, frozenset()) == (4, 3)
-    assert step(slow_prompts, frozenset({"ttft"})) == (4, 2)
-    assert step(slow_tokens, frozenset({"tpot"})) == (4, 2)
-    assert step(slow_tokens, frozenset({"ttft"})) == (4, 3)  # only the metric out of reach is set aside
-    backlog = obs(60, ttft_attainment=0.3, slo_attainment=0.3, arrivals=300, prefill_queue=400, ready=ready)
-    assert step(backlog, frozenset({"ttft"})) == (5, 2)
-    full = obs(60, tpot_attainment=0.0, slo_attainment=0.0, decode_queue=12, kv_utilisation=0.95, ready=ready)
-    assert step(full, frozenset({"tpot"})) == (4, 3)
+    def slow_prompts(p90_s: float) -> Observation:
+        return obs(60, ttft_attainment=0.3, slo_attainment=0.3, ttft_p_s=p90_s, prefill_queue=40, ready=ready)
+
+    def slow_tokens(p90_s: float) -> Observation:
+        return obs(60, tpot_attainment=0.0, slo_attainment=0.0, tpot_p_s=p90_s, decode_queue=12, ready=ready)
+
+    assert step(slow_prompts(1.2), None) == (5, 2) and step(slow_tokens(0.036), None) == (4, 3)
+    assert step(slow_prompts(1.2), {"ttft": 1.5}) == (4, 2)  # the P90 TTFT meets what the plan was sized for
+    assert step(slow_prompts(2.0), {"ttft": 1.5}) == (5, 2)  # it does not: the guard grows prefill
+    assert step(slow_tokens(0.036), {"tpot": 0.0376}) == (4, 2)
+    assert step(slow_tokens(0.050), {"tpot": 0.0376}) == (4, 3)
+    assert step(slow_tokens(0.036), {"ttft": 1.5}) == (4, 3)  # only the metric out of reach is judged so
+    assert step(slow_tokens(math.nan), {"tpot": 0.0376}) == (4, 2)  # no value, no reaction
+    # a backlog larger than an interval's arrivals, or a nearly full KV cache, still grows a pool
+    backlog = obs(60, ttft_attainment=0.3, slo_attainment=0.3, ttft_p_s=1.2, arrivals=300, prefill_queue=400,
+                  ready=ready)
+    assert step(backlog, {"ttft": 1.5}) == (5, 2)
+    full = obs(60, tpot_attainment=0.0, slo_attainment=0.0, tpot_p_s=0.036, decode_queue=12, kv_utilisation=0.95,
+               ready=ready)
+    assert step(full, {"tpot": 0.0376}) == (4, 3)
 
 
 def test_the_reactive_guard_waits_while_instances_of_the_pool_are_starting():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fulcrum.api import SLOSpec
@@ -82,10 +84,11 @@ def test_unified_plans_report_an_unreachable_tpot_and_stay_under_the_cap(splitwi
     assert p.gpus < 64 and not p.feasible
 
 
-def test_the_fulcrum_planner_does_not_grow_pools_for_a_target_out_of_reach(table_i):
+def test_the_fulcrum_planner_judges_a_target_out_of_reach_by_the_target_it_planned_for(table_i):
     # the sim example's limits with a 15-ms TPOT: Table I's decode step is slower at batch 1, so every request
-    # misses it whatever the pools; the intervals' TPOT misses (decode work queued) must not grow decode, as
-    # they do under a target the profile can meet
+    # misses it whatever the pools. Intervals whose P90 TPOT meets the target the plan was sized for instead
+    # (planned_for_s) must not grow decode, as they do under a target the profile can meet; a P90 TPOT above
+    # that one does
     from fulcrum.api import parse_llmserve
     from fulcrum.observation import Observation, ReadyCounts
     from fulcrum.scaling.fulcrum import FulcrumPlanner
@@ -97,21 +100,28 @@ def test_the_fulcrum_planner_does_not_grow_pools_for_a_target_out_of_reach(table
                         "tpPrefill": 1, "tpDecode": 2},
         }).spec
 
-    def decode_after(tpot_ms: float) -> tuple[int, str]:
+    def run(tpot_ms: float, p90_share: float) -> tuple[int, str, float]:
         planner = FulcrumPlanner(spec(tpot_ms), table_i)
         cur = planner.initial()
-        reasons = []
+        reasons, planned_for = [], math.nan
         for i in range(20):
+            last = planner.last_plan
+            found = [f.planned_for_s for f in last.slo_infeasible] if last is not None else []
+            planned_for = found[0] if found else planned_for
+            p90 = p90_share * planned_for if found else math.nan
             o = Observation(time_s=30.0 * (i + 1), interval_s=30.0, arrivals=60, mean_isl=1000.0, mean_osl=200.0,
                             completed=60, ttft_attainment=1.0, tpot_attainment=0.0, slo_attainment=0.0,
-                            decode_queue=5, ready=ReadyCounts(prefill=cur.prefill.replicas,
-                                                              decode=cur.decode.replicas))
+                            tpot_p_s=p90, decode_queue=5,
+                            ready=ReadyCounts(prefill=cur.prefill.replicas, decode=cur.decode.replicas))
             d = planner.step(o, cur)
             cur = d.target
             reasons.append(d.reason)
-        return cur.decode.replicas, " | ".join(reasons)
+        return cur.decode.replicas, " | ".join(reasons), planned_for
 
-    n_out, why_out = decode_after(15.0)
-    n_in, why_in = decode_after(80.0)
+    n_met, why_met, planned_for = run(15.0, 0.95)
+    assert planned_for > 0.015  # the plan reported the target out of reach and what it planned for instead
+    assert "reactive" not in why_met and n_met == 1
+    n_missed, why_missed, _ = run(15.0, 1.5)
+    assert "reactive" in why_missed and n_missed > 1
+    n_in, why_in, _ = run(80.0, 0.95)  # a reachable target: the attainment (0%) is judged
     assert "reactive" in why_in and n_in > 1
-    assert "reactive" not in why_out and n_out == 1
