@@ -198,6 +198,11 @@ def apply_scaling_policy(
     """
     util = utilisation or {}
     reactive = reactive_pools(obs, settings, out_of_reach) - _draining_pools(obs, state.queues, settings.startup_s)
+    why_reactive = f"SLO attainment below {settings.slo_target:.0%}"
+    if out_of_reach:  # a target out of reach is judged by the one planned for (reactive_pools)
+        why_reactive += " (" + ", ".join(
+            f"{m.upper()} at P{settings.slo_target * 100:.3g} against the {t * 1e3:.4g} ms planned for"
+            for m, t in sorted(out_of_reach.items())) + ")"
     recent = dict(state.recent)
     last_in = dict(state.last_scale_in_s)
     windows = dict(state.window_s)
@@ -247,7 +252,7 @@ def apply_scaling_policy(
             grow = max(1, math.ceil(settings.reactive_growth * n))
             target_n = n + min(max(grow, want.replicas - n), settings.max_step)
             if target_n > n:
-                reasons.append(f"{name}: {n}→{target_n} (reactive: SLO attainment below {settings.slo_target:.0%} with queued work)")
+                reasons.append(f"{name}: {n}→{target_n} (reactive: {why_reactive} with queued work)")
                 grew(name)
             pools[name] = PoolSize(target_n, have.tp)
             recent[name] = ((now_s, target_n),)

@@ -123,5 +123,6 @@ def test_the_fulcrum_planner_judges_a_target_out_of_reach_by_the_target_it_plann
     assert "reactive" not in why_met and n_met == 1
     n_missed, why_missed, _ = run(15.0, 1.5)
     assert "reactive" in why_missed and n_missed > 1
+    assert f"TPOT at P90 against the {planned_for * 1e3:.4g} ms planned for" in why_missed  # the reason says so
     n_in, why_in, _ = run(80.0, 0.95)  # a reachable target: the attainment (0%) is judged
     assert "reactive" in why_in and n_in > 1
