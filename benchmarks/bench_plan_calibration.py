@@ -42,7 +42,7 @@ from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan_
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import ReplayOptions, run_planner
 from fulcrum.scaling.static import StaticPlanner
-from fulcrum.simulator.records import exceeds_context
+from fulcrum.simulator.records import exceeds_context, output_within_context
 from fulcrum.traces import load_trace
 from fulcrum.workload import Request
 
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         # the prompts the router admits (one of the model's context or more is rejected with a 400, and the
         # simulator rejects it too), with the output the context leaves them: the load the plan is asked to serve
         ctx = spec.engine.max_model_len
-        src = [Request(r.arrival_s, r.isl, min(r.osl, ctx - r.isl)) for r in load_trace(trace, None).requests
-               if not exceeds_context(r.isl, ctx)]
+        src = [Request(r.arrival_s, r.isl, output_within_context(r.isl, r.osl, ctx))
+               for r in load_trace(trace, None).requests if not exceeds_context(r.isl, ctx)]
         isl = np.array([r.isl for r in src], dtype=float)
         osl = np.array([r.osl for r in src], dtype=float)
         i_dist, o_dist = _dist(isl), _dist(osl)

@@ -80,6 +80,7 @@ from fulcrum.simulator.records import (
     RequestRecord,
     RoleView,
     exceeds_context,
+    output_within_context,
 )
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 from fulcrum.workload import Request
@@ -359,8 +360,7 @@ class Simulation:
             if q.isl < 1 or q.osl < 1:
                 raise ValueError(f"request {i}: isl and osl must be >= 1, got isl={q.isl}, osl={q.osl}")
             rejected = exceeds_context(int(q.isl), config.max_model_len)
-            # the engine stops a request at the context's end (vLLM's default max_tokens = max_model_len − isl)
-            out = int(q.osl) if rejected else min(int(q.osl), config.max_model_len - int(q.isl))
+            out = int(q.osl) if rejected else output_within_context(int(q.isl), int(q.osl), config.max_model_len)
             reqs.append(SimRequest(k, float(q.arrival_s), int(q.isl), out))
             if rejected:
                 reqs[-1].path = REJECTED

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["REJECTED", "exceeds_context", "RequestRecord", "InstanceStatus", "DecodeRequestView",
-           "DecodeInstanceView", "RoleView"]
+__all__ = ["REJECTED", "exceeds_context", "output_within_context", "RequestRecord", "InstanceStatus",
+           "DecodeRequestView", "DecodeInstanceView", "RoleView"]
 
 #: ``RequestRecord.path`` of a request the router rejected: its prompt does not fit the model's context.
 REJECTED = "rejected"
@@ -16,6 +16,13 @@ def exceeds_context(isl: int, max_model_len: int) -> bool:
     """Whether a prompt of ``isl`` tokens is rejected at admission: it is at least the model's context
     (``max_model_len`` tokens), which the router answers with 400 ``context_length_exceeded`` (router/app.py)."""
     return isl >= max_model_len
+
+
+def output_within_context(isl: int, osl: int, max_model_len: int) -> int:
+    """The output tokens an admitted prompt of ``isl`` tokens gets of the ``osl`` asked for: the engine stops at
+    the context's end, ``max_model_len − isl`` tokens (vLLM's default ``max_tokens``). For a prompt that fits
+    (not :func:`exceeds_context`) the result is ≥ 1."""
+    return min(osl, max_model_len - isl)
 
 
 @dataclass(frozen=True, slots=True)
