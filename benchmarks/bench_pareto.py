@@ -11,12 +11,16 @@ measured in the same run is the ``dopd`` reference planner (DOPD Alg. 2): the sa
 front alone says nothing about the SLO: a planner that holds few GPUs and misses most requests is on it too, which
 is why the second count is there.
 
+``--seeds 1,2,3,4`` adds, for each synthetic trace among them, the same cells with the trace drawn at those seeds
+(``fulcrum replay --seed``; shown as ``NAME@SEED``) and counts them apart: the default seed is the matrix, the
+others say whether a cell's verdict is the planner's or the draw's (about 1 minute per seed).
+
 Then, for each ``mode: Auto`` example, the criterion "Auto is at least as good as the better of its two modes":
 the same example with ``mode`` pinned to Disaggregated and to Unified, ``--policy fulcrum`` on each trace, and
 whether either pinned mode dominates Auto (about 1 minute more).
 
     python benchmarks/bench_pareto.py [--jobs 2] [--traces azure-conv-2023,...] [--llmserve FILE ...]
-                                      [--json OUT]
+                                      [--seeds 1,2,...] [--json OUT]
 
 About 7 minutes for the 12 default cells on a 2-core machine at ``--jobs 2`` (the code trace's ``static-best``
 sweeps are the long ones). Every number comes from the replay's own ``--json``; ``--json OUT`` writes them all.
@@ -51,6 +55,13 @@ def resolvable(path: Path) -> bool:
     return True
 
 
+def trace_args(trace: str) -> list[str]:
+    """``fulcrum replay`` arguments of a cell's trace: ``NAME`` → ``--trace NAME``, ``NAME@SEED`` (a synthetic
+    trace drawn at another seed) → ``--trace NAME --seed SEED``."""
+    name, _, seed = trace.partition("@")
+    return ["--trace", name, *(["--seed", seed] if seed else [])]
+
+
 def run_cell(spec: Path, trace: str, policy_args: tuple[str, ...] = ("--compare",)) -> dict[str, Any]:
     """One ``fulcrum replay --compare --json`` (or other ``policy_args``) in a child process; its parsed output
     plus the wall time.
@@ -59,7 +70,7 @@ def run_cell(spec: Path, trace: str, policy_args: tuple[str, ...] = ("--compare"
         RuntimeError: the replay failed (its stderr in the message).
     """
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "fulcrum", "replay", "--trace", trace, "--llmserve", str(spec), *policy_args,
+    cmd = [sys.executable, "-m", "fulcrum", "replay", *trace_args(trace), "--llmserve", str(spec), *policy_args,
            "--json", "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
     if done.returncode != 0:
@@ -103,11 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="LLMServe file (repeatable; default: every examples/*.yaml whose profile resolves)")
     ap.add_argument("--traces", default=",".join(TRACES), help="comma-separated trace names or files")
     ap.add_argument("--jobs", type=int, default=2, help="replays run at once (default 2)")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds: also run each synthetic trace drawn at "
+                    "these seeds, counted apart (default: none)")
     ap.add_argument("--json", type=Path, help="write every cell's --json output here")
     args = ap.parse_args(argv)
     specs = args.llmserve or [p for p in sorted((REPO / "examples").glob("llmserve-*.yaml")) if resolvable(p)]
     traces = [t for t in args.traces.split(",") if t]
-    cells = [(s, t) for s in specs for t in traces]
+    from fulcrum.traces.synthetic import SYNTHETIC_TRACES
+
+    seeded = [f"{t}@{int(n)}" for n in args.seeds.split(",") if n.strip() for t in traces if t in SYNTHETIC_TRACES]
+    cells = [(s, t) for s in specs for t in [*traces, *seeded]]
     print(f"{len(cells)} cells: {len(specs)} LLMServe examples × {len(traces)} traces, {args.jobs} at a time",
           flush=True)
     t0 = time.perf_counter()
@@ -118,9 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     free = dict.fromkeys(JUDGED, 0)
     met = dict.fromkeys(JUDGED, 0)
+    seeded_free = 0
     for (spec, trace), res in zip(cells, results, strict=True):
         pol = res["policies"]
+        if "@" in trace:
+            seeded_free += not dominated_by(pol, "fulcrum")
         for judged in JUDGED:
+            if "@" in trace:
+                continue
             free[judged] += not dominated_by(pol, judged)
             a = pol[judged]["slo_attainment"]
             met[judged] += a is not None and a >= res["slo"]["percentile"] / 100.0
@@ -129,10 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         cell.append(", ".join(dominated_by(pol, "fulcrum")) or "none")
         rows.append(cell)
     print_table(header, rows)
-    n = len(cells)
+    n = len(specs) * len(traces)
     print(f"\nfulcrum not dominated in {free['fulcrum']} of {n} cells (target: all), SLO attainment at or above the "
           f"spec's percentile in {met['fulcrum']} of {n}; baseline dopd: not dominated in {free['dopd']} of {n}, "
           f"at the percentile in {met['dopd']} of {n}; {time.perf_counter() - t0:.0f} s")
+    if seeded:
+        print(f"synthetic traces at other seeds ({args.seeds}): fulcrum not dominated in {seeded_free} of "
+              f"{len(specs) * len(seeded)} cells")
     modes = auto_against_modes(specs, traces, args.jobs)
     if args.json:
         args.json.write_text(json.dumps(

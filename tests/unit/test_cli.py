@@ -317,6 +317,22 @@ def test_a_missing_trace_file_is_a_one_line_error(capsys: pytest.CaptureFixture[
     assert "no such trace file" in line and "absent.csv" in line
 
 
+def test_a_seed_for_a_trace_that_is_not_synthetic_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    line = run_error(capsys, ["replay", "--trace", "azure-conv-2023", "--seed", "3"])
+    assert "azure-conv-2023" in line and "seed applies only to a synthetic trace" in line
+
+
+def test_replay_draws_a_synthetic_trace_at_the_seed_given(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--trace", "synthetic-burst-steady", "--duration", "300", "--policy", "static", "--json"]
+    default, seeded, again = (run_json(capsys, argv + extra) for extra in ([], ["--seed", "1"], ["--seed", "1"]))
+    assert default["seed"] is None and seeded["seed"] == 1
+    def score(out: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(out["policies"]["static"][k] for k in ("requests", "slo_attainment", "gpu_hours"))
+
+    assert score(seeded) == score(again)  # a seed is a draw, the same every time
+    assert score(seeded)[0] != score(default)[0]
+
+
 def test_an_empty_trace_is_a_one_line_error(capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]) -> None:
     line = run_error(capsys, ["replay", "--trace", str(bad_files["empty"])])
     assert "empty.csv" in line and "no requests" in line

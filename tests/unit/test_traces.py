@@ -392,3 +392,18 @@ def test_the_synthetic_burst_steady_trace_is_deterministic_bursty_then_steady() 
     assert max(steady) < 1.3 * min(steady)  # 5 req/s, Poisson noise only
     assert load_trace("synthetic-burst-steady", duration_s=600.0).requests == a.requests[: len(
         [r for r in a.requests if r.arrival_s < 600.0])]
+
+
+def test_a_synthetic_trace_draws_other_requests_at_another_seed_and_only_a_synthetic_trace_has_one() -> None:
+    default = load_trace("synthetic-burst-steady")
+    assert load_trace("synthetic-burst-steady", seed=13).requests == default.requests  # 13 is the default seed
+    one = load_trace("synthetic-burst-steady", seed=1)
+    assert one.requests == load_trace("synthetic-burst-steady", seed=1).requests
+    assert one.requests != default.requests and "seed 1" in one.source
+    per_min = [0] * 60
+    for r in one.requests:
+        per_min[min(int(r.arrival_s // 60), 59)] += 1
+    assert max(per_min[:30]) > 4 * min(per_min[:30]) and max(per_min[31:59]) < 1.3 * min(per_min[31:59])
+    with pytest.raises(TraceError, match="seed applies only to a synthetic trace"):
+        load_trace("azure-conv-2023", seed=1)
+

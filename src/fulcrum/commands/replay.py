@@ -62,6 +62,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--routing", type=parse_routing, metavar="NAME[,NAME...]",
                    help=f"the router's routing policy the simulator runs ({', '.join(ROUTING_POLICIES)}; default: the "
                    "spec's router.policy); several names: one row per routing policy under the planner of --policy")
+    p.add_argument("--seed", type=int, help="draw a synthetic trace with this seed (default: its own); "
+                   "an error for any other trace")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by X (< 1 = a denser trace)")
     p.add_argument("--start", type=float, default=0.0, help="start of the trace window, seconds")
     p.add_argument("--duration", type=float, help="length of the trace window, seconds (whole trace when omitted)")
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     spec_path = Path(args.llmserve) if args.llmserve else None
     spec = load_llmserve(spec_path).spec if spec_path else _default_spec()
     profile = resolve_spec_profile(spec, spec_path, args.profile)
-    trace = load_trace(args.trace, args.format, start_s=args.start, duration_s=args.duration)
+    trace = load_trace(args.trace, args.format, start_s=args.start, duration_s=args.duration, seed=args.seed)
     requests = scale_arrivals(trace.requests, args.time_scale)
     routings: list[str] = args.routing or [spec.router.policy.value]
     progress = not (args.no_progress or args.json) and sys.stderr.isatty()
@@ -121,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     policies = list(PLANNERS) if args.compare else [args.policy]
     rejected = too_long(spec, requests)
     if not args.json:
-        print(f"trace {trace.name}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
+        seeded = f" (seed {args.seed})" if args.seed is not None else ""
+        print(f"trace {trace.name}{seeded}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
               f"(time scale {args.time_scale:g}); profile {profile.name}; mode {spec.mode.value}; "
               f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
               f"routing {routings[0]}", flush=True)
@@ -138,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             for line in infeasible_lines(runs[-1:]):
                 print(f"  {line}", flush=True)
     extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
+                             "seed": args.seed,
                              "warmup_s": warmup, "routing": routings[0],
                              "rejected_requests": rejected}
     if args.compare:

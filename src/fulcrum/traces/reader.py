@@ -127,6 +127,7 @@ def load_trace(
     start_s: float = 0.0,
     duration_s: float | None = None,
     limit: int | None = None,
+    seed: int | None = None,
 ) -> Trace:
     """Read a request trace file (or a bundled trace by name) into a :class:`Trace`.
 
@@ -139,6 +140,8 @@ def load_trace(
             the file.
         duration_s: keep requests arriving before ``start_s + duration_s``; ``None`` = to the end.
         limit: keep at most this many requests (the earliest ones of the window).
+        seed: for a synthetic trace, the seed its requests are drawn with (None: its default seed); a file or a
+            bundled trace has no seed.
 
     Returns:
         the windowed requests, sorted by arrival and re-based so the first arrives at 0.0 s.
@@ -146,7 +149,8 @@ def load_trace(
     Raises:
         TraceError: the file is missing, unreadable, empty, has no requests, or a row is malformed
             (the message names the file and line); the format is unknown or cannot be detected; the
-            window arguments are invalid or the window holds no request.
+            window arguments are invalid or the window holds no request; a ``seed`` is given for a trace that is
+            not synthetic.
     """
     if start_s < 0 or not math.isfinite(start_s):
         raise TraceError(f"start_s must be a finite number >= 0, got {start_s}")
@@ -155,9 +159,15 @@ def load_trace(
     if limit is not None and limit < 1:
         raise TraceError(f"limit must be >= 1, got {limit}")
     if isinstance(path, str) and path in SYNTHETIC_TRACES and not Path(path).is_file():
-        file, name, origin = Path(path), path, f"synthetic trace {path} (seeded, generated)"
+        how = "default seed" if seed is None else f"seed {seed}"
+        file, name, origin = Path(path), path, f"synthetic trace {path} (generated, {how})"
         fmt = "synthetic"
-        rows = [_Row(r.arrival_s, r.isl, r.osl, ()) for r in synthetic_trace(path)]
+        rows = [_Row(r.arrival_s, r.isl, r.osl, ()) for r in synthetic_trace(path, seed)]
+    elif seed is not None:
+        raise TraceError(
+            f"{path}: a seed applies only to a synthetic trace ({', '.join(sorted(SYNTHETIC_TRACES))}); "
+            "a file or a bundled trace is what it is"
+        )
     else:
         file, name, origin = _resolve(path)
         fmt = _check_format(fmt) if fmt is not None else detect_format(file)
