@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = auto_against_modes(specs, traces, args.jobs)
     if args.json:
         args.json.write_text(json.dumps(
-            {"cells": [{"llmserve": str(s), "trace": t, **r} for (s, t), r in zip(cells, results, strict=True)],
+            {"cells": [{**r, "llmserve": str(s), "trace": t} for (s, t), r in zip(cells, results, strict=True)],
              "auto_against_modes": modes}, indent=2))
     return 0
 

@@ -175,6 +175,22 @@ def test_a_periodic_burst_met_in_full_does_not_license_a_scale_in_before_the_nex
     assert met / len(second) >= auto.slo.percentile / 100.0
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "known defect (docs/replay.md, fifteenth session): in the lull after the first burst the max_headroom cap "
+    "(2 × the highest rate of the last three intervals) cuts the P90 plan of about 7.5 req/s to 2.93, and the "
+    "unified pool goes 8 → 5 at 600 s, as the second burst begins"))
+def test_the_headroom_cap_does_not_drop_a_burst_seen_in_the_lull_before_the_next_one() -> None:
+    path = REPO / "examples" / "llmserve-unified-70b-a100.yaml"
+    spec = load_llmserve(path).spec
+    assert spec.profile.name is not None
+    trace = load_trace("synthetic-burst-steady", duration_s=900.0, seed=4).requests
+    run = run_policy("fulcrum", trace, spec, builtin_profile(spec.profile.name))
+    second = [r for r in run.records if 600.0 <= r.arrival_s < 780.0]
+    met = sum(r.ttft_s * 1e3 <= spec.slo.ttft_ms and r.tpot_s * 1e3 <= spec.slo.tpot_ms for r in second)
+    assert len(second) > 1000
+    assert met / len(second) >= spec.slo.percentile / 100.0
+
+
 # ---------------------------------------------------------------------------------------------- warm-up
 def test_the_warmup_leaves_early_requests_out_of_scoring_but_not_out_of_the_records(
     spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
