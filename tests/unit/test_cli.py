@@ -155,6 +155,16 @@ def test_forecast_json_on_a_servegen_rate_file_scores_only_the_rate(capsys: pyte
     assert {s["points"] for s in rate.values()} == {2016 // 6 - 8}  # every point after the 8 warm-up intervals
 
 
+def test_forecast_draws_a_synthetic_trace_at_the_seed_given_and_rejects_a_seed_elsewhere(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["forecast", "--trace", "synthetic-burst-steady", "--interval", "300", "--json"]
+    default, seeded = run_json(capsys, argv), run_json(capsys, [*argv, "--seed", "1"])
+    assert default["series"]["rate"]["last_value"]["mape"] != seeded["series"]["rate"]["last_value"]["mape"]
+    line = run_error(capsys, ["forecast", "--trace", "azure-code-2023", "--interval", "60", "--seed", "1"])
+    assert "seed applies only to a synthetic trace" in line
+
+
 # ---------------------------------------------------------------------------------------------- replay
 REPLAY = ["replay", "--trace", "azure-conv-2023", "--llmserve", str(DISAGG_SPEC), "--duration", "600"]
 

@@ -33,6 +33,8 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, help="request trace, bundled trace name, or ServeGen *_aggregate_10min.csv")
     p.add_argument("--interval", type=float, required=True, help="planner interval, seconds")
+    p.add_argument("--seed", type=int, help="draw a synthetic trace with this seed (default: its own); an error for "
+                   "any other trace")
     p.add_argument("--warmup", type=int, default=8, help="intervals before scoring starts (default 8)")
     p.add_argument("--order", type=int, nargs=3, metavar=("P", "D", "Q"), help="ARIMA order (default 0 1 1)")
     p.add_argument("--window", type=int, help="ARIMA fitting window, intervals (default 64)")
@@ -52,14 +54,18 @@ def _is_rate_series(path: Path) -> bool:
     return "total_rate_rps" in head
 
 
-def load_series(trace: str, interval_s: float) -> tuple[str, dict[str, list[float]], float]:
-    """(name, series by name, interval in seconds) for a request trace or a ServeGen rate file.
+def load_series(trace: str, interval_s: float, seed: int | None = None) -> tuple[str, dict[str, list[float]], float]:
+    """(name, series by name, interval in seconds) for a request trace or a ServeGen rate file; ``seed`` draws a
+    synthetic trace at that seed (:func:`fulcrum.traces.load_trace`).
 
     Raises:
-        TraceError: unreadable trace, or an interval that is not a multiple of a rate file's resolution.
+        TraceError: unreadable trace, or an interval that is not a multiple of a rate file's resolution; a seed
+            for a trace that is not synthetic.
     """
     path = Path(trace)
     if _is_rate_series(path):
+        if seed is not None:
+            raise TraceError(f"{path}: a seed applies only to a synthetic trace, not to a rate file")
         rs = load_rate_series(path)
         k = interval_s / rs.interval_s
         if k < 1 or abs(k - round(k)) > 1e-9:
@@ -71,7 +77,7 @@ def load_series(trace: str, interval_s: float) -> tuple[str, dict[str, list[floa
             chunk = [v for v in vals[i : i + k] if not math.isnan(v)]
             rate.append(sum(chunk) / len(chunk) if chunk else math.nan)
         return rs.name, {"rate": rate}, interval_s
-    tr = load_trace(trace)
+    tr = load_trace(trace, seed=seed)
     return tr.name, interval_series(tr.requests, interval_s), interval_s
 
 
@@ -88,7 +94,7 @@ def _spec(args: argparse.Namespace, interval_s: float) -> ForecasterSpec:
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.interval) and args.interval > 0):
         raise ValueError(f"--interval must be a positive number of seconds, got {args.interval}")
-    name, series, interval = load_series(args.trace, args.interval)
+    name, series, interval = load_series(args.trace, args.interval, args.seed)
     spec = _spec(args, interval)
     results: dict[str, dict[str, Any]] = {}
     for sname, values in series.items():
