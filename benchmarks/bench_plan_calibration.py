@@ -21,6 +21,13 @@ mean in-flight context, as DOPD's eq. (13) does — so the ratio shows what sizi
 
 No GPU and no cluster: the simulator is timed by the specs' performance profiles. Target: every point
 calibrated (a miss is a planner model error, to be fixed in ``fulcrum.ratio``).
+
+``--tightness`` asks the other question too: is a calibrated plan of the ``fulcrum`` variant the *smallest* that
+holds the load? Each of its pools with two or more instances is run again with one instance fewer (the other
+pools as planned); a plan is **tight** when every such deployment falls under the percentile, and **loose** when
+one of them still reaches it (the plan holds at least one instance more than the load needs). About twice the
+run time. A loose point is over-provisioning in the planner's model; how many there are, and by which pool, is
+the figure.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import ReplayOptions, run_planner
 from fulcrum.scaling.static import StaticPlanner
 from fulcrum.simulator.records import exceeds_context, output_within_context
+from fulcrum.target import ClusterTarget
 from fulcrum.traces import load_trace
 from fulcrum.workload import Request
 
@@ -80,17 +88,38 @@ def _label(p: Plan) -> str:
     return f"{p.prefill.replicas}P×TP{p.prefill.tp}+{p.decode.replicas}D×TP{p.decode.tp}"
 
 
+def one_fewer(target: ClusterTarget) -> list[tuple[str, ClusterTarget]]:
+    """``(pool name, target)`` for each pool of ``target`` with two or more instances, that pool one instance
+    smaller and the others as they are (the ``--tightness`` probes)."""
+    return [(name.value, target.with_replicas(name, size.replicas - 1))
+            for name, size in target.pools() if size.replicas >= 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="1,2,3,4,5,6,8", help="steady arrival rates, requests/s (comma-separated)")
     ap.add_argument("--seconds", type=float, default=1800.0, help="length of each Poisson load, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tightness", action="store_true",
+                    help="also run each calibrated fulcrum plan with one instance fewer per pool (module doc)")
     args = ap.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     warnings.simplefilter("ignore")
     variants = {"fulcrum": None, "mean KV (baseline)": 0.5}
     totals = {v: [0, 0, 0] for v in variants}  # calibrated points, points, planned GPUs
-    runs: dict[tuple[str, int, int, int], float] = {}
+    runs: dict[tuple[str, ClusterTarget], float] = {}
+    tight = [0, 0]  # tight plans, calibrated plans probed
+    loose: list[str] = []
+
+    def attainment(key: tuple[str, ClusterTarget], spec: LLMServeSpec, profile: PerformanceProfile,
+                   load: list[Request]) -> float:
+        """SLO attainment of ``key``'s target as a static deployment on ``load`` (cached per case and target)."""
+        if key not in runs:
+            # the plan's own pools, TPs and routing (the spec's counts would take the spec's TPs)
+            static = StaticPlanner(spec, profile, target=key[1])
+            runs[key] = run_planner(static, load, spec, profile, ReplayOptions(), name="static").summary.slo_attainment
+        return runs[key]
+
     for example, trace in CASES:
         path = ROOT / "examples" / example
         spec = load_llmserve(path).spec
@@ -119,14 +148,15 @@ def main(argv: list[str] | None = None) -> int:
                 if q is not None:
                     settings = dataclasses.replace(settings, kv_occupancy_quantile=q)
                 for mode, p in _plans(spec, profile, w, settings).items():
-                    key = (f"{example}|{trace}|{lam}|{mode}", p.target())
-                    if key not in runs:
-                        # the plan's own pools, TPs and routing (the spec's counts would take the spec's TPs)
-                        static = StaticPlanner(spec, profile, target=p.target())
-                        runs[key] = run_planner(static, load, spec, profile, ReplayOptions(), name="static"
-                                                ).summary.slo_attainment
-                    a = runs[key]
+                    case = f"{example}|{trace}|{lam}|{mode}"
+                    a = attainment((case, p.target()), spec, profile, load)
                     ok = a >= target
+                    if args.tightness and ok and q is None:
+                        held = [(pool, attainment((case, t), spec, profile, load)) for pool, t in one_fewer(p.target())]
+                        tight[1] += 1
+                        tight[0] += not any(x >= target for _, x in held)
+                        loose += [f"{example} × {trace} at {lam:g} req/s: {_label(p)} holds with one {pool} instance "
+                                  f"fewer ({x:.1%})" for pool, x in held if x >= target]
                     tot = totals[name]
                     tot[0] += ok
                     tot[1] += 1
@@ -140,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ours = totals["fulcrum"]
     print(f"\nratio to the baseline: calibrated {ours[0] / max(base[0], 1):.2f}×, planned GPUs {ours[2] / max(base[2], 1):.2f}×")
     print(f"target (every point calibrated): {'met' if ours[0] == ours[1] else 'not met'}")
+    if args.tightness:
+        print(f"\ntightness: {tight[0]} of {tight[1]} calibrated fulcrum plans are the smallest that hold their load "
+              f"(one instance fewer in any pool falls under the percentile); loose:")
+        for line in loose:
+            print(f"  {line}")
+        if not loose:
+            print("  none")
     return 0
 
 
