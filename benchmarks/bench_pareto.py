@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
     seeded = [f"{t}@{int(n)}" for n in args.seeds.split(",") if n.strip() for t in traces if t in SYNTHETIC_TRACES]
     cells = [(s, t) for s in specs for t in [*traces, *seeded]]
-    print(f"{len(cells)} cells: {len(specs)} LLMServe examples × {len(traces)} traces, {args.jobs} at a time",
-          flush=True)
+    also = f" + {len(specs) * len(seeded)} at other seeds" if seeded else ""
+    print(f"{len(specs) * len(traces)} cells: {len(specs)} LLMServe examples × {len(traces)} traces{also}, "
+          f"{args.jobs} at a time", flush=True)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
         results = list(pool.map(lambda c: run_cell(*c), cells))
@@ -137,14 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     seeded_free = 0
     for (spec, trace), res in zip(cells, results, strict=True):
         pol = res["policies"]
-        if "@" in trace:
+        if "@" in trace:  # a synthetic trace at another seed: counted apart from the matrix
             seeded_free += not dominated_by(pol, "fulcrum")
-        for judged in JUDGED:
-            if "@" in trace:
-                continue
-            free[judged] += not dominated_by(pol, judged)
-            a = pol[judged]["slo_attainment"]
-            met[judged] += a is not None and a >= res["slo"]["percentile"] / 100.0
+        else:
+            for judged in JUDGED:
+                free[judged] += not dominated_by(pol, judged)
+                a = pol[judged]["slo_attainment"]
+                met[judged] += a is not None and a >= res["slo"]["percentile"] / 100.0
         cell = [f"{spec.stem.removeprefix('llmserve-')} × {trace}", *(cell_text(pol[n]) for n in names)]
         cell.append(res["static_best"]["deployment"])
         cell.append(", ".join(dominated_by(pol, "fulcrum")) or "none")

@@ -336,6 +336,7 @@ def test_replay_draws_a_synthetic_trace_at_the_seed_given(capsys: pytest.Capture
     argv = ["replay", "--trace", "synthetic-burst-steady", "--duration", "300", "--policy", "static", "--json"]
     default, seeded, again = (run_json(capsys, argv + extra) for extra in ([], ["--seed", "1"], ["--seed", "1"]))
     assert default["seed"] is None and seeded["seed"] == 1
+
     def score(out: dict[str, Any]) -> tuple[Any, ...]:
         return tuple(out["policies"]["static"][k] for k in ("requests", "slo_attainment", "gpu_hours"))
 

@@ -378,18 +378,24 @@ def test_interval_series_rejects_a_non_positive_interval(interval: float) -> Non
         interval_series([Request(0.0, 1, 1)], interval)
 
 
-def test_the_synthetic_burst_steady_trace_is_deterministic_bursty_then_steady() -> None:
-    a = load_trace("synthetic-burst-steady")
-    b = load_trace("synthetic-burst-steady")
-    assert a.requests == b.requests and a.fmt == "synthetic" and a.name == "synthetic-burst-steady"
-    assert a.requests[0].arrival_s == 0.0 and 3500.0 < a.span_s < 3600.0
+def assert_bursty_then_steady(requests: tuple[Request, ...]) -> None:
+    """The shape of ``synthetic-burst-steady`` at any seed: lengths within their clips, a bursty first half hour
+    and a steady second one (requests per minute)."""
     per_min = [0] * 60
-    for r in a.requests:
+    for r in requests:
         per_min[min(int(r.arrival_s // 60), 59)] += 1
         assert 16 <= r.isl <= 3000 and 8 <= r.osl <= 1000
     bursty, steady = per_min[:30], per_min[31:59]
     assert max(bursty) > 4 * min(bursty)  # 8 req/s bursts over a 1.5 req/s base
     assert max(steady) < 1.3 * min(steady)  # 5 req/s, Poisson noise only
+
+
+def test_the_synthetic_burst_steady_trace_is_deterministic_bursty_then_steady() -> None:
+    a = load_trace("synthetic-burst-steady")
+    b = load_trace("synthetic-burst-steady")
+    assert a.requests == b.requests and a.fmt == "synthetic" and a.name == "synthetic-burst-steady"
+    assert a.requests[0].arrival_s == 0.0 and 3500.0 < a.span_s < 3600.0
+    assert_bursty_then_steady(a.requests)
     assert load_trace("synthetic-burst-steady", duration_s=600.0).requests == a.requests[: len(
         [r for r in a.requests if r.arrival_s < 600.0])]
 
@@ -400,10 +406,7 @@ def test_a_synthetic_trace_draws_other_requests_at_another_seed_and_only_a_synth
     one = load_trace("synthetic-burst-steady", seed=1)
     assert one.requests == load_trace("synthetic-burst-steady", seed=1).requests
     assert one.requests != default.requests and "seed 1" in one.source
-    per_min = [0] * 60
-    for r in one.requests:
-        per_min[min(int(r.arrival_s // 60), 59)] += 1
-    assert max(per_min[:30]) > 4 * min(per_min[:30]) and max(per_min[31:59]) < 1.3 * min(per_min[31:59])
+    assert_bursty_then_steady(one.requests)
     with pytest.raises(TraceError, match="seed applies only to a synthetic trace"):
         load_trace("azure-conv-2023", seed=1)
 
