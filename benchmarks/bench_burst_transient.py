@@ -47,17 +47,15 @@ import numpy as np
 
 from fulcrum.api.llmserve import LLMServeSpec, load_llmserve
 from fulcrum.commands.replay import resolve_spec_profile
-from fulcrum.ratio.planner import PlannerSettings, WorkloadEstimate
+from fulcrum.ratio.planner import PlannerSettings
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import ReplayOptions, run_planner, warmup_seconds
 from fulcrum.scaling.static import StaticPlanner
-from fulcrum.simulator.records import exceeds_context, output_within_context
 from fulcrum.target import ClusterTarget
-from fulcrum.traces import load_trace
 from fulcrum.workload import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_plan_calibration import _dist, _label, _plans, one_fewer  # noqa: E402  (a sibling script)
+from bench_plan_calibration import admitted_requests, one_fewer, plan_label, plans_for, workload_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["llmserve-auto.yaml", "llmserve-unified-70b-a100.yaml", "llmserve-disaggregated-70b-h100.yaml"]
@@ -134,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         example = path.name
         spec = load_llmserve(path).spec
         profile = resolve_spec_profile(spec, path, None)
-        ctx = spec.engine.max_model_len
-        src = [Request(r.arrival_s, r.isl, output_within_context(r.isl, r.osl, ctx))
-               for r in load_trace(TRACE, None).requests if not exceeds_context(r.isl, ctx)]
-        i_dist = _dist(np.array([r.isl for r in src], dtype=float))
-        o_dist = _dist(np.array([r.osl for r in src], dtype=float))
+        src = admitted_requests(spec, TRACE)
         q = spec.slo.percentile / 100.0
         print(f"\n{example} (SLO P{spec.slo.percentile:g}: TTFT {spec.slo.ttft_ms} ms, TPOT {spec.slo.tpot_ms} ms; "
               f"lengths of {TRACE}; profile {profile.name})")
@@ -152,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                     pick = rng.integers(0, len(src), len(arr))
                     load = [Request(t, src[k].isl, src[k].osl) for (t, _), k in zip(arr, pick)]
                     loads[name].append((load, {i for i, (_, sc) in enumerate(arr) if sc}))
-            w = WorkloadEstimate(lam, i_dist, o_dist, 1.0)
-            for mode, p in _plans(spec, profile, w, PlannerSettings.from_spec(spec)).items():
-                rows = [("plan " + _label(p), p.target(), None)] + [
+            w = workload_of(src, lam)
+            for mode, p in plans_for(spec, profile, w, PlannerSettings.from_spec(spec)).items():
+                rows = [("plan " + plan_label(p), p.target(), None)] + [
                     (f"{pool} −1", t, pool) for pool, t in one_fewer(p.target())]
                 for label, target, pool in rows:
                     runs = {name: [attainment(spec, profile, target, *ld) for ld in loads[name]] for name, _ in shapes}
@@ -169,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                         reach[name] += got[name] >= q
                     for name, d in shapes:
                         if d is not None and got["held"] < q <= got[name]:
-                            margin[name].append(f"{example} at {lam:g} req/s, {mode}: {_label(p)} with one {pool} "
+                            margin[name].append(f"{example} at {lam:g} req/s, {mode}: {plan_label(p)} with one {pool} "
                                                 f"instance fewer ({got['held']:.1%} held, {got[name]:.1%} in {name})")
     print(f"\none instance fewer than the plan for the held rate ({points} deployments): reaching the SLO percentile")
     print(f"  held (the baseline): {reach['held']} of {points}")

@@ -64,13 +64,32 @@ CASES = [
 ]
 
 
-def _dist(values: np.ndarray) -> LengthDistribution:
+def length_distribution(values: np.ndarray) -> LengthDistribution:
+    """The distribution of ``values`` (tokens, shape (n,)) at the observer's quantile levels, with their mean."""
     return LengthDistribution.from_quantiles(
         QUANTILE_LEVELS, [float(np.quantile(values, q)) for q in QUANTILE_LEVELS], float(values.mean()))
 
 
-def _plans(spec: LLMServeSpec, profile: PerformanceProfile, w: WorkloadEstimate, settings: PlannerSettings
-           ) -> dict[str, Plan]:
+def admitted_requests(spec: LLMServeSpec, trace: str) -> list[Request]:
+    """The prompts of the bundled ``trace`` the router admits for ``spec`` (one of the model's context or more is
+    rejected with a 400, and the simulator rejects it too), with the output the context leaves them: the load a
+    plan for ``spec`` is asked to serve."""
+    ctx = spec.engine.max_model_len
+    return [Request(r.arrival_s, r.isl, output_within_context(r.isl, r.osl, ctx))
+            for r in load_trace(trace, None).requests if not exceeds_context(r.isl, ctx)]
+
+
+def workload_of(requests: list[Request], rate: float) -> WorkloadEstimate:
+    """The steady workload of ``rate`` req/s with the prompt and output lengths of ``requests`` (Poisson arrivals)."""
+    isl = np.array([r.isl for r in requests], dtype=float)
+    osl = np.array([r.osl for r in requests], dtype=float)
+    return WorkloadEstimate(rate, length_distribution(isl), length_distribution(osl), 1.0)
+
+
+def plans_for(spec: LLMServeSpec, profile: PerformanceProfile, w: WorkloadEstimate, settings: PlannerSettings
+              ) -> dict[str, Plan]:
+    """``{"D": the Disaggregated plan, "U": the Unified plan}`` for ``w`` at the spec's TPs; no ``"U"`` for a
+    Disaggregated spec or where the profile cannot plan Unified mode."""
     sc = spec.scaling
     out = {"D": plan_disaggregated(w, profile, spec.slo, tp_prefill=sc.tp_prefill, tp_decode=sc.tp_decode,
                                    settings=settings)}
@@ -82,7 +101,8 @@ def _plans(spec: LLMServeSpec, profile: PerformanceProfile, w: WorkloadEstimate,
     return out
 
 
-def _label(p: Plan) -> str:
+def plan_label(p: Plan) -> str:
+    """``4U×TP2`` or ``2P×TP2+2D×TP2``: a plan's pools."""
     if p.mode == Mode.UNIFIED.value:
         return f"{p.unified.replicas}U×TP{p.unified.tp}"
     return f"{p.prefill.replicas}P×TP{p.prefill.tp}+{p.decode.replicas}D×TP{p.decode.tp}"
@@ -124,14 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         path = ROOT / "examples" / example
         spec = load_llmserve(path).spec
         profile = resolve_spec_profile(spec, path, None)
-        # the prompts the router admits (one of the model's context or more is rejected with a 400, and the
-        # simulator rejects it too), with the output the context leaves them: the load the plan is asked to serve
-        ctx = spec.engine.max_model_len
-        src = [Request(r.arrival_s, r.isl, output_within_context(r.isl, r.osl, ctx))
-               for r in load_trace(trace, None).requests if not exceeds_context(r.isl, ctx)]
-        isl = np.array([r.isl for r in src], dtype=float)
-        osl = np.array([r.osl for r in src], dtype=float)
-        i_dist, o_dist = _dist(isl), _dist(osl)
+        src = admitted_requests(spec, trace)
         target = spec.slo.percentile / 100.0
         print(f"\n{example} × {trace}  (SLO P{spec.slo.percentile:g}: TTFT {spec.slo.ttft_ms} ms, "
               f"TPOT {spec.slo.tpot_ms} ms; profile {profile.name})")
@@ -141,13 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             t = np.sort(rng.uniform(0.0, args.seconds, n))
             pick = rng.integers(0, len(src), n)
             load = [Request(float(t[i]), src[pick[i]].isl, src[pick[i]].osl) for i in range(n)]
-            w = WorkloadEstimate(lam, i_dist, o_dist, 1.0)
+            w = workload_of(src, lam)
             cells = []
             for name, q in variants.items():
                 settings = PlannerSettings.from_spec(spec)
                 if q is not None:
                     settings = dataclasses.replace(settings, kv_occupancy_quantile=q)
-                for mode, p in _plans(spec, profile, w, settings).items():
+                for mode, p in plans_for(spec, profile, w, settings).items():
                     case = f"{example}|{trace}|{lam}|{mode}"
                     a = attainment((case, p.target()), spec, profile, load)
                     ok = a >= target
@@ -155,13 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                         held = [(pool, attainment((case, t), spec, profile, load)) for pool, t in one_fewer(p.target())]
                         tight[1] += 1
                         tight[0] += not any(x >= target for _, x in held)
-                        loose += [f"{example} × {trace} at {lam:g} req/s: {_label(p)} holds with one {pool} instance "
-                                  f"fewer ({x:.1%})" for pool, x in held if x >= target]
+                        loose += [f"{example} × {trace} at {lam:g} req/s: {plan_label(p)} holds with one {pool} "
+                                  f"instance fewer ({x:.1%})" for pool, x in held if x >= target]
                     tot = totals[name]
                     tot[0] += ok
                     tot[1] += 1
                     tot[2] += p.gpus
-                    cells.append(f"{name[:7]} {mode} {_label(p):>16s} {a * 100:5.1f}%{'' if ok else ' MISS'}")
+                    cells.append(f"{name[:7]} {mode} {plan_label(p):>16s} {a * 100:5.1f}%{'' if ok else ' MISS'}")
             print(f"  {lam:5.2f} req/s  " + "   ".join(cells), flush=True)
     print("\nvariant               calibrated        planned GPUs")
     base = totals["mean KV (baseline)"]
