@@ -45,8 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fulcrum.api.llmserve import LLMServeSpec, load_llmserve
-from fulcrum.commands.replay import resolve_spec_profile
+from fulcrum.api.llmserve import LLMServeSpec
 from fulcrum.ratio.planner import PlannerSettings
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import ReplayOptions, run_planner, warmup_seconds
@@ -55,7 +54,7 @@ from fulcrum.target import ClusterTarget
 from fulcrum.workload import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_plan_calibration import admitted_requests, one_fewer, plan_label, plans_for, workload_of  # noqa: E402
+from bench_plan_calibration import load_case, one_fewer, plan_label, plans_for, workload_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["llmserve-auto.yaml", "llmserve-unified-70b-a100.yaml", "llmserve-disaggregated-70b-h100.yaml"]
@@ -130,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     points = 0
     for path in args.llmserve or [ROOT / "examples" / e for e in EXAMPLES]:
         example = path.name
-        spec = load_llmserve(path).spec
-        profile = resolve_spec_profile(spec, path, None)
-        src = admitted_requests(spec, TRACE)
+        spec, profile, src = load_case(path, TRACE)
         q = spec.slo.percentile / 100.0
         print(f"\n{example} (SLO P{spec.slo.percentile:g}: TTFT {spec.slo.ttft_ms} ms, TPOT {spec.slo.tpot_ms} ms; "
               f"lengths of {TRACE}; profile {profile.name})")

@@ -70,6 +70,13 @@ def length_distribution(values: np.ndarray) -> LengthDistribution:
         QUANTILE_LEVELS, [float(np.quantile(values, q)) for q in QUANTILE_LEVELS], float(values.mean()))
 
 
+def load_case(path: Path, trace: str) -> tuple[LLMServeSpec, PerformanceProfile, list[Request]]:
+    """The LLMServe example at ``path``: its spec, its performance profile, and the prompts of ``trace`` it admits
+    (:func:`admitted_requests`)."""
+    spec = load_llmserve(path).spec
+    return spec, resolve_spec_profile(spec, path, None), admitted_requests(spec, trace)
+
+
 def admitted_requests(spec: LLMServeSpec, trace: str) -> list[Request]:
     """The prompts of the bundled ``trace`` the router admits for ``spec`` (one of the model's context or more is
     rejected with a 400, and the simulator rejects it too), with the output the context leaves them: the load a
@@ -141,10 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return runs[key]
 
     for example, trace in CASES:
-        path = ROOT / "examples" / example
-        spec = load_llmserve(path).spec
-        profile = resolve_spec_profile(spec, path, None)
-        src = admitted_requests(spec, trace)
+        spec, profile, src = load_case(ROOT / "examples" / example, trace)
         target = spec.slo.percentile / 100.0
         print(f"\n{example} × {trace}  (SLO P{spec.slo.percentile:g}: TTFT {spec.slo.ttft_ms} ms, "
               f"TPOT {spec.slo.tpot_ms} ms; profile {profile.name})")
