@@ -46,15 +46,16 @@ from pathlib import Path
 import numpy as np
 
 from fulcrum.api.llmserve import LLMServeSpec
-from fulcrum.ratio.planner import PlannerSettings
+from fulcrum.ratio.planner import PlannerSettings, WorkloadEstimate
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import ReplayOptions, run_planner, warmup_seconds
 from fulcrum.scaling.static import StaticPlanner
+from fulcrum.simulator.metrics import summarize
 from fulcrum.target import ClusterTarget
 from fulcrum.workload import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_plan_calibration import load_case, one_fewer, plan_label, plans_for, workload_of  # noqa: E402
+from bench_plan_calibration import lengths_of, load_case, one_fewer, plan_label, plans_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["llmserve-auto.yaml", "llmserve-unified-70b-a100.yaml", "llmserve-disaggregated-70b-h100.yaml"]
@@ -87,21 +88,14 @@ def pieces(seconds: float, rate: float, burst_s: float | None, lull_s: float, lu
 
 
 def attainment(spec: LLMServeSpec, profile: PerformanceProfile, target: ClusterTarget, load: list[Request],
-               scored: set[int]) -> float:
-    """SLO attainment (both TTFT and TPOT) of ``target`` as a static deployment on ``load``, over the requests
-    whose index is in ``scored`` and that arrive after the replay's warm-up."""
+               scored: set[float]) -> float:
+    """SLO attainment (both TTFT and TPOT, :func:`fulcrum.simulator.metrics.summarize`) of ``target`` as a static
+    deployment on ``load``, over the requests arriving at a time in ``scored`` (s) after the replay's warm-up."""
     opts = ReplayOptions()
     run = run_planner(StaticPlanner(spec, profile, target=target), load, spec, profile, opts, name="static")
     warm = warmup_seconds(spec, opts)
-    ttft, tpot = spec.slo.ttft_ms / 1e3, spec.slo.tpot_ms / 1e3
-    by_arrival = {(r.arrival_s, r.isl, r.osl): r for r in run.records}
-    ok = n = 0
-    for i, req in enumerate(load):
-        if i in scored and req.arrival_s >= warm:
-            rec = by_arrival.get((req.arrival_s, req.isl, req.osl))  # none: never admitted, a miss
-            n += 1
-            ok += rec is not None and rec.ttft_s <= ttft and rec.tpot_s <= tpot
-    return ok / n if n else float("nan")
+    kept = [r for r in run.records if r.arrival_s in scored and r.arrival_s >= warm]
+    return summarize(kept, spec.slo, 0.0, 0.0)["slo_attainment"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,20 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.llmserve or [ROOT / "examples" / e for e in EXAMPLES]:
         example = path.name
         spec, profile, src = load_case(path, TRACE)
+        i_dist, o_dist = lengths_of(src)
         q = spec.slo.percentile / 100.0
         print(f"\n{example} (SLO P{spec.slo.percentile:g}: TTFT {spec.slo.ttft_ms} ms, TPOT {spec.slo.tpot_ms} ms; "
               f"lengths of {TRACE}; profile {profile.name})")
         print(f"  {'rate':>6s}  {'deployment':>18s}  " + "  ".join(f"{name:>20s}" for name, _ in shapes))
         for lam in rates:
-            loads: dict[str, list[tuple[list[Request], set[int]]]] = {name: [] for name, _ in shapes}
+            loads: dict[str, list[tuple[list[Request], set[float]]]] = {name: [] for name, _ in shapes}
             for seed in seeds:
                 rng = np.random.default_rng(seed)
                 for name, d in shapes:
                     arr = arrivals(pieces(args.seconds, lam, d, args.lull, args.lull_rate), rng)
                     pick = rng.integers(0, len(src), len(arr))
                     load = [Request(t, src[k].isl, src[k].osl) for (t, _), k in zip(arr, pick)]
-                    loads[name].append((load, {i for i, (_, sc) in enumerate(arr) if sc}))
-            w = workload_of(src, lam)
+                    loads[name].append((load, {t for t, sc in arr if sc}))
+            w = WorkloadEstimate(lam, i_dist, o_dist, 1.0)
             for mode, p in plans_for(spec, profile, w, PlannerSettings.from_spec(spec)).items():
                 rows = [("plan " + plan_label(p), p.target(), None)] + [
                     (f"{pool} −1", t, pool) for pool, t in one_fewer(p.target())]

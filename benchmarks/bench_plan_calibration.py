@@ -86,11 +86,12 @@ def admitted_requests(spec: LLMServeSpec, trace: str) -> list[Request]:
             for r in load_trace(trace, None).requests if not exceeds_context(r.isl, ctx)]
 
 
-def workload_of(requests: list[Request], rate: float) -> WorkloadEstimate:
-    """The steady workload of ``rate`` req/s with the prompt and output lengths of ``requests`` (Poisson arrivals)."""
+def lengths_of(requests: list[Request]) -> tuple[LengthDistribution, LengthDistribution]:
+    """The prompt and output length distributions of ``requests`` (:func:`length_distribution`), computed once per
+    case: a steady workload of λ req/s is ``WorkloadEstimate(λ, isl, osl, 1.0)`` (Poisson arrivals)."""
     isl = np.array([r.isl for r in requests], dtype=float)
     osl = np.array([r.osl for r in requests], dtype=float)
-    return WorkloadEstimate(rate, length_distribution(isl), length_distribution(osl), 1.0)
+    return length_distribution(isl), length_distribution(osl)
 
 
 def plans_for(spec: LLMServeSpec, profile: PerformanceProfile, w: WorkloadEstimate, settings: PlannerSettings
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for example, trace in CASES:
         spec, profile, src = load_case(ROOT / "examples" / example, trace)
+        i_dist, o_dist = lengths_of(src)
         target = spec.slo.percentile / 100.0
         print(f"\n{example} × {trace}  (SLO P{spec.slo.percentile:g}: TTFT {spec.slo.ttft_ms} ms, "
               f"TPOT {spec.slo.tpot_ms} ms; profile {profile.name})")
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             t = np.sort(rng.uniform(0.0, args.seconds, n))
             pick = rng.integers(0, len(src), n)
             load = [Request(float(t[i]), src[pick[i]].isl, src[pick[i]].osl) for i in range(n)]
-            w = workload_of(src, lam)
+            w = WorkloadEstimate(lam, i_dist, o_dist, 1.0)
             cells = []
             for name, q in variants.items():
                 settings = PlannerSettings.from_spec(spec)
