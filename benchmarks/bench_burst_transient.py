@@ -29,7 +29,7 @@ plan's 4U at 8 req/s) reaches 94.8% held (89.8–97.3%) and 94.2% in 3-minute bu
 seeds (123 s for all three examples) the unified A100 example's 6U (one fewer than 7U) 88.1% held and 88.4% in
 bursts. A single 30-minute draw can tip into a backlog that feeds on itself (a larger batch steps slower): one such
 draw gave 3U 80.3% held, which the fifteenth session took for the held rate's figure and read as a transient margin
-(docs/replay.md). The static deployments that beat the planner on the synthetic trace do so by the plan's
+(docs/replay-log.md, sixteenth session). The static deployments that beat the planner on the synthetic trace do so by the plan's
 utilisation margin at an integer boundary and by spending the SLO's error budget over the whole trace (no cold start
 to pay), not by the bursts' shortness.
 

@@ -167,7 +167,7 @@ def second_burst_attainment(spec: LLMServeSpec, seed: int | None = None) -> floa
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "known defect (docs/replay.md, thirteenth session): after one burst met in full, the headroom level falls to "
+    "known defect (docs/replay-log.md, thirteenth session): after one burst met in full, the headroom level falls to "
     "the median within eight intervals and the 300-s scale-in window is shorter than the 5-minute lull, so the "
     "planner drops a prefill instance at 600 s, just before the second burst"))
 def test_a_periodic_burst_met_in_full_does_not_license_a_scale_in_before_the_next_one() -> None:
@@ -180,7 +180,7 @@ def test_a_periodic_burst_met_in_full_does_not_license_a_scale_in_before_the_nex
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "known defect (docs/replay.md, fifteenth session): in the lull after the first burst the max_headroom cap "
+    "known defect (docs/replay-log.md, fifteenth session): in the lull after the first burst the max_headroom cap "
     "(2 × the highest rate of the last three intervals) cuts the P90 plan of about 7.5 req/s to 2.93, and the "
     "unified pool goes 8 → 5 at 600 s, as the second burst begins"))
 def test_the_headroom_cap_does_not_drop_a_burst_seen_in_the_lull_before_the_next_one() -> None:
