@@ -60,29 +60,23 @@ from typing import Any
 import numpy as np
 from statsmodels.tsa.arima.model import ARIMA
 
-from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forecast, z_value
+from fulcrum.forecast.base import (
+    APE_FLOOR,
+    MODEL_ERRORS,
+    PLAUSIBLE_MULTIPLE,
+    Forecast,
+    capped_ape,
+    check_level,
+    check_steps,
+    make_forecast,
+    plausible_limit,
+    z_value,
+)
 from fulcrum.forecast.baselines import LastValue
 from fulcrum.forecast.correction import CorrectionFactor
 
 __all__ = ["ArimaForecaster", "ArimaFilter"]
 
-#: Errors a statsmodels fit, filter step or forecast may raise on degenerate data; all mean "fall back".
-_MODEL_ERRORS: tuple[type[BaseException], ...] = (
-    np.linalg.LinAlgError,
-    ValueError,
-    IndexError,
-    RuntimeError,
-    OverflowError,
-    ZeroDivisionError,
-    FloatingPointError,
-)
-
-#: Denominator floor of a percentage error, as a share of the fitted window's mean level.
-_APE_FLOOR = 0.1
-#: A single percentage error counts at most this much (one zero interval must not dominate the mean).
-_APE_CAP = 10.0
-#: A raw forecast beyond this multiple of the window's largest |value| is treated as a failed model.
-_PLAUSIBLE_MULTIPLE = 10.0
 
 
 class ArimaFilter:
@@ -341,9 +335,8 @@ class ArimaForecaster:
             return
         mean = self._back(raw[0])
         issued = mean * self.correction_factor
-        denom = max(abs(actual), _APE_FLOOR * self._scale, 1e-12)
-        self._errors.append(min(abs(actual - issued) / denom, _APE_CAP))
-        if self.correction and mean > _APE_FLOOR * self._scale and actual > 0:
+        self._errors.append(capped_ape(actual, issued, self._scale))
+        if self.correction and mean > APE_FLOOR * self._scale and actual > 0:
             self._correction.update(actual, mean)
 
     def _needs_refit(self) -> bool:
@@ -386,7 +379,7 @@ class ArimaForecaster:
                     results = model.filter(model.fit(cov_type="none", return_params=True))
                 else:
                     results = ARIMA(endog, order=self.order).fit()
-            except _MODEL_ERRORS:
+            except MODEL_ERRORS:
                 self.fit_failures += 1
                 return
         if not np.all(np.isfinite(np.asarray(results.params, dtype=float))):
@@ -412,7 +405,7 @@ class ArimaForecaster:
                     self._recursion.update(self._to_model(value))
                 else:
                     self._results = self._results.extend(np.array([self._to_model(value)]))
-            except _MODEL_ERRORS:
+            except MODEL_ERRORS:
                 self.fit_failures += 1
                 self._refit_or_defer(allow_refit)
                 return
@@ -432,7 +425,7 @@ class ArimaForecaster:
         """Model forecast (m, se) ``steps`` ahead in the model's space, cached until the next value.
 
         None when there is no model, or its forecast is non-finite or implausible (mean beyond
-        ``_PLAUSIBLE_MULTIPLE`` × the window's largest |value|).
+        ``PLAUSIBLE_MULTIPLE`` × the window's largest |value|).
         """
         if self._results is None:
             return None
@@ -447,11 +440,11 @@ class ArimaForecaster:
                     pred = self._results.get_forecast(steps)
                     m = float(np.asarray(pred.predicted_mean)[-1])
                     se = float(np.asarray(pred.se_mean)[-1])
-            except _MODEL_ERRORS:
+            except MODEL_ERRORS:
                 self.fit_failures += 1
                 m, se = math.nan, math.nan
         out: tuple[float, float] | None = None
-        limit = _PLAUSIBLE_MULTIPLE * max((abs(x) for x in self._history), default=0.0)
+        limit = plausible_limit(self._history)
         if math.isfinite(m) and math.isfinite(se) and se >= 0 and abs(self._back(m)) <= limit:
             out = (m, se)
         self._cache[steps] = out

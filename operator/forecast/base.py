@@ -9,20 +9,46 @@ so ``upper`` is a one-sided bound at ``level``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 __all__ = [
+    "APE_CAP",
+    "APE_FLOOR",
+    "MODEL_ERRORS",
+    "PLAUSIBLE_MULTIPLE",
     "Forecast",
     "RefittingForecaster",
     "SeriesForecaster",
     "check_level",
+    "capped_ape",
     "check_steps",
     "finite_or",
     "make_forecast",
+    "plausible_limit",
     "z_value",
 ]
+
+#: Errors a statsmodels fit, filter step or forecast may raise on degenerate data; all mean "fall back".
+MODEL_ERRORS: tuple[type[BaseException], ...] = (
+    np.linalg.LinAlgError,
+    ValueError,
+    IndexError,
+    RuntimeError,
+    OverflowError,
+    ZeroDivisionError,
+    FloatingPointError,
+)
+#: Denominator floor of a percentage error, as a share of the series' mean level.
+APE_FLOOR = 0.1
+#: A single percentage error counts at most this much (one zero interval must not dominate a mean).
+APE_CAP = 10.0
+#: A model forecast beyond this multiple of the window's largest |value| is treated as a failed model.
+PLAUSIBLE_MULTIPLE = 10.0
 
 
 @dataclass(frozen=True)
@@ -125,3 +151,18 @@ def make_forecast(mean: float, lower: float, upper: float) -> Forecast:
     lo = min(max(finite_or(lower, m), 0.0), m)
     hi = max(finite_or(upper, m), m)
     return Forecast(mean=m, lower=lo, upper=hi)
+
+
+def capped_ape(actual: float, forecast: float, level: float) -> float:
+    """The absolute percentage error of ``forecast`` against ``actual``, as a share (0.25 = 25 %), capped at
+    :data:`APE_CAP`; the denominator is at least :data:`APE_FLOOR` × ``level`` (the series' mean level, in its unit),
+    so an interval near zero does not blow the error up. The refit tests (DOPD §V-D) and the selector's rolling
+    backtest average these."""
+    denom = max(abs(actual), APE_FLOOR * level, 1e-12)
+    return min(abs(actual - forecast) / denom, APE_CAP)
+
+
+def plausible_limit(window: Iterable[float]) -> float:
+    """The largest |forecast| a fitted model may give on ``window`` before it counts as failed:
+    :data:`PLAUSIBLE_MULTIPLE` × the window's largest |value| (0 for an empty window)."""
+    return PLAUSIBLE_MULTIPLE * max((abs(x) for x in window), default=0.0)

@@ -31,26 +31,22 @@ from collections import deque
 import numpy as np
 from statsmodels.tsa.holtwinters import ExponentialSmoothing
 
-from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forecast, z_value
+from fulcrum.forecast.base import (
+    APE_FLOOR,
+    MODEL_ERRORS,
+    Forecast,
+    capped_ape,
+    check_level,
+    check_steps,
+    make_forecast,
+    plausible_limit,
+    z_value,
+)
 from fulcrum.forecast.baselines import LastValue
 from fulcrum.forecast.correction import CorrectionFactor
 
 __all__ = ["EtsForecaster"]
 
-_FIT_ERRORS: tuple[type[BaseException], ...] = (
-    np.linalg.LinAlgError,
-    ValueError,
-    IndexError,
-    RuntimeError,
-    OverflowError,
-    ZeroDivisionError,
-    FloatingPointError,
-)
-#: Denominator floor of a percentage error, as a share of the window's mean level (as in ``arima``).
-_APE_FLOOR = 0.1
-_APE_CAP = 10.0
-#: A forecast beyond this multiple of the window's largest value is treated as a failed model.
-_PLAUSIBLE_MULTIPLE = 10.0
 
 
 class EtsForecaster:
@@ -158,7 +154,7 @@ class EtsForecaster:
         if not self._has_model:
             return self._fallback.forecast(steps, level)
         m, se = self._raw(int(steps))
-        limit = _PLAUSIBLE_MULTIPLE * max((abs(x) for x in self._history), default=0.0)
+        limit = plausible_limit(self._history)
         if not (math.isfinite(m) and abs(self._back(m)) <= limit):
             return self._fallback.forecast(steps, level)
         spread = z_value(level) * se
@@ -193,9 +189,8 @@ class EtsForecaster:
         m, _ = self._raw(1)
         model = self._back(m)
         issued = model * (self._factor.factor if self.correction else 1.0)
-        denom = max(abs(actual), _APE_FLOOR * self._scale, 1e-12)
-        self._errors.append(min(abs(actual - issued) / denom, _APE_CAP))
-        if self.correction and model > _APE_FLOOR * self._scale:
+        self._errors.append(capped_ape(actual, issued, self._scale))
+        if self.correction and model > APE_FLOOR * self._scale:
             self._factor.update(actual, model)
 
     def _needs_refit(self) -> bool:
@@ -232,7 +227,7 @@ class EtsForecaster:
                 alpha, beta, phi = float(p["smoothing_level"]), float(p["smoothing_trend"]), float(p["damping_trend"])
                 lvl, trend = float(np.asarray(res.level)[-1]), float(np.asarray(res.trend)[-1])
                 sigma2 = float(np.mean(np.square(endog - np.asarray(res.fittedvalues))))
-            except _FIT_ERRORS:
+            except MODEL_ERRORS:
                 self.fit_failures += 1
                 return
         if not all(math.isfinite(x) for x in (alpha, beta, phi, lvl, trend, sigma2)):

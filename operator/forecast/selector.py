@@ -62,6 +62,7 @@ from fulcrum.forecast.base import (
     Forecast,
     RefittingForecaster,
     SeriesForecaster,
+    capped_ape,
     check_level,
     check_steps,
     make_forecast,
@@ -80,10 +81,6 @@ __all__ = [
     "default_candidates",
 ]
 
-#: Denominator floor of a percentage error, as a share of the trailing mean level (as in ``arima``).
-_APE_FLOOR = 0.1
-#: A single percentage error counts at most this much.
-_APE_CAP = 10.0
 #: Name of the yardstick candidate, always present, chosen unless beaten on the trailing window.
 BASELINE = "last_value"
 #: Name of the top-two ensemble.
@@ -278,9 +275,9 @@ class SelectingForecaster:
     def _score(self, actual: float) -> None:
         if not self._pending:
             return
-        denom = max(abs(actual), _APE_FLOOR * math.fsum(self._levels) / len(self._levels), 1e-12)
+        level = math.fsum(self._levels) / len(self._levels)
         for k, predicted in self._pending.items():
-            self._errors[k].append(min(abs(actual - predicted) / denom, _APE_CAP))
+            self._errors[k].append(capped_ape(actual, predicted, level))
 
     def _refit_turn(self) -> Candidate | None:
         """The one candidate allowed to refit in this interval: none off this series' slot, else the first in turn
