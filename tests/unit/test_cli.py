@@ -390,10 +390,31 @@ def test_a_negative_time_scale_is_rejected(capsys: pytest.CaptureFixture[str]) -
     assert "time scale" in line and "-1" in line
 
 
+def test_a_window_that_ends_inside_the_warm_up_is_rejected_before_the_replay(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # the 70B spec's warm-up is 300 s (a 180-s start-up + 2 intervals): a 120-s window would score nothing
+    line = run_error(capsys, ["replay", "--trace", "azure-conv-2023", "--llmserve", str(DISAGG_SPEC),
+                              "--duration", "120"])
+    assert "no request is scored" in line and "t = 300 s" in line and "--warmup 0" in line
+    line = run_error(capsys, ["replay", "--trace", "azure-conv-2023", "--llmserve", str(DISAGG_SPEC),
+                              "--duration", "600", "--warmup", "900"])
+    assert "no request is scored" in line and "t = 900 s" in line
+
+
+def test_a_report_path_that_is_a_file_is_rejected_before_the_replay(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    line = run_error(capsys, [*REPLAY, "--report", str(taken)])
+    assert f"--report {taken}: exists and is not a folder" in line
+    assert taken.read_text() == "not a folder"
+
+
 def test_a_configmap_profile_needs_a_profile_flag_to_replay(
     capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]
 ) -> None:
-    argv = ["replay", "--trace", "azure-conv-2023", "--llmserve", str(bad_files["config_map"]), "--duration", "300"]
+    argv = ["replay", "--trace", "azure-conv-2023", "--llmserve", str(bad_files["config_map"]), "--duration", "300",
+            "--warmup", "0"]
     line = run_error(capsys, argv)
     assert "ConfigMap 'llama-70b-profile'" in line and "--profile" in line
     data = run_json(capsys, [*argv, "--profile", "dopd-llama70b-fp8-h100", "--policy", "static", "--json"])

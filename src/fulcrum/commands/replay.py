@@ -106,9 +106,34 @@ def resolve_spec_profile(spec: LLMServeSpec, spec_path: Path | None, override: s
     )
 
 
+def _check_report_dir(path: Path | None) -> None:
+    """Fail before a long replay when ``--report`` names something that is not (and cannot become) a folder.
+
+    Raises:
+        ValueError: ``path`` exists and is not a directory.
+    """
+    if path is not None and path.exists() and not path.is_dir():
+        raise ValueError(f"--report {path}: exists and is not a folder (the report writes several files into one)")
+
+
+def _check_scored(requests: Sequence[Request], warmup_s: float) -> None:
+    """Fail when the warm-up leaves no request to score: every summary would read ``nan``.
+
+    Raises:
+        ValueError: the window's last arrival is before the warm-up ends (seconds).
+    """
+    if requests and requests[-1].arrival_s < warmup_s:
+        raise ValueError(
+            f"no request is scored: the window's last arrival is at {requests[-1].arrival_s:.0f} s and scoring starts "
+            f"at t = {warmup_s:g} s (--warmup; by default pod start-up + 2 intervals); pass --warmup 0 to score every "
+            "request, or a longer --duration"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.records is not None:
         check_records_path(args.records)  # a bad name or a missing pyarrow fails before a long replay
+    _check_report_dir(args.report)
     spec_path = Path(args.llmserve) if args.llmserve else None
     spec = load_llmserve(spec_path).spec if spec_path else _default_spec()
     profile = resolve_spec_profile(spec, spec_path, args.profile)
@@ -118,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not (args.no_progress or args.json) and sys.stderr.isatty()
     options = ReplayOptions(progress=progress, warmup_s=args.warmup, routing=routings[0])
     warmup = warmup_seconds(spec, options)
+    _check_scored(requests, warmup)
     if len(routings) > 1:
         return _compare_routing(args, spec, profile, requests, trace.name, routings, options, warmup)
     policies = list(PLANNERS) if args.compare else [args.policy]
