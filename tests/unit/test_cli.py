@@ -385,6 +385,18 @@ def test_a_zero_forecast_interval_is_rejected(capsys: pytest.CaptureFixture[str]
     assert "--interval" in line
 
 
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--window", "1"], "--window: Input should be greater than or equal to 4, got 1"),
+    (["--season", "0"], "--season: Input should be greater than or equal to 2, got 0"),  # not the default
+    (["--interval", "1200"], "3 intervals of 1200 s, and the first 8 are the warm-up (--warmup): no forecast is scored"),
+    (["--warmup", "100"], "59 intervals of 60 s, and the first 100 are the warm-up"),
+])
+def test_forecast_flags_out_of_range_are_one_line_errors_naming_the_flag(
+        capsys: pytest.CaptureFixture[str], flags: list[str], expected: str) -> None:
+    line = run_error(capsys, ["forecast", "--trace", "azure-conv-2023", "--interval", "60", *flags])
+    assert expected in line
+
+
 def test_a_negative_time_scale_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     line = run_error(capsys, [*REPLAY, "--time-scale", "-1"])
     assert "time scale" in line and "-1" in line

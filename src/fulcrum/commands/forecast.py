@@ -20,6 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from fulcrum.api.llmserve import ForecasterSpec
 from fulcrum.errors import TraceError
 from fulcrum.forecast.backtest import backtest, default_factories
@@ -81,14 +83,30 @@ def load_series(trace: str, interval_s: float, seed: int | None = None) -> tuple
     return tr.name, interval_series(tr.requests, interval_s), interval_s
 
 
+#: ForecasterSpec field → the flag that sets it, for one-line errors.
+_FLAGS = {"order": "--order", "window": "--window", "season_length": "--season"}
+
+
 def _spec(args: argparse.Namespace, interval_s: float) -> ForecasterSpec:
+    """The forecasters' settings from the flags (the ``LLMServe`` field's bounds apply).
+
+    Raises:
+        ValueError: a flag out of its field's bounds; the message names the flag, e.g. ``--window: Input should be
+            greater than or equal to 4, got 1``.
+    """
     kw: dict[str, Any] = {}
-    if args.order:
+    if args.order is not None:
         kw["order"] = tuple(args.order)
-    if args.window:
+    if args.window is not None:
         kw["window"] = args.window
-    kw["season_length"] = args.season or max(2, int(round(86_400 / interval_s)))
-    return ForecasterSpec(**kw)
+    kw["season_length"] = args.season if args.season is not None else max(2, int(round(86_400 / interval_s)))
+    try:
+        return ForecasterSpec(**kw)
+    except ValidationError as err:
+        raise ValueError("; ".join(
+            f"{_FLAGS.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'forecaster'}: {e['msg']}, "
+            f"got {e.get('input')!r}" for e in err.errors()
+        )) from err
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--interval must be a positive number of seconds, got {args.interval}")
     name, series, interval = load_series(args.trace, args.interval, args.seed)
     spec = _spec(args, interval)
+    n = max((len(v) for v in series.values()), default=0)
+    if n <= args.warmup:
+        raise ValueError(f"{name}: {n} intervals of {interval:g} s, and the first {args.warmup} are the warm-up "
+                         "(--warmup): no forecast is scored; pass a shorter --interval or a smaller --warmup")
     results: dict[str, dict[str, Any]] = {}
     for sname, values in series.items():
         scores = backtest(values, default_factories(spec), warmup=args.warmup)
@@ -109,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
                      for f, d in fs.items()} for s, fs in results.items()}
         print(json.dumps({"trace": name, "interval_s": interval, "series": clean}, indent=2, allow_nan=False))
         return 0
-    n = max((len(v) for v in series.values()), default=0)
     print(f"trace {name}: {n} intervals of {interval:g} s; one-step MAPE (lower is better)")
     forecasters = list(next(iter(results.values())).keys()) if results else []
     print(f"{'series':<8}" + "".join(f"{f:>16}" for f in forecasters))
