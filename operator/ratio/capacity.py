@@ -45,7 +45,7 @@ class DecodeCapacity:
         cc_bw: concurrency allowed by bandwidth, V_BW / (context · M_token).
         cc_graph: CUDA-graph cap with headroom, ⌊cc_g · h⌋, eq. (14).
         cc_slo: largest batch whose profiled step time meets the TPOT SLO.
-        cc: the D-instance concurrency cc_d = min of the above (≥ 1 when the weights fit, else 0).
+        cc: the D-instance concurrency cc_d = min of the above (≥ 1 when one request's KV fits, else 0).
         step_s: profiled decode step time t_d at batch ``cc`` and ``context_tokens``, seconds.
         limited_by: which bound set ``cc``: "memory" | "bandwidth" | "cuda_graph" | "tpot_slo".
     """
@@ -130,10 +130,10 @@ def decode_capacity(
     if override_cc is not None:
         cc = max(int(round(override_cc)), 1)
         limited_by = "given"
-    elif v_mem <= 0:
-        cc = 0
+    elif cc_mem < 1.0:
+        cc = 0  # the weights leave no KV memory, or less than one request's KV at this context: vLLM would refuse it
     else:
-        # A batch of one is always allowed when the weights fit: a TPOT SLO tighter than the
+        # A batch of one is always allowed when one request's KV fits: a TPOT SLO tighter than the
         # hardware's single-request step cannot be met by any count, and the plan reports it.
         cc = max(int(math.floor(min(bounds.values()))), 1)
     step = profile.tpot(max(cc, 1), context, tp)

@@ -673,7 +673,8 @@ def plan_unified(
         if tp == current_tp:
             kept = (per_gpu, tp, cap, mu, step)
     if best is None:
-        raise PlanningError(f"profile {profile.name!r}: no unified TP holds the model weights")
+        raise PlanningError(f"profile {profile.name!r}: no unified TP holds the model weights and one request's KV "
+                            f"cache at a context of {workload.isl.mean() + workload.osl.mean() / 2:.0f} tokens")
     if kept is not None and kept[0] > 0 and best[0] < kept[0] * (1.0 + settings.tp_switch_gain):
         best = kept  # a TP change replaces the pool: only for a real gain
     _, tp, cap, mu, step = best
@@ -823,7 +824,8 @@ def plan_ratio(
             cap = decode_capacity(profile, cap.tp, isl, osl, tpot_slo_s, override_cc=decode_concurrency,
                                   bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom)
     if cap.cc < 1:
-        raise PlanningError(f"profile {profile.name!r}: the weights leave no KV memory at TP={cap.tp}")
+        raise PlanningError(f"profile {profile.name!r}: the weights leave no KV memory for one request of "
+                            f"{cap.context_tokens:.0f} tokens' context at TP={cap.tp}")
     t_p = profile.ttft(isl, tp_p)
     ratio = cap.cc * t_p / (cap.step_s * max(osl, 1.0))
     n_d = max(math.ceil(concurrency / cap.cc - 1e-9), 1) if concurrency is not None else 1

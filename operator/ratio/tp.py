@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from fulcrum.errors import PlanningError
 from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity
 from fulcrum.ratio.lengths import LengthDistribution
-from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.profile import GiB, PerformanceProfile
 
 __all__ = ["choose_decode_tp", "choose_prefill_tp"]
 
@@ -46,10 +46,12 @@ def choose_decode_tp(
     """The D-instance TP and its capacity (see module doc).
 
     Raises:
-        PlanningError: no candidate TP holds the model weights, or ``fixed`` is not in the profile.
+        PlanningError: no candidate TP holds the model weights and one request's KV cache at this context, or
+            ``fixed`` is not in the profile.
     """
     best: DecodeCapacity | None = None
-    for tp in _candidates(profile.decode_tps, fixed, max_tp, "decode", profile.name):
+    tps = _candidates(profile.decode_tps, fixed, max_tp, "decode", profile.name)
+    for tp in tps:
         cap = decode_capacity(
             profile, tp, mean_isl, mean_osl, tpot_slo_s,
             bandwidth_utilisation=bandwidth_utilisation, graph_headroom=graph_headroom,
@@ -59,9 +61,12 @@ def choose_decode_tp(
         if best is None or cap.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu * 1.000001:
             best = cap
     if best is None:
+        context = max(float(mean_isl), 1.0) + max(float(mean_osl), 1.0) / 2.0
         raise PlanningError(
             f"profile {profile.name!r}: the model's weights ({profile.weight_bytes / 1e9:.1f} GB) leave no KV memory "
-            f"on any decode TP ≤ {max_tp} of {profile.gpu_memory_gib} GiB GPUs"
+            f"for one request of {context:.0f} tokens' context ({context * profile.kv_bytes_per_token / GiB:.1f} GiB "
+            f"of KV cache) at any decode TP the profile measures ({', '.join(map(str, tps))}; at most {max_tp}) on "
+            f"{profile.gpu_memory_gib:g} GiB GPUs"
         )
     return best
 

@@ -284,6 +284,20 @@ def test_auto_mode_falls_back_to_disaggregated_when_unified_cannot_be_planned(ta
     assert list(plan_modes(WorkloadEstimate.from_means(3, 1000, 200), table_i, spec)) == ["Disaggregated"]
 
 
+def test_a_context_whose_kv_cache_does_not_fit_one_instance_gets_no_batch_of_one(table_i, splitwise):
+    # 70B FP8 at TP2 on 80 GiB H100s: ~80 GiB of KV memory, 320 KiB per token: about 265k tokens of context
+    fits = decode_capacity(table_i, 2, 200_000, 150, 0.08)
+    assert fits.cc_mem >= 1 and fits.cc >= 1
+    too_long = decode_capacity(table_i, 2, 1_000_000, 150, 0.08)
+    assert too_long.cc_mem < 1 and too_long.cc == 0  # vLLM would refuse the request; a batch of one is not a plan
+    # the profile measures decode at TP2 only: no TP holds it, and the error says how much KV one request needs
+    with pytest.raises(PlanningError, match=r"one request of 1000075 tokens' context \(305\.2 GiB of KV cache\)"):
+        plan_disaggregated(WorkloadEstimate.from_means(1, 1_000_000, 150), table_i, SLOSpec())
+    # a profile that measures TP8 moves the decode pool there instead
+    p = plan_disaggregated(WorkloadEstimate.from_means(1, 1_000_000, 150), splitwise, SLOSpec())
+    assert p.inputs["tp_decode"] == 8 and p.inputs["cc_mem"] >= 1
+
+
 def test_a_fixed_tp_missing_from_the_profile_is_a_planning_error(table_i):
     with pytest.raises(PlanningError, match="TP=4"):
         plan_disaggregated(WorkloadEstimate.from_means(3, 1000, 200), table_i, SLOSpec(), tp_decode=4)
