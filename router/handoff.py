@@ -47,7 +47,7 @@ from fulcrum.router.relay import ClientSink, Exchange, Outcome, Transform, relay
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest
 from fulcrum.router.sse import encode_event, is_usage_only
 from fulcrum.router.tokens import count_prompt
-from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
+from fulcrum.router.upstream import UpstreamPool
 
 __all__ = [
     "DO_REMOTE_DECODE",

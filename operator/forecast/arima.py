@@ -63,7 +63,6 @@ from statsmodels.tsa.arima.model import ARIMA
 from fulcrum.forecast.base import (
     APE_FLOOR,
     MODEL_ERRORS,
-    PLAUSIBLE_MULTIPLE,
     Forecast,
     capped_ape,
     check_level,
@@ -425,7 +424,7 @@ class ArimaForecaster:
         """Model forecast (m, se) ``steps`` ahead in the model's space, cached until the next value.
 
         None when there is no model, or its forecast is non-finite or implausible (mean beyond
-        ``PLAUSIBLE_MULTIPLE`` × the window's largest |value|).
+        :func:`~fulcrum.forecast.base.plausible_limit`: ``PLAUSIBLE_MULTIPLE`` × the window's largest |value|).
         """
         if self._results is None:
             return None
