@@ -598,6 +598,9 @@ async def _models(request: web.Request) -> web.Response:
     assert st.pool is not None
     names = [st.config.model] if st.config.model else sorted({st.pool.state(i).record.model for i in st.pool.ids()} - {""})
     max_len = st.config.max_model_len or st.pool.learned_max_model_len
+    if not names:  # told neither by its config nor by the instances' records: the engines' own answer
+        names, engine_len = await st.pool.served_models()
+        max_len = max_len or engine_len
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "fulcrum", "max_model_len": max_len} for n in names]
     return _json_response(200, {"object": "list", "data": data})
 

@@ -530,6 +530,26 @@ class UpstreamPool:
         if usage is not None:
             st.memory_utilisation = usage
 
+    async def served_models(self) -> tuple[list[str], int | None]:
+        """The model names an available instance's ``GET /v1/models`` answers, sorted, and the smallest
+        ``max_model_len`` it gives (tokens; None when it gives none): what the router lists on ``/v1/models`` when
+        neither its config nor the instances' records name the model. Asks the instances in turn, with the health
+        probe's deadline, until one answers; ``([], None)`` when none does. Never raises."""
+        for iid in self.available_ids():
+            st = self._states[iid]
+            try:
+                status, raw = await self.transport.get(iid, st.record.url, "/v1/models", self._health_deadline)
+                entries = json.loads(raw)["data"] if status == 200 else []
+            except (UpstreamFailure, ValueError, KeyError, TypeError):
+                continue
+            models = [m for m in entries if isinstance(m, dict)] if isinstance(entries, list) else []
+            names = sorted({str(m["id"]) for m in models if m.get("id")})
+            if names:
+                lens = [m["max_model_len"] for m in models
+                        if isinstance(m.get("max_model_len"), int) and m["max_model_len"] > 0]
+                return names, (min(lens) if lens else None)
+        return [], None
+
     async def probe_all(self) -> None:
         """Probe every instance concurrently."""
         await asyncio.gather(*(self.probe(i) for i in list(self._states)))

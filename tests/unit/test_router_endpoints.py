@@ -79,6 +79,19 @@ async def test_models_health_ready_and_metrics_answer(router_harness):
     assert m.status == 200 and b"fulcrum_router_instance_inflight" in await m.read()
 
 
+async def test_models_come_from_the_engines_when_neither_the_config_nor_the_records_name_one(router_harness):
+    h = await router_harness(config={"model": None})
+    h.engines[0].healthy = False  # a dead engine is skipped: the next available one answers
+    h.state.pool.eject(h.engines[0].engine_id, "health")
+    models = await (await h.client.get("/v1/models")).json()
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [
+        ("fake-model", FakeEngineSettings().max_model_len)]
+    for e in h.engines:  # and with no engine answering, an empty list rather than an error
+        h.state.pool.eject(e.engine_id, "health")
+    r = await h.client.get("/v1/models")
+    assert r.status == 200 and (await r.json())["data"] == []
+
+
 async def test_the_prompt_length_comes_from_the_engines_tokenizer(router_harness):
     h = await router_harness()
     messages = [{"role": "user", "content": "count me"}]
