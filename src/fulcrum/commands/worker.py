@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["add_parser", "gpu_visible", "run"]
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.health_port and args.health_port in (args.port, args.nixl_port):
         raise ValueError(f"--health-port {args.health_port} collides with --port or --nixl-port")
-    registration = None
+    registration: Callable[[InstanceRecord], Registration] | None = None
     if args.etcd:
         parse_endpoints(args.etcd)  # a malformed endpoint is bad input (exit 2), not an outage to retry
         if not llmserve:
@@ -139,13 +140,15 @@ def run(args: argparse.Namespace) -> int:
                                concurrency=args.prefill_concurrency)
     if args.etcd or puller is not None:
 
-        def registration(record: InstanceRecord) -> Registration:
+        def register(record: InstanceRecord) -> Registration:
             parts: list[Startable] = []
             if args.etcd:
                 parts.append(EtcdRegistration(args.etcd, namespace, llmserve, record))
             if puller is not None:
                 parts.append(puller)
             return parts[0] if len(parts) == 1 else Registrations(parts)
+
+        registration = register
 
     local = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     local = f"[{local}]" if ":" in local else local
