@@ -51,6 +51,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import TypeAdapter, ValidationError
 
 from fulcrum.cancellation import cancel_and_wait
 from fulcrum.ratio.profile import PerformanceProfile
@@ -163,6 +164,24 @@ class _Stream:
                 yield got
             if self.done:
                 return
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def _lax_bool(value: Any, name: str) -> bool:
+    """``value`` read as vLLM's request models read a boolean field (pydantic's lax mode: ``true``, ``"yes"``,
+    ``1``...); None is False.
+
+    Raises:
+        _BadRequest: 400, a value pydantic would not read as a boolean (vLLM answers 400 too).
+    """
+    if value is None:
+        return False
+    try:
+        return bool(_BOOL.validate_python(value))
+    except ValidationError:
+        raise _BadRequest(400, f"{name}: Input should be a valid boolean, got {value!r}") from None
 
 
 class _BadRequest(Exception):
@@ -340,6 +359,9 @@ class SimWorker:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
+        elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+            raise _BadRequest(400, f"batched prompts ({len(p)}) are not supported by the sim-worker: send one request "
+                                   "per prompt")
         if isinstance(p, str) and p:
             return encode_text(p)
         if isinstance(p, list) and p:
@@ -456,9 +478,11 @@ class SimWorker:
             raise _BadRequest(400, "the sim-worker serves n = 1 without best_of or echo")
         ids = self.prompt_ids(body, chat)
         cap = self._max_tokens(body, chat, len(ids))
-        stream = body.get("stream") is True
+        stream = _lax_bool(body.get("stream"), "stream")
         raw_kvp = body.get("kv_transfer_params")
-        kvp: dict[str, Any] = raw_kvp if isinstance(raw_kvp, dict) else {}
+        if not isinstance(raw_kvp, (dict, type(None))):
+            raise _BadRequest(400, "kv_transfer_params must be an object")
+        kvp: dict[str, Any] = raw_kvp or {}
         arrival = self._clock()
         computed, xfer_s = 0, 0.0
         if kvp.get("do_remote_prefill"):

@@ -136,12 +136,24 @@ async def test_token_ids_logprobs_and_stop_strings_are_answered_like_vllm(sim) -
     ({"prompt": "hi", "n": 2}, 400, "n = 1"),
     ({"prompt": "hi", "model": "other"}, 404, "does not exist"),
     ({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, 400, "remote_host"),
+    ({"prompt": "hi", "kv_transfer_params": 5}, 400, "kv_transfer_params must be an object"),
+    ({"prompt": [[1, 2], [3]]}, 400, "batched prompts (2) are not supported"),
+    ({"prompt": ["a", "b"]}, 400, "batched prompts (2) are not supported"),
+    ({"prompt": "hi", "stream": "maybe"}, 400, "stream: Input should be a valid boolean, got 'maybe'"),
 ])
 async def test_bad_requests_get_a_4xx_with_the_reason(sim, body: dict[str, Any], status: int, needle: str) -> None:
     s = await sim()
     r = await s.client.post("/v1/completions", json=body)
     assert r.status == status
     assert needle in (await r.json())["error"]["message"]
+
+
+async def test_stream_reads_a_boolean_as_vllms_request_models_do(sim) -> None:
+    s = await sim()
+    r = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": "yes"})
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    r = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": 0})
+    assert r.status == 200 and (await r.json())["object"] == "text_completion"
 
 
 async def test_a_body_that_is_not_json_gets_400(sim) -> None:
