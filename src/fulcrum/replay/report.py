@@ -268,6 +268,26 @@ def empirical_cdf(values: Sequence[float], scale: float = 1.0) -> tuple[FloatArr
     return finite[keep] * scale, y[keep], n_beyond, n
 
 
+def _step_cdf(ax: Axes, x: FloatArray, y: FloatArray, n: int, colour: str, label: str) -> bool:
+    """Draw one policy's empirical CDF (``x``, ``y`` from :func:`empirical_cdf`, ``n`` values) as a step curve that
+    rises at the first drawn value from the share below it (zeros included); with nothing drawable (every value
+    beyond the axis), only the legend entry. Whether a curve was drawn."""
+    if not x.size:
+        ax.plot([], [], color=colour, label=label)
+        return False
+    xs = np.concatenate([x[:1], x])
+    ys = np.concatenate([y[:1] - 1.0 / n, y])
+    ax.step(xs, ys, where="post", color=colour, linewidth=1.6, label=label)
+    return True
+
+
+def _plain_log_x(ax: Axes) -> None:
+    """A log x axis labelled in plain numbers (0.5, 2, 80) rather than 10^x: latency targets are read off it."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
+    ax.xaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
+
+
 def _plot_cdf_panel(
     ax: Axes,
     runs: Sequence[PolicyRun],
@@ -286,20 +306,10 @@ def _plot_cdf_panel(
         if n == 0:
             continue
         label = f"{run.policy} ({n_beyond}/{n} beyond axis)" if n_beyond else run.policy
-        if x.size:
-            # Start with the rise at the first drawn value, from the share below it (zeros included).
-            xs = np.concatenate([x[:1], x])
-            ys = np.concatenate([y[:1] - 1.0 / n, y])
-            ax.step(xs, ys, where="post", color=colours[run.policy], linewidth=1.6, label=label)
-            drawn = True
-        else:
-            ax.plot([], [], color=colours[run.policy], label=label)
+        drawn = _step_cdf(ax, x, y, n, colours[run.policy], label) or drawn
     ax.axvline(target, color="red", linestyle=":", linewidth=1.5, label=f"SLO {target:g} {unit}")
     if drawn:
-        ax.set_xscale("log")
-        # Plain numbers (0.5, 2, 80) rather than 10^x: latency targets are read off this axis.
-        ax.xaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
-        ax.xaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
+        _plain_log_x(ax)
     else:
         _note(ax, "no finite latencies")
     ax.set_ylim(0.0, 1.02)
@@ -345,25 +355,18 @@ def _plot_metric(runs: Sequence[PolicyRun], colours: dict[str, str], trace_name:
         name = f"{run.policy} (p50/p90/p99 " + "/".join(
             _num(v, factor) for v in (p.p50_s, p.p90_s, p.p99_s)) + f" {unit}"
         name += f"; {n_beyond}/{n} beyond axis)" if n_beyond else ")"
-        if x.size:
-            xs = np.concatenate([x[:1], x])
-            ys = np.concatenate([y[:1] - 1.0 / n, y])
-            ax.step(xs, ys, where="post", color=colours[run.policy], linewidth=1.6, label=name)
+        if _step_cdf(ax, x, y, n, colours[run.policy], name):
             if marks:
                 ax.plot([m[1] for m in marks], [m[0] for m in marks], linestyle="none", marker="o", markersize=5,
                         color=colours[run.policy])
             drawn = True
-        else:
-            ax.plot([], [], color=colours[run.policy], label=name)
     for q in PERCENTILES:
         ax.axhline(q / 100.0, color="0.5", linestyle=":", linewidth=1.0)
     target = {"ttft": slo.ttft_ms / 1000.0, "tpot": slo.tpot_ms}.get(metric)
     if target is not None:
         ax.axvline(target, color="red", linestyle=":", linewidth=1.5, label=f"SLO {target:g} {unit}")
     if drawn:
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
-        ax.xaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
+        _plain_log_x(ax)
     else:
         _note(ax, "no finite positive values")
     ax.set_ylim(0.0, 1.02)
