@@ -207,6 +207,22 @@ def test_empirical_cdf_keeps_never_served_requests_in_the_denominator() -> None:
     assert y_ms.tolist() == pytest.approx([0.4, 0.6, 0.8])
 
 
+def test_the_latency_cdf_panel_draws_only_the_scored_requests_like_the_table() -> None:
+    from dataclasses import replace
+
+    from matplotlib.figure import Figure
+
+    from fulcrum.replay.report import _plot_cdf_panel
+
+    run = replace(_run("fulcrum"), warmup_s=2.0)  # the requests arriving at 0 s and 1 s are the warm-up's
+    ax = Figure().add_subplot()
+    _plot_cdf_panel(ax, [run], {"fulcrum": "C0"}, attribute="ttft_s", scale=1.0, target=2.0, unit="s", name="TTFT")
+    [curve] = [line for line in ax.get_lines() if line.get_label() == "fulcrum (1/3 beyond axis)"]
+    # scored: 1.5 s, 6.0 s and the never-served one; 0.4 s and 0.1 s (warm-up) are not drawn
+    assert list(curve.get_xdata()) == [1.5, 1.5, 6.0]
+    assert list(curve.get_ydata()) == pytest.approx([0.0, 1 / 3, 2 / 3])
+
+
 def test_write_report_writes_every_file_and_each_png_is_readable(tmp_path: Path) -> None:
     runs = [_run("fulcrum"), _run("dopd", slo_attainment=0.6), _run("static", forecasts=False)]
     out_dir = tmp_path / "report" / "nested"  # created on demand

@@ -10,7 +10,8 @@ Figures (one colour per policy, the same in every figure):
   (as DOPD §VI, Figure 10);
 - ``forecast_vs_actual.png`` — rate, ISL and OSL per interval: actual, forecast mean and prediction band
   (DOPD §II-A / Alg. 2 l.5–9); written only when some policy produced forecasts;
-- ``latency_cdf.png`` — TTFT and TPOT CDFs with the SLO targets;
+- ``latency_cdf.png`` — TTFT and TPOT CDFs of the scored requests (after the warm-up, like the table) with the SLO
+  targets;
 - ``pools_over_time.png`` — prefill / decode / unified instances per policy;
 - ``latency_ttft.png``, ``latency_tpot.png``, ``latency_e2e.png``, ``latency_queue.png`` — one per latency
   (:mod:`fulcrum.replay.distribution`): the CDF of every policy over the scored requests (arrivals after the
@@ -301,7 +302,7 @@ def _plot_cdf_panel(
 ) -> None:
     drawn = False
     for run in runs:
-        values = [float(getattr(record, attribute)) for record in run.records]
+        values = [float(getattr(record, attribute)) for record in scored_records(run.records, run.warmup_s)]
         x, y, n_beyond, n = empirical_cdf(values, scale)
         if n == 0:
             continue
@@ -314,7 +315,7 @@ def _plot_cdf_panel(
         _note(ax, "no finite latencies")
     ax.set_ylim(0.0, 1.02)
     ax.set_xlabel(f"{name} ({unit}, log scale)" if drawn else f"{name} ({unit})")
-    ax.set_ylabel("fraction of requests")
+    ax.set_ylabel("fraction of scored requests")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize="small", framealpha=0.85)
 
@@ -322,7 +323,8 @@ def _plot_cdf_panel(
 def _plot_cdfs(
     runs: Sequence[PolicyRun], colours: dict[str, str], trace_name: str, slo: SLOSpec, path: Path
 ) -> Path:
-    """TTFT (s) and TPOT (ms) CDFs per policy, red dotted lines at the SLO targets."""
+    """TTFT (s) and TPOT (ms) CDFs per policy over its scored requests (arrivals after its ``warmup_s``, as the
+    table counts them), red dotted lines at the SLO targets."""
     figure = _new_figure(12.0, 5.0)
     ttft_ax, tpot_ax = figure.subplots(1, 2, squeeze=True)
     _plot_cdf_panel(ttft_ax, runs, colours, attribute="ttft_s", scale=1.0, target=slo.ttft_ms / 1000.0, unit="s", name="TTFT")
