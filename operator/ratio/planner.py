@@ -674,7 +674,7 @@ def plan_unified(
             kept = (per_gpu, tp, cap, mu, step)
     if best is None:
         raise PlanningError(f"profile {profile.name!r}: no unified TP holds the model weights and one request's KV "
-                            f"cache at a context of {workload.isl.mean() + workload.osl.mean() / 2:.0f} tokens")
+                            f"cache at a context of {cap.context_tokens:.0f} tokens")
     if kept is not None and kept[0] > 0 and best[0] < kept[0] * (1.0 + settings.tp_switch_gain):
         best = kept  # a TP change replaces the pool: only for a real gain
     _, tp, cap, mu, step = best

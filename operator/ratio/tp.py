@@ -60,8 +60,8 @@ def choose_decode_tp(
             continue
         if best is None or cap.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu * 1.000001:
             best = cap
-    if best is None:
-        context = max(float(mean_isl), 1.0) + max(float(mean_osl), 1.0) / 2.0
+    if best is None:  # every candidate was skipped; ``cap`` is the last one's (the context is the same for all)
+        context = cap.context_tokens
         raise PlanningError(
             f"profile {profile.name!r}: the model's weights ({profile.weight_bytes / 1e9:.1f} GB) leave no KV memory "
             f"for one request of {context:.0f} tokens' context ({context * profile.kv_bytes_per_token / GiB:.1f} GiB "
