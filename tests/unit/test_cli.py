@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from fulcrum.cli import main
+from fulcrum.replay.routing import ROUTING_POLICIES
 from fulcrum.replay.report import (
     FORECAST_PNG,
     GPUS_PNG,
@@ -288,8 +289,11 @@ def test_replay_compares_routing_policies_under_one_planner(capsys: pytest.Captu
     assert "planner static; routing policies compared: round_robin, least_loaded" in out
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("round_robin ", "least_loaded "))]
     assert rows == ["round_robin", "least_loaded"]  # the table: a row per routing policy
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         main([*REPLAY, "--routing", "libra"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # one line naming the known policies
+    assert err.endswith("--routing: unknown routing policy 'libra'; choose from " + ", ".join(ROUTING_POLICIES))
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -49,6 +49,15 @@ from fulcrum.workload import Request
 __all__ = ["add_parser", "run", "resolve_spec_profile"]
 
 
+def _routing_arg(text: str) -> list[str]:
+    """``--routing``'s type: :func:`parse_routing`, its ValueError as argparse's one-line error (with the known
+    names) instead of argparse's ``invalid parse_routing value``."""
+    try:
+        return parse_routing(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("replay", help="replay a trace against a simulated cluster", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +68,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--policy", default="fulcrum", choices=list(PLANNERS), help="planner to run (default fulcrum)")
     p.add_argument("--compare", action="store_true", help="run every policy on the same trace and print one table, "
                    "with static-best: the cheapest static deployment reaching fulcrum's SLO attainment (a sweep)")
-    p.add_argument("--routing", type=parse_routing, metavar="NAME[,NAME...]",
+    p.add_argument("--routing", type=_routing_arg, metavar="NAME[,NAME...]",
                    help=f"the router's routing policy the simulator runs ({', '.join(ROUTING_POLICIES)}; default: the "
                    "spec's router.policy); several names: one row per routing policy under the planner of --policy")
     p.add_argument("--seed", type=int, help="draw a synthetic trace with this seed (default: its own); "
