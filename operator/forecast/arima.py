@@ -64,6 +64,7 @@ from fulcrum.forecast.base import (
     APE_FLOOR,
     MODEL_ERRORS,
     Forecast,
+    ModelSpace,
     capped_ape,
     check_level,
     check_steps,
@@ -236,8 +237,7 @@ class ArimaForecaster:
         self._fallback = LastValue()
         self._results: Any = None  # statsmodels ARIMAResults, or None when no usable model
         self._recursion: ArimaFilter | None = None  # the cheap update of ``_results`` when ``fast_update``
-        self._scale = 1.0  # the fitted window's mean |value|; the linear model sees values / scale
-        self._logged = False  # whether the current model sees log values
+        self._space = ModelSpace()  # the fitted window's: log values, or values / their mean |value|
         self._since_refit = 0
         self._fitted_on = self.window  # points the current model was fitted on
         self._errors: deque[float] = deque(maxlen=self.error_points)
@@ -313,29 +313,20 @@ class ArimaForecaster:
         m, se = raw
         spread = z_value(level) * se
         c = self.correction_factor
-        return make_forecast(c * self._back(m), c * self._back(m - spread), c * self._back(m + spread))
+        back = self._space.back
+        return make_forecast(c * back(m), c * back(m - spread), c * back(m + spread))
 
     # ------------------------------------------------------------------------------------------ internals
-    def _to_model(self, value: float) -> float:
-        """A value in the current model's space (log, or divided by the scale)."""
-        return math.log(value) if self._logged else value / self._scale
-
-    def _back(self, x: float) -> float:
-        """A model-space value back in original units (``inf`` on overflow, caught by ``make_forecast``)."""
-        if self._logged:
-            return math.exp(x) if x < 700.0 else math.inf
-        return x * self._scale
-
     def _score(self, actual: float) -> None:
         """Record the error of the one-step forecast issued for this value and update the correction factor."""
         raw = self._raw(1)
         if raw is None:
             self._results = None  # the model gives no usable forecast: refit on this value
             return
-        mean = self._back(raw[0])
+        mean = self._space.back(raw[0])
         issued = mean * self.correction_factor
-        self._errors.append(capped_ape(actual, issued, self._scale))
-        if self.correction and mean > APE_FLOOR * self._scale and actual > 0:
+        self._errors.append(capped_ape(actual, issued, self._space.scale))
+        if self.correction and mean > APE_FLOOR * self._space.scale and actual > 0:
             self._correction.update(actual, mean)
 
     def _needs_refit(self) -> bool:
@@ -363,9 +354,8 @@ class ArimaForecaster:
         self._correction.reset()
         if float(np.ptp(y)) <= 1e-12 * max(level, 1.0):
             return  # constant window: last value is exact; ARIMA's likelihood is degenerate
-        self._scale = level if level > 0 else 1.0
-        self._logged = self.log_transform and bool(np.all(y > 0))
-        endog = np.log(y) if self._logged else y / self._scale
+        self._space = ModelSpace.of(y, log=self.log_transform)
+        endog = self._space.endog(y)
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             try:
@@ -394,16 +384,16 @@ class ArimaForecaster:
         refit) if the value or the update does not fit."""
         if self._results is None:
             return
-        if self._logged and value <= 0:
+        if self._space.logged and value <= 0:
             self._refit_or_defer(allow_refit)  # a zero cannot enter a log model: refit, on raw values
             return
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             try:
                 if self._recursion is not None:
-                    self._recursion.update(self._to_model(value))
+                    self._recursion.update(self._space.to_model(value))
                 else:
-                    self._results = self._results.extend(np.array([self._to_model(value)]))
+                    self._results = self._results.extend(np.array([self._space.to_model(value)]))
             except MODEL_ERRORS:
                 self.fit_failures += 1
                 self._refit_or_defer(allow_refit)
@@ -444,7 +434,7 @@ class ArimaForecaster:
                 m, se = math.nan, math.nan
         out: tuple[float, float] | None = None
         limit = plausible_limit(self._history)
-        if math.isfinite(m) and math.isfinite(se) and se >= 0 and abs(self._back(m)) <= limit:
+        if math.isfinite(m) and math.isfinite(se) and se >= 0 and abs(self._space.back(m)) <= limit:
             out = (m, se)
         self._cache[steps] = out
         return out

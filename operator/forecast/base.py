@@ -22,6 +22,7 @@ __all__ = [
     "MODEL_ERRORS",
     "PLAUSIBLE_MULTIPLE",
     "Forecast",
+    "ModelSpace",
     "RefittingForecaster",
     "SeriesForecaster",
     "capped_ape",
@@ -160,6 +161,42 @@ def capped_ape(actual: float, forecast: float, level: float) -> float:
     backtest average these."""
     denom = max(abs(actual), APE_FLOOR * level, 1e-12)
     return min(abs(actual - forecast) / denom, APE_CAP)
+
+
+@dataclass(frozen=True)
+class ModelSpace:
+    """The space a fitted window's linear model (ARIMA, ETS) sees its values in: their logs when the window is all
+    positive and the log is wanted (a multiplicative load), else the values divided by the window's mean |value|,
+    so that the optimiser's tolerances hold at any load's scale (requests/s or tokens alike).
+
+    Attributes:
+        logged: whether the model sees log values.
+        scale: the window's mean |value| (1 for a window of zeros), the unit of the unlogged space.
+    """
+
+    logged: bool = False
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, window: np.ndarray, log: bool = True) -> ModelSpace:
+        """The space for ``window`` (a 1-D array of the series' values): logged when ``log`` and every value is
+        positive."""
+        level = float(np.mean(np.abs(window))) if window.size else 0.0
+        return cls(logged=log and bool(np.all(window > 0)), scale=level if level > 0 else 1.0)
+
+    def endog(self, window: np.ndarray) -> np.ndarray:
+        """``window`` in this space (what the model is fitted on)."""
+        return np.log(window) if self.logged else window / self.scale
+
+    def to_model(self, value: float) -> float:
+        """One value in this space (a logged space needs ``value`` > 0)."""
+        return math.log(value) if self.logged else value / self.scale
+
+    def back(self, x: float) -> float:
+        """A value of this space back in the series' units (``inf`` on overflow, caught by :func:`make_forecast`)."""
+        if self.logged:
+            return math.exp(x) if x < 700.0 else math.inf
+        return x * self.scale
 
 
 def plausible_limit(window: Iterable[float]) -> float:

@@ -35,6 +35,7 @@ from fulcrum.forecast.base import (
     APE_FLOOR,
     MODEL_ERRORS,
     Forecast,
+    ModelSpace,
     capped_ape,
     check_level,
     check_steps,
@@ -97,8 +98,7 @@ class EtsForecaster:
         self._deferred = False
         self._since_refit = 0
         self._fitted_on = self.window
-        self._logged = False
-        self._scale = 1.0
+        self._space = ModelSpace()  # the fitted window's: log values, or values / their mean |value|
         self._alpha = self._beta = 0.0
         self._phi = 1.0
         self._sigma2 = 0.0
@@ -135,7 +135,7 @@ class EtsForecaster:
             self._score(v)
         self._fallback.observe(v)
         self._history.append(v)
-        if self._has_model and self._logged and v <= 0:
+        if self._has_model and self._space.logged and v <= 0:
             self._has_model = False  # a zero cannot enter a log model: refit on raw values
         if self._needs_refit() or self._deferred:
             if allow_refit:
@@ -143,7 +143,7 @@ class EtsForecaster:
                 return
             self._deferred = True
         if self._has_model:
-            self._step(self._to_model(v))
+            self._step(self._space.to_model(v))
             self.cheap_updates += 1
             self._since_refit += 1
 
@@ -155,21 +155,14 @@ class EtsForecaster:
             return self._fallback.forecast(steps, level)
         m, se = self._raw(int(steps))
         limit = plausible_limit(self._history)
-        if not (math.isfinite(m) and abs(self._back(m)) <= limit):
+        if not (math.isfinite(m) and abs(self._space.back(m)) <= limit):
             return self._fallback.forecast(steps, level)
         spread = z_value(level) * se
         c = self._factor.factor if self.correction else 1.0
-        return make_forecast(c * self._back(m), c * self._back(m - spread), c * self._back(m + spread))
+        back = self._space.back
+        return make_forecast(c * back(m), c * back(m - spread), c * back(m + spread))
 
     # ------------------------------------------------------------------------------------------ internals
-    def _to_model(self, value: float) -> float:
-        return math.log(value) if self._logged else value / self._scale
-
-    def _back(self, x: float) -> float:
-        if self._logged:
-            return math.exp(x) if x < 700.0 else math.inf
-        return x * self._scale
-
     def _raw(self, steps: int) -> tuple[float, float]:
         """(mean, standard error) ``steps`` ahead in the model's space."""
         phi_h, var_factor, phi_j = 0.0, 1.0, 0.0
@@ -187,10 +180,10 @@ class EtsForecaster:
 
     def _score(self, actual: float) -> None:
         m, _ = self._raw(1)
-        model = self._back(m)
+        model = self._space.back(m)
         issued = model * (self._factor.factor if self.correction else 1.0)
-        self._errors.append(capped_ape(actual, issued, self._scale))
-        if self.correction and model > APE_FLOOR * self._scale:
+        self._errors.append(capped_ape(actual, issued, self._space.scale))
+        if self.correction and model > APE_FLOOR * self._space.scale:
             self._factor.update(actual, model)
 
     def _needs_refit(self) -> bool:
@@ -212,9 +205,8 @@ class EtsForecaster:
         self._factor.reset()
         if float(np.ptp(y)) <= 1e-12 * max(level, 1.0):
             return  # constant window: last value is exact
-        self._scale = level if level > 0 else 1.0
-        self._logged = bool(np.all(y > 0))
-        endog = np.log(y) if self._logged else y / self._scale
+        self._space = ModelSpace.of(y)
+        endog = self._space.endog(y)
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             try:
