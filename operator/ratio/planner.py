@@ -51,6 +51,7 @@ from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 
 __all__ = [
+    "NO_GPU_BOUND",
     "PlannerSettings",
     "WorkloadEstimate",
     "Plan",
@@ -63,6 +64,11 @@ __all__ = [
     "plan_ratio",
     "ultra_short_threshold",
 ]
+
+
+NO_GPU_BOUND = 1 << 30
+"""The ``max_gpus`` of a plan with no GPU budget (a count no plan reaches; :func:`plan_disaggregated`,
+:func:`plan_unified`, ``fulcrum plan`` without ``--max-gpus``)."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +305,7 @@ def plan_disaggregated(
     slo: SLOSpec,
     *,
     min_gpus: int = 0,
-    max_gpus: int = 1 << 30,
+    max_gpus: int = NO_GPU_BOUND,
     tp_prefill: int | None = None,
     tp_decode: int | None = None,
     settings: PlannerSettings = PlannerSettings(),
@@ -370,7 +376,11 @@ def plan_disaggregated(
     expected_ttft = wq_q + s_q + transfer_q
     feasible = not budget_notes and expected_ttft <= ttft_slo and cap.cc_slo >= 1 and not infeasible
     if expected_ttft > ttft_slo:
-        notes.append(f"expected P{slo.percentile:g} TTFT {expected_ttft:.3f}s exceeds the {ttft_slo:.3f}s SLO")
+        if math.isfinite(expected_ttft):
+            notes.append(f"expected P{slo.percentile:g} TTFT {expected_ttft:.3f}s exceeds the {ttft_slo:.3f}s SLO")
+        else:  # the prefill queue grows without bound (a budget cut the pool under the load)
+            notes.append(f"expected P{slo.percentile:g} TTFT unbounded, against the {ttft_slo:.3f}s SLO: {n_p} prefill "
+                         f"instance{'s' if n_p != 1 else ''} cannot keep up with {lam_p:.3g} req/s")
     balanced = cap.cc * es / (cap.step_s * mean_osl) if es > 0 else math.nan
     slack = ttft_slo - (wq_q + s_q + transfer_q)
     routing = RoutingParams(
@@ -626,7 +636,7 @@ def plan_unified(
     slo: SLOSpec,
     *,
     min_gpus: int = 0,
-    max_gpus: int = 1 << 30,
+    max_gpus: int = NO_GPU_BOUND,
     tp_unified: int | None = None,
     settings: PlannerSettings = PlannerSettings(),
     current_tp: int | None = None,

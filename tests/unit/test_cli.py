@@ -116,6 +116,30 @@ def test_plan_for_a_request_rate_is_feasible_and_grows_with_the_rate(capsys: pyt
     assert high["prefill_replicas"] >= 40 * high["t_p_s"]
 
 
+def test_plan_for_a_request_rate_holds_the_gpu_budget_given(capsys: pytest.CaptureFixture[str]) -> None:
+    free = run_json(capsys, [*DOPD_PLAN, "--rate", "20", "--json"])
+    assert free["feasible"] is True and free["gpus"] > 4
+    capped = run_json(capsys, [*DOPD_PLAN, "--rate", "20", "--max-gpus", "4", "--json"])
+    assert capped["gpus"] <= 4 and capped["feasible"] is False
+    assert f"GPU budget: {free['gpus']} GPUs needed, capped at maxGPUs=4" in capped["notes"]
+    floor = run_json(capsys, [*DOPD_PLAN, "--rate", "1", "--min-gpus", "8", "--json"])
+    assert floor["gpus"] >= 8 and floor["feasible"] is True
+    assert main([*DOPD_PLAN, "--rate", "20", "--max-gpus", "4"]) == 0
+    out = capsys.readouterr().out  # a prefill pool cut under its load: no "infs" in the note
+    assert "TTFT unbounded, against the 2.000s SLO" in out and "infs" not in out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rate", "1", "--max-gpus", "0"], "--max-gpus must be >= 1"),
+    (["--rate", "1", "--min-gpus", "-1"], "--min-gpus must be >= 0"),
+    (["--rate", "1", "--min-gpus", "9", "--max-gpus", "4"], "--min-gpus 9 exceeds --max-gpus 4"),
+    (["--concurrency", "50", "--max-gpus", "8"], "bound the planner of --rate"),
+])
+def test_plan_refuses_a_gpu_budget_it_cannot_apply(capsys: pytest.CaptureFixture[str], extra: list[str],
+                                                    message: str) -> None:
+    assert message in run_error(capsys, [*DOPD_PLAN, *extra])
+
+
 def test_plan_says_when_a_tpot_target_cannot_be_met_at_these_lengths(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--profile", "dopd-llama70b-fp8-h100", "--isl", "12000", "--osl", "1000", "--rate", "0.5"]
     data = run_json(capsys, [*argv, "--json"])

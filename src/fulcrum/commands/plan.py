@@ -5,7 +5,9 @@
 - ``--rate R``: the full planner for R requests/s (TP choice, Kingman headroom, ultra-short threshold). A TTFT or
   TPOT target the profile cannot meet at these lengths whatever the count is printed as a warning (and listed
   under ``slo_infeasible`` with ``--json``: metric, target_s, best_s, at_isl, at_osl, tp, planned_for_s); the plan
-  is sized for the best achievable value instead.
+  is sized for the best achievable value instead. ``--min-gpus``/``--max-gpus`` bound the plan's GPUs as an
+  ``LLMServe``'s ``scaling.minGPUs``/``maxGPUs`` do: over the budget both pools shrink in proportion to their need,
+  and the plan says ``feasible: false`` with a note.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 from typing import Any
 
 from fulcrum.api.llmserve import SLOSpec
-from fulcrum.ratio.planner import WorkloadEstimate, plan_disaggregated, plan_ratio
+from fulcrum.ratio.planner import NO_GPU_BOUND, WorkloadEstimate, plan_disaggregated, plan_ratio
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_profile
 
 __all__ = ["add_parser", "run"]
@@ -37,6 +39,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT SLO, ms (default 2000)")
     p.add_argument("--tpot-ms", type=float, default=80.0, help="TPOT SLO, ms (default 80)")
     p.add_argument("--percentile", type=float, default=90.0, help="SLO percentile (default 90)")
+    p.add_argument("--min-gpus", type=int, default=0, help="with --rate: least GPUs of the plan (an LLMServe's "
+                   "scaling.minGPUs; default 0)")
+    p.add_argument("--max-gpus", type=int, help="with --rate: most GPUs of the plan (an LLMServe's scaling.maxGPUs); "
+                   "over it the pools shrink and the plan is marked infeasible (default: no bound)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -48,6 +54,15 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if not 0 < args.percentile <= 100:
         raise ValueError(f"--percentile must be in (0, 100], got {args.percentile}")
+    if args.min_gpus < 0:
+        raise ValueError(f"--min-gpus must be >= 0, got {args.min_gpus}")
+    if args.max_gpus is not None and args.max_gpus < 1:
+        raise ValueError(f"--max-gpus must be >= 1, got {args.max_gpus}")
+    if args.max_gpus is not None and args.min_gpus > args.max_gpus:
+        raise ValueError(f"--min-gpus {args.min_gpus} exceeds --max-gpus {args.max_gpus}")
+    if args.rate is None and (args.min_gpus or args.max_gpus is not None):
+        raise ValueError("--min-gpus and --max-gpus bound the planner of --rate; --concurrency and "
+                         "--decode-concurrency size the pools for a count given, without a budget")
 
 
 def _clean(d: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     slo = SLOSpec(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, percentile=args.percentile)
     if args.rate is not None:
         p = plan_disaggregated(WorkloadEstimate.from_means(args.rate, args.isl, args.osl), profile, slo,
-                               tp_prefill=args.tp_prefill, tp_decode=args.tp_decode)
+                               tp_prefill=args.tp_prefill, tp_decode=args.tp_decode, min_gpus=args.min_gpus,
+                               max_gpus=args.max_gpus if args.max_gpus is not None else NO_GPU_BOUND)
         out: dict[str, Any] = {
             "ratio": p.ratio, "balanced_ratio": p.balanced_ratio, "prefill_replicas": p.prefill.replicas,
             "decode_replicas": p.decode.replicas, "decode_concurrency": p.decode_concurrency,
