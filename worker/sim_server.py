@@ -353,7 +353,8 @@ class SimWorker:
             if not isinstance(msgs, list) or not msgs:
                 raise _BadRequest(400, "messages must be a non-empty list")
             try:
-                return chat_token_ids(msgs, bool(body.get("add_generation_prompt", True)))
+                agp = body.get("add_generation_prompt")
+                return chat_token_ids(msgs, True if agp is None else _lax_bool(agp, "add_generation_prompt"))
             except ValueError as err:
                 raise _BadRequest(400, str(err)) from None
         p = body.get("prompt")
@@ -474,7 +475,7 @@ class SimWorker:
         model = body.get("model")
         if model is not None and model != self.settings.model:
             raise _BadRequest(404, f"The model `{model}` does not exist.")
-        if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or body.get("echo"):
+        if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or _lax_bool(body.get("echo"), "echo"):
             raise _BadRequest(400, "the sim-worker serves n = 1 without best_of or echo")
         ids = self.prompt_ids(body, chat)
         cap = self._max_tokens(body, chat, len(ids))

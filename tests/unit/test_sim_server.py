@@ -140,6 +140,8 @@ async def test_token_ids_logprobs_and_stop_strings_are_answered_like_vllm(sim) -
     ({"prompt": [[1, 2], [3]]}, 400, "batched prompts (2) are not supported"),
     ({"prompt": ["a", "b"]}, 400, "batched prompts (2) are not supported"),
     ({"prompt": "hi", "stream": "maybe"}, 400, "stream: Input should be a valid boolean, got 'maybe'"),
+    ({"prompt": "hi", "echo": "yes"}, 400, "without best_of or echo"),
+    ({"prompt": "hi", "echo": "maybe"}, 400, "echo: Input should be a valid boolean, got 'maybe'"),
 ])
 async def test_bad_requests_get_a_4xx_with_the_reason(sim, body: dict[str, Any], status: int, needle: str) -> None:
     s = await sim()
@@ -154,6 +156,23 @@ async def test_stream_reads_a_boolean_as_vllms_request_models_do(sim) -> None:
     assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
     r = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": 0})
     assert r.status == 200 and (await r.json())["object"] == "text_completion"
+
+
+async def test_echo_and_add_generation_prompt_read_booleans_as_vllms_request_models_do(sim) -> None:
+    s = await sim()
+    r = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "echo": "false"})
+    assert r.status == 200  # "false" is False to pydantic, not a truthy string
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    usage = {}
+    for agp in (None, True, "no", 0):
+        body = chat if agp is None else {**chat, "add_generation_prompt": agp}
+        r = await s.client.post("/v1/chat/completions", json=body)
+        assert r.status == 200
+        usage[agp] = (await r.json())["usage"]["prompt_tokens"]
+    assert usage[None] == usage[True] > usage["no"] == usage[0]  # the default adds the assistant header
+    r = await s.client.post("/v1/chat/completions", json={**chat, "add_generation_prompt": "maybe"})
+    assert r.status == 400
+    assert "add_generation_prompt: Input should be a valid boolean" in (await r.json())["error"]["message"]
 
 
 async def test_a_body_that_is_not_json_gets_400(sim) -> None:
