@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fulcrum.forecast import Forecast, LastValue, MovingAverage, SeasonalNaive, SeriesForecaster
-from fulcrum.forecast.base import make_forecast
+from fulcrum.forecast.base import ModelSpace, make_forecast
 
 Z90 = NormalDist().inv_cdf(0.9)
 
@@ -113,3 +113,18 @@ def test_moving_average_upper_bound_covers_about_level_of_a_stationary_series() 
             hits.append(v <= f.forecast(1, level=0.9).upper)
         f.observe(float(v))
     assert 0.85 <= float(np.mean(hits)) <= 0.95
+
+
+def test_model_space_logs_an_all_positive_window_and_scales_any_other_by_its_mean_magnitude() -> None:
+    up = np.array([2.0, 4.0, 8.0])
+    logged = ModelSpace.of(up)
+    assert logged.logged and logged.scale == pytest.approx(14.0 / 3.0)
+    assert logged.endog(up) == pytest.approx(np.log(up))
+    assert logged.back(logged.to_model(5.0)) == pytest.approx(5.0)
+    assert logged.back(800.0) == math.inf  # overflow is inf, which make_forecast turns into a fallback
+    with_zero = ModelSpace.of(np.array([0.0, 3.0, -3.0]))
+    assert not with_zero.logged and with_zero.scale == pytest.approx(2.0)
+    assert with_zero.endog(np.array([0.0, 3.0, -3.0])) == pytest.approx([0.0, 1.5, -1.5])
+    assert with_zero.back(with_zero.to_model(-7.0)) == pytest.approx(-7.0)
+    assert not ModelSpace.of(up, log=False).logged
+    assert ModelSpace.of(np.zeros(4)).scale == 1.0 and ModelSpace.of(np.array([])).scale == 1.0
