@@ -134,10 +134,47 @@ def test_plan_for_a_request_rate_holds_the_gpu_budget_given(capsys: pytest.Captu
     (["--rate", "1", "--min-gpus", "-1"], "--min-gpus must be >= 0"),
     (["--rate", "1", "--min-gpus", "9", "--max-gpus", "4"], "--min-gpus 9 exceeds --max-gpus 4"),
     (["--concurrency", "50", "--max-gpus", "8"], "bound the planner of --rate"),
+    (["--concurrency", "50", "--mode", "Unified"], "--mode Unified plans for --rate"),
+    (["--rate", "1", "--tp-unified", "2"], "--tp-unified pins the unified pool of --mode Unified or Auto"),
+    (["--rate", "1", "--mode", "Unified"], "--tp-prefill and --tp-decode pin P and D pools"),
 ])
-def test_plan_refuses_a_gpu_budget_it_cannot_apply(capsys: pytest.CaptureFixture[str], extra: list[str],
+def test_plan_refuses_a_budget_mode_or_tp_it_cannot_apply(capsys: pytest.CaptureFixture[str], extra: list[str],
                                                     message: str) -> None:
     assert message in run_error(capsys, [*DOPD_PLAN, *extra])
+
+
+SPLITWISE_PLAN = ["plan", "--profile", "splitwise-llama2-70b-h100", "--isl", "1028", "--osl", "229", "--tpot-ms", "100"]
+
+
+def test_plan_in_unified_mode_plans_one_pool_of_kv_both_instances(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, [*SPLITWISE_PLAN, "--rate", "8", "--mode", "Unified", "--json"])
+    assert data["mode"] == "Unified" and data["ratio"] is None
+    assert (data["prefill_replicas"], data["decode_replicas"]) == (0, 0) and data["unified_replicas"] >= 1
+    assert data["gpus"] == data["unified_replicas"] * data["tp_unified"]
+    # the continuous need, rounded up: the count is the least that covers it
+    assert data["unified_replicas"] - 1 < data["inputs"]["unified_need"] <= data["unified_replicas"]
+    pinned = run_json(capsys, [*SPLITWISE_PLAN, "--rate", "8", "--mode", "Unified", "--tp-unified", "4", "--json"])
+    assert pinned["tp_unified"] == 4
+    assert main([*SPLITWISE_PLAN, "--rate", "8", "--mode", "Unified"]) == 0
+    out = capsys.readouterr().out
+    assert f"unified instances  {data['unified_replicas']} × TP{data['tp_unified']}" in out
+    assert "P/D ratio" not in out
+
+
+def test_plan_in_auto_mode_prints_both_plans_and_picks_as_an_llmserve_does(capsys: pytest.CaptureFixture[str]) -> None:
+    for rate in ("2", "8"):
+        data = run_json(capsys, [*SPLITWISE_PLAN, "--rate", rate, "--mode", "Auto", "--json"])
+        plans = data["plans"]
+        assert set(plans) == {"Disaggregated", "Unified"}
+        for mode in plans:  # each is the plan of that mode alone
+            alone = run_json(capsys, [*SPLITWISE_PLAN, "--rate", rate, "--mode", mode, "--json"])
+            assert alone["gpus"] == plans[mode]["gpus"] and alone["mode"] == mode
+        best = min(plans.values(), key=lambda x: (not x["feasible"], x["gpus"], x["mode"] != "Disaggregated"))
+        assert data["mode"] == best["mode"] and data["gpus"] == best["gpus"]
+    assert main([*SPLITWISE_PLAN, "--rate", "8", "--mode", "Auto"]) == 0
+    out = capsys.readouterr().out
+    d, u = plans["Disaggregated"]["gpus"], plans["Unified"]["gpus"]
+    assert f"Auto: Disaggregated {d} GPUs, Unified {u} GPUs → {data['mode']}" in out
 
 
 def test_plan_says_when_a_tpot_target_cannot_be_met_at_these_lengths(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,11 @@
   under ``slo_infeasible`` with ``--json``: metric, target_s, best_s, at_isl, at_osl, tp, planned_for_s); the plan
   is sized for the best achievable value instead. ``--min-gpus``/``--max-gpus`` bound the plan's GPUs as an
   ``LLMServe``'s ``scaling.minGPUs``/``maxGPUs`` do: over the budget both pools shrink in proportion to their need,
-  and the plan says ``feasible: false`` with a note.
+  and the plan says ``feasible: false`` with a note. ``--mode Unified`` plans one pool of unified (``kv_both``)
+  instances instead (``--tp-unified`` to pin its TP); ``--mode Auto`` plans both and picks as an ``LLMServe`` in
+  Auto mode does for one interval (the cheaper feasible plan; a tie goes to Disaggregated), printing both. The Auto
+  planner of the operator and of ``fulcrum replay`` switches mode only with hysteresis (docs/planner.md); this is
+  the one-shot comparison.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import json
 import math
 from typing import Any
 
-from fulcrum.api.llmserve import SLOSpec
-from fulcrum.ratio.planner import NO_GPU_BOUND, WorkloadEstimate, plan_disaggregated, plan_ratio
+from fulcrum.api.llmserve import Mode, SLOSpec
+from fulcrum.ratio.planner import NO_GPU_BOUND, Plan, WorkloadEstimate, plan_disaggregated, plan_ratio, plan_unified
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_profile
 
 __all__ = ["add_parser", "run"]
@@ -36,6 +40,11 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--decode-concurrency", type=float, help="capacity of one D-instance (cc_d), requests")
     p.add_argument("--tp-prefill", type=int, help="TP of P-instances (chosen by eq. 16 when omitted)")
     p.add_argument("--tp-decode", type=int, help="TP of D-instances (chosen by eqs. 11-14 when omitted)")
+    p.add_argument("--mode", choices=[m.value for m in (Mode.DISAGGREGATED, Mode.UNIFIED, Mode.AUTO)],
+                   default=Mode.DISAGGREGATED.value,
+                   help="with --rate: plan P and D pools (default), one unified pool, or both and pick (Auto)")
+    p.add_argument("--tp-unified", type=int, help="with --mode Unified/Auto: TP of the unified instances "
+                   "(the most requests per GPU when omitted)")
     p.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT SLO, ms (default 2000)")
     p.add_argument("--tpot-ms", type=float, default=80.0, help="TPOT SLO, ms (default 80)")
     p.add_argument("--percentile", type=float, default=90.0, help="SLO percentile (default 90)")
@@ -63,10 +72,32 @@ def _check(args: argparse.Namespace) -> None:
     if args.rate is None and (args.min_gpus or args.max_gpus is not None):
         raise ValueError("--min-gpus and --max-gpus bound the planner of --rate; --concurrency and "
                          "--decode-concurrency size the pools for a count given, without a budget")
+    if args.rate is None and args.mode != Mode.DISAGGREGATED.value:
+        raise ValueError(f"--mode {args.mode} plans for --rate; --concurrency and --decode-concurrency size P and D pools")
+    if args.tp_unified is not None and args.mode == Mode.DISAGGREGATED.value:
+        raise ValueError("--tp-unified pins the unified pool of --mode Unified or Auto")
+    if args.mode == Mode.UNIFIED.value and (args.tp_prefill is not None or args.tp_decode is not None):
+        raise ValueError("--tp-prefill and --tp-decode pin P and D pools; --mode Unified plans one unified pool "
+                         "(--tp-unified)")
 
 
 def _clean(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def _plan_dict(p: Plan, profile_name: str) -> dict[str, Any]:
+    """One plan as ``fulcrum plan`` prints it (``--json``): pools, TPs, times, feasibility, the inputs (NaN and
+    infinities as null)."""
+    return _clean({
+        "mode": p.mode, "ratio": p.ratio, "balanced_ratio": p.balanced_ratio, "prefill_replicas": p.prefill.replicas,
+        "decode_replicas": p.decode.replicas, "unified_replicas": p.unified.replicas,
+        "decode_concurrency": p.decode_concurrency, "tp_prefill": p.prefill.tp, "tp_decode": p.decode.tp,
+        "tp_unified": p.unified.tp, "gpus": p.gpus, "feasible": p.feasible, "expected_ttft_s": p.expected_ttft_s,
+        "t_p_s": p.t_p_s, "t_d_s": p.t_d_s, "ultra_short_tokens": p.routing.ultra_short_tokens,
+        "long_request_tokens": p.routing.long_request_tokens, "batch_timeout_s": p.routing.batch_timeout_s,
+        "notes": list(p.notes), "slo_infeasible": [_clean(f.as_dict()) for f in p.slo_infeasible],
+        "inputs": _clean({**{k: v for k, v in p.inputs.items() if k != "slo_infeasible"}, "profile": profile_name}),
+    })
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,19 +105,20 @@ def run(args: argparse.Namespace) -> int:
     profile = resolve_profile(args.profile)
     slo = SLOSpec(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, percentile=args.percentile)
     if args.rate is not None:
-        p = plan_disaggregated(WorkloadEstimate.from_means(args.rate, args.isl, args.osl), profile, slo,
-                               tp_prefill=args.tp_prefill, tp_decode=args.tp_decode, min_gpus=args.min_gpus,
-                               max_gpus=args.max_gpus if args.max_gpus is not None else NO_GPU_BOUND)
-        out: dict[str, Any] = {
-            "ratio": p.ratio, "balanced_ratio": p.balanced_ratio, "prefill_replicas": p.prefill.replicas,
-            "decode_replicas": p.decode.replicas, "decode_concurrency": p.decode_concurrency,
-            "tp_prefill": p.prefill.tp, "tp_decode": p.decode.tp, "gpus": p.gpus, "feasible": p.feasible,
-            "expected_ttft_s": p.expected_ttft_s, "t_p_s": p.t_p_s, "t_d_s": p.t_d_s,
-            "ultra_short_tokens": p.routing.ultra_short_tokens, "long_request_tokens": p.routing.long_request_tokens,
-            "batch_timeout_s": p.routing.batch_timeout_s, "notes": list(p.notes),
-            "slo_infeasible": [_clean(f.as_dict()) for f in p.slo_infeasible],
-            "inputs": _clean({**{k: v for k, v in p.inputs.items() if k != "slo_infeasible"}, "profile": profile.name}),
-        }
+        workload = WorkloadEstimate.from_means(args.rate, args.isl, args.osl)
+        lo, hi = args.min_gpus, (args.max_gpus if args.max_gpus is not None else NO_GPU_BOUND)
+        plans: dict[str, Plan] = {}
+        if args.mode != Mode.UNIFIED.value:
+            plans[Mode.DISAGGREGATED.value] = plan_disaggregated(
+                workload, profile, slo, tp_prefill=args.tp_prefill, tp_decode=args.tp_decode, min_gpus=lo, max_gpus=hi)
+        if args.mode != Mode.DISAGGREGATED.value:
+            plans[Mode.UNIFIED.value] = plan_unified(workload, profile, slo, tp_unified=args.tp_unified, min_gpus=lo,
+                                                     max_gpus=hi)
+        # as fulcrum.ratio.planner.plan in Auto mode: feasible first, then fewer GPUs, a tie to Disaggregated
+        p = min(plans.values(), key=lambda x: (not x.feasible, x.gpus, x.mode != Mode.DISAGGREGATED.value))
+        out: dict[str, Any] = _plan_dict(p, profile.name)
+        if args.mode == Mode.AUTO.value:
+            out["plans"] = {mode: _plan_dict(x, profile.name) for mode, x in plans.items()}
     else:
         r = plan_ratio(profile, args.isl, args.osl, tp_prefill=args.tp_prefill, tp_decode=args.tp_decode,
                        tpot_slo_s=args.tpot_ms / 1e3, decode_concurrency=args.decode_concurrency,
@@ -112,12 +144,22 @@ def run(args: argparse.Namespace) -> int:
     infeasible_lines = [f.message() for f in p.slo_infeasible] if args.rate is not None else []
     for line in infeasible_lines:
         print(f"warning: SLO infeasible: {line}")
-    ratio = out["ratio"]
-    print(f"  P/D ratio          {ratio:.3f}" if ratio is not None else "  P/D ratio          n/a")
-    print(f"  prefill instances  {out['prefill_replicas']} × TP{out['tp_prefill']}")
-    print(f"  decode instances   {out['decode_replicas']} × TP{out['tp_decode']}  (cc_d = {out['decode_concurrency']} requests each)")
+    if "plans" in out:
+        both = ", ".join(f"{mode} {x['gpus']} GPUs{'' if x['feasible'] else ' (infeasible)'}"
+                         for mode, x in out["plans"].items())
+        print(f"  Auto: {both} → {out['mode']}")
+    if out.get("mode") == Mode.UNIFIED.value:
+        print(f"  unified instances  {out['unified_replicas']} × TP{out['tp_unified']}  "
+              f"(cc = {out['decode_concurrency']} requests each)")
+    else:
+        ratio = out["ratio"]
+        print(f"  P/D ratio          {ratio:.3f}" if ratio is not None else "  P/D ratio          n/a")
+        print(f"  prefill instances  {out['prefill_replicas']} × TP{out['tp_prefill']}")
+        print(f"  decode instances   {out['decode_replicas']} × TP{out['tp_decode']}  "
+              f"(cc_d = {out['decode_concurrency']} requests each)")
     print(f"  GPUs               {out['gpus']}")
-    print(f"  t_p = {out['t_p_s'] * 1e3:.1f} ms per prefill, t_d = {out['t_d_s'] * 1e3:.1f} ms per decode step")
+    step = "decode step" if out.get("mode") != Mode.UNIFIED.value else "step (decode with prefill chunks)"
+    print(f"  t_p = {out['t_p_s'] * 1e3:.1f} ms per prefill, t_d = {out['t_d_s'] * 1e3:.1f} ms per {step}")
     for k, v in out["inputs"].items():
         print(f"    {k:<24} {v:.4g}" if isinstance(v, float) else f"    {k:<24} {v}")
     for note in out.get("notes", []):
