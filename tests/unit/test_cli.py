@@ -132,7 +132,7 @@ def test_plan_for_a_request_rate_holds_the_gpu_budget_given(capsys: pytest.Captu
 @pytest.mark.parametrize("extra, message", [
     (["--rate", "1", "--max-gpus", "0"], "--max-gpus must be >= 1"),
     (["--rate", "1", "--min-gpus", "-1"], "--min-gpus must be >= 0"),
-    (["--rate", "1", "--min-gpus", "9", "--max-gpus", "4"], "--min-gpus 9 exceeds --max-gpus 4"),
+    (["--rate", "1", "--min-gpus", "9", "--max-gpus", "4"], "minGPUs 9 exceeds maxGPUs 4"),
     (["--concurrency", "50", "--max-gpus", "8"], "bound the planner of --rate"),
     (["--concurrency", "50", "--mode", "Unified"], "--mode Unified plans for --rate"),
     (["--rate", "1", "--tp-unified", "2"], "--tp-unified pins the unified pool of --mode Unified or Auto"),
@@ -175,6 +175,38 @@ def test_plan_in_auto_mode_prints_both_plans_and_picks_as_an_llmserve_does(capsy
     out = capsys.readouterr().out
     d, u = plans["Disaggregated"]["gpus"], plans["Unified"]["gpus"]
     assert f"Auto: Disaggregated {d} GPUs, Unified {u} GPUs → {data['mode']}" in out
+
+
+def test_plan_for_an_llmserve_takes_its_profile_slos_mode_and_budget_and_flags_win(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    auto = str(REPO / "examples" / "llmserve-auto.yaml")  # Splitwise H100, TPOT 100 ms, Auto, 4–64 GPUs
+    load = ["--isl", "1028", "--osl", "229", "--rate", "8.32"]
+    data = run_json(capsys, ["plan", "--llmserve", auto, *load, "--json"])
+    assert data["inputs"]["profile"] == "splitwise-llama2-70b-h100"
+    assert set(data["plans"]) == {"Disaggregated", "Unified"}  # the spec's Auto mode
+    assert data == run_json(capsys, [*SPLITWISE_PLAN, "--rate", "8.32", "--mode", "Auto", "--min-gpus", "4",
+                                     "--max-gpus", "64", "--json"])  # the same plan from flags alone
+    unified = run_json(capsys, ["plan", "--llmserve", auto, *load, "--mode", "Unified", "--max-gpus", "6", "--json"])
+    assert unified["mode"] == "Unified" and unified["gpus"] <= 6 and "plans" not in unified
+    strict = run_json(capsys, ["plan", "--llmserve", auto, *load, "--tpot-ms", "60", "--json"])
+    assert strict["plans"]["Unified"]["gpus"] > data["plans"]["Unified"]["gpus"]  # a tighter TPOT than the file's
+    assert main(["plan", "--llmserve", auto, *load]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("LLMServe llama2-70b-auto: mode Auto, TTFT 2000 ms and TPOT 100 ms at P90, GPUs 4–64\n")
+
+
+def test_plan_needs_a_profile_from_a_flag_or_an_llmserve(
+    capsys: pytest.CaptureFixture[str], bad_files: dict[str, Path]
+) -> None:
+    load = ["--isl", "1000", "--osl", "150", "--rate", "1"]
+    assert "--profile is required" in run_error(capsys, ["plan", *load])
+    line = run_error(capsys, ["plan", "--llmserve", str(bad_files["config_map"]), *load])
+    assert "ConfigMap 'llama-70b-profile'" in line and "--profile" in line
+    data = run_json(capsys, ["plan", "--llmserve", str(bad_files["config_map"]), "--profile",
+                             "dopd-llama70b-fp8-h100", *load, "--json"])
+    assert data["inputs"]["profile"] == "dopd-llama70b-fp8-h100"
+    assert "invalid LLMServe" in run_error(capsys, ["plan", "--llmserve", str(bad_files["negative_ttft"]), *load])
 
 
 def test_plan_says_when_a_tpot_target_cannot_be_met_at_these_lengths(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,10 @@
   Auto mode does for one interval (the cheaper feasible plan; a tie goes to Disaggregated), printing both. The Auto
   planner of the operator and of ``fulcrum replay`` switches mode only with hysteresis (docs/planner.md); this is
   the one-shot comparison.
+
+``--llmserve FILE`` takes the profile, SLOs, mode, TP pins, GPU limits, ``engine.maxModelLen`` and
+``gpu.gpusPerNode`` from an ``LLMServe``: what the operator would plan for that resource at this load. A flag given
+as well overrides the file's value.
 """
 
 from __future__ import annotations
@@ -19,10 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from fulcrum.api.llmserve import Mode, SLOSpec
-from fulcrum.ratio.planner import NO_GPU_BOUND, Plan, WorkloadEstimate, plan_disaggregated, plan_ratio, plan_unified
+from fulcrum.api.llmserve import LLMServeSpec, Mode, SLOSpec, load_llmserve
+from fulcrum.ratio.planner import (
+    NO_GPU_BOUND,
+    Plan,
+    PlannerSettings,
+    WorkloadEstimate,
+    plan_disaggregated,
+    plan_ratio,
+    plan_unified,
+)
+from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_profile
 
 __all__ = ["add_parser", "run"]
@@ -31,7 +46,10 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="compute a P/D plan from a profile", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", required=True, help=f"profile file (YAML/JSON/CSV) or built-in name ({', '.join(BUILTIN_PROFILES)})")
+    p.add_argument("--profile", help=f"profile file (YAML/JSON/CSV) or built-in name ({', '.join(BUILTIN_PROFILES)}); "
+                   "required unless --llmserve names one")
+    p.add_argument("--llmserve", type=Path, help="LLMServe YAML: its profile, SLOs, mode, TP pins and GPU limits "
+                   "(a flag given as well wins)")
     p.add_argument("--isl", type=float, required=True, help="mean input length, tokens")
     p.add_argument("--osl", type=float, required=True, help="mean output length, tokens")
     load = p.add_mutually_exclusive_group(required=True)
@@ -41,14 +59,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tp-prefill", type=int, help="TP of P-instances (chosen by eq. 16 when omitted)")
     p.add_argument("--tp-decode", type=int, help="TP of D-instances (chosen by eqs. 11-14 when omitted)")
     p.add_argument("--mode", choices=[m.value for m in (Mode.DISAGGREGATED, Mode.UNIFIED, Mode.AUTO)],
-                   default=Mode.DISAGGREGATED.value,
-                   help="with --rate: plan P and D pools (default), one unified pool, or both and pick (Auto)")
+                   help="with --rate: plan P and D pools (the default without --llmserve), one unified pool, or "
+                   "both and pick (Auto)")
     p.add_argument("--tp-unified", type=int, help="with --mode Unified/Auto: TP of the unified instances "
                    "(the most requests per GPU when omitted)")
-    p.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT SLO, ms (default 2000)")
-    p.add_argument("--tpot-ms", type=float, default=80.0, help="TPOT SLO, ms (default 80)")
-    p.add_argument("--percentile", type=float, default=90.0, help="SLO percentile (default 90)")
-    p.add_argument("--min-gpus", type=int, default=0, help="with --rate: least GPUs of the plan (an LLMServe's "
+    p.add_argument("--ttft-ms", type=float, help="TTFT SLO, ms (default 2000, or the LLMServe's)")
+    p.add_argument("--tpot-ms", type=float, help="TPOT SLO, ms (default 80, or the LLMServe's)")
+    p.add_argument("--percentile", type=float, help="SLO percentile (default 90, or the LLMServe's)")
+    p.add_argument("--min-gpus", type=int, help="with --rate: least GPUs of the plan (an LLMServe's "
                    "scaling.minGPUs; default 0)")
     p.add_argument("--max-gpus", type=int, help="with --rate: most GPUs of the plan (an LLMServe's scaling.maxGPUs); "
                    "over it the pools shrink and the plan is marked infeasible (default: no bound)")
@@ -56,29 +74,102 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What the plan is made with: each a flag's value, else the LLMServe's (``--llmserve``), else the default.
+
+    Attributes:
+        name: the LLMServe's ``metadata.name`` (None without ``--llmserve``).
+        mode: ``Disaggregated``, ``Unified`` or ``Auto`` (the concurrency forms plan P and D pools whatever it is).
+        min_gpus, max_gpus: the GPU budget of a rate's plan (0 and :data:`NO_GPU_BOUND` without one).
+    """
+
+    name: str | None
+    profile: PerformanceProfile
+    slo: SLOSpec
+    mode: str
+    tp_prefill: int | None
+    tp_decode: int | None
+    tp_unified: int | None
+    min_gpus: int
+    max_gpus: int
+    settings: PlannerSettings
+
+
+def _pick(flag: Any, from_spec: Any, default: Any) -> Any:
+    """The flag's value if given, else the LLMServe's, else ``default``."""
+    if flag is not None:
+        return flag
+    return from_spec if from_spec is not None else default
+
+
 def _check(args: argparse.Namespace) -> None:
+    """Refuse flags that are out of range or do not apply, before anything is read (each a one-line error)."""
     for name in ("isl", "osl", "rate", "concurrency", "decode_concurrency", "ttft_ms", "tpot_ms"):
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
-    if not 0 < args.percentile <= 100:
+    if args.percentile is not None and not 0 < args.percentile <= 100:
         raise ValueError(f"--percentile must be in (0, 100], got {args.percentile}")
-    if args.min_gpus < 0:
+    if args.min_gpus is not None and args.min_gpus < 0:
         raise ValueError(f"--min-gpus must be >= 0, got {args.min_gpus}")
     if args.max_gpus is not None and args.max_gpus < 1:
         raise ValueError(f"--max-gpus must be >= 1, got {args.max_gpus}")
-    if args.max_gpus is not None and args.min_gpus > args.max_gpus:
-        raise ValueError(f"--min-gpus {args.min_gpus} exceeds --max-gpus {args.max_gpus}")
-    if args.rate is None and (args.min_gpus or args.max_gpus is not None):
+    if args.rate is None and (args.min_gpus is not None or args.max_gpus is not None):
         raise ValueError("--min-gpus and --max-gpus bound the planner of --rate; --concurrency and "
                          "--decode-concurrency size the pools for a count given, without a budget")
-    if args.rate is None and args.mode != Mode.DISAGGREGATED.value:
+    if args.rate is None and args.mode not in (None, Mode.DISAGGREGATED.value):
         raise ValueError(f"--mode {args.mode} plans for --rate; --concurrency and --decode-concurrency size P and D pools")
-    if args.tp_unified is not None and args.mode == Mode.DISAGGREGATED.value:
-        raise ValueError("--tp-unified pins the unified pool of --mode Unified or Auto")
-    if args.mode == Mode.UNIFIED.value and (args.tp_prefill is not None or args.tp_decode is not None):
+    if args.profile is None and args.llmserve is None:
+        raise ValueError("--profile is required (a file or a built-in name), or --llmserve naming one")
+
+
+def _inputs(args: argparse.Namespace) -> _Inputs:
+    """The flags resolved against the LLMServe of ``--llmserve`` (module doc).
+
+    Raises:
+        SpecError: the LLMServe file is unreadable or invalid.
+        ProfileError: the profile named (by the flag or the LLMServe) is unknown, or is a ConfigMap without
+            ``--profile``.
+        ValueError: the GPU budget resolved has minGPUs above maxGPUs.
+    """
+    spec: LLMServeSpec | None = None
+    name = None
+    if args.llmserve is not None:
+        res = load_llmserve(args.llmserve)
+        spec, name = res.spec, res.metadata.name
+    if spec is not None:
+        from fulcrum.commands.replay import resolve_spec_profile  # the spec's profile, as a replay resolves it
+
+        profile = resolve_spec_profile(spec, args.llmserve, args.profile)
+    else:
+        profile = resolve_profile(args.profile)
+    own = spec.slo if spec is not None else None
+    slo = SLOSpec(ttft_ms=_pick(args.ttft_ms, own.ttft_ms if own else None, 2000.0),
+                  tpot_ms=_pick(args.tpot_ms, own.tpot_ms if own else None, 80.0),
+                  percentile=_pick(args.percentile, own.percentile if own else None, 90.0))
+    sc = spec.scaling if spec is not None else None
+    mode = _pick(args.mode, spec.mode.value if spec is not None else None, Mode.DISAGGREGATED.value)
+    if args.rate is None:
+        mode = Mode.DISAGGREGATED.value  # the concurrency forms size P and D pools (DOPD Alg. 2)
+    if args.tp_unified is not None and mode == Mode.DISAGGREGATED.value:
+        raise ValueError("--tp-unified pins the unified pool of --mode Unified or Auto (with --rate)")
+    if mode == Mode.UNIFIED.value and (args.tp_prefill is not None or args.tp_decode is not None):
         raise ValueError("--tp-prefill and --tp-decode pin P and D pools; --mode Unified plans one unified pool "
                          "(--tp-unified)")
+    lo = _pick(args.min_gpus, sc.min_gpus if sc is not None else None, 0)
+    hi = _pick(args.max_gpus, sc.max_gpus if sc is not None else None, NO_GPU_BOUND)
+    if lo > hi:
+        raise ValueError(f"minGPUs {lo} exceeds maxGPUs {hi} (--min-gpus / --max-gpus, or the LLMServe's)")
+    # a pin of the other mode's pools does not apply (an LLMServe in Unified mode may keep tpPrefill set)
+    return _Inputs(
+        name=name, profile=profile, slo=slo, mode=mode,
+        tp_prefill=_pick(args.tp_prefill, sc.tp_prefill if sc is not None else None, None),
+        tp_decode=_pick(args.tp_decode, sc.tp_decode if sc is not None else None, None),
+        tp_unified=_pick(args.tp_unified, sc.tp_unified if sc is not None else None, None),
+        min_gpus=lo, max_gpus=hi,
+        settings=PlannerSettings.from_spec(spec) if spec is not None else PlannerSettings(),
+    )
 
 
 def _clean(d: dict[str, Any]) -> dict[str, Any]:
@@ -102,26 +193,27 @@ def _plan_dict(p: Plan, profile_name: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    profile = resolve_profile(args.profile)
-    slo = SLOSpec(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, percentile=args.percentile)
+    got = _inputs(args)
+    profile, slo = got.profile, got.slo
     if args.rate is not None:
         workload = WorkloadEstimate.from_means(args.rate, args.isl, args.osl)
-        lo, hi = args.min_gpus, (args.max_gpus if args.max_gpus is not None else NO_GPU_BOUND)
+        lo, hi, settings = got.min_gpus, got.max_gpus, got.settings
         plans: dict[str, Plan] = {}
-        if args.mode != Mode.UNIFIED.value:
+        if got.mode != Mode.UNIFIED.value:
             plans[Mode.DISAGGREGATED.value] = plan_disaggregated(
-                workload, profile, slo, tp_prefill=args.tp_prefill, tp_decode=args.tp_decode, min_gpus=lo, max_gpus=hi)
-        if args.mode != Mode.DISAGGREGATED.value:
-            plans[Mode.UNIFIED.value] = plan_unified(workload, profile, slo, tp_unified=args.tp_unified, min_gpus=lo,
-                                                     max_gpus=hi)
+                workload, profile, slo, tp_prefill=got.tp_prefill, tp_decode=got.tp_decode, min_gpus=lo,
+                max_gpus=hi, settings=settings)
+        if got.mode != Mode.DISAGGREGATED.value:
+            plans[Mode.UNIFIED.value] = plan_unified(workload, profile, slo, tp_unified=got.tp_unified, min_gpus=lo,
+                                                     max_gpus=hi, settings=settings)
         # as fulcrum.ratio.planner.plan in Auto mode: feasible first, then fewer GPUs, a tie to Disaggregated
         p = min(plans.values(), key=lambda x: (not x.feasible, x.gpus, x.mode != Mode.DISAGGREGATED.value))
         out: dict[str, Any] = _plan_dict(p, profile.name)
-        if args.mode == Mode.AUTO.value:
+        if got.mode == Mode.AUTO.value:
             out["plans"] = {mode: _plan_dict(x, profile.name) for mode, x in plans.items()}
     else:
-        r = plan_ratio(profile, args.isl, args.osl, tp_prefill=args.tp_prefill, tp_decode=args.tp_decode,
-                       tpot_slo_s=args.tpot_ms / 1e3, decode_concurrency=args.decode_concurrency,
+        r = plan_ratio(profile, args.isl, args.osl, tp_prefill=got.tp_prefill, tp_decode=got.tp_decode,
+                       tpot_slo_s=slo.tpot_ms / 1e3, decode_concurrency=args.decode_concurrency,
                        concurrency=args.concurrency)
         c = r.capacity
         out = {
@@ -140,6 +232,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2, allow_nan=False))
         return 0
+    if got.name is not None or args.llmserve is not None:
+        budget = f"GPUs {got.min_gpus}–{got.max_gpus}" if args.rate is not None else "no GPU budget (a count given)"
+        print(f"LLMServe {got.name or args.llmserve}: mode {got.mode}, TTFT {slo.ttft_ms:g} ms and TPOT "
+              f"{slo.tpot_ms:g} ms at P{slo.percentile:g}, {budget}")
     print(f"profile {profile.name}: ISL {args.isl:g} / OSL {args.osl:g} tokens")
     infeasible_lines = [f.message() for f in p.slo_infeasible] if args.rate is not None else []
     for line in infeasible_lines:

@@ -92,7 +92,7 @@ def _default_spec() -> LLMServeSpec:
 
 
 def resolve_spec_profile(spec: LLMServeSpec, spec_path: Path | None, override: str | None) -> PerformanceProfile:
-    """The profile a replay uses: ``--profile`` if given, else the spec's reference.
+    """The profile a replay (or ``fulcrum plan --llmserve``) uses: ``--profile`` if given, else the spec's reference.
 
     A ``path`` reference is resolved relative to the LLMServe file's folder first, then the working directory.
 
@@ -111,7 +111,7 @@ def resolve_spec_profile(spec: LLMServeSpec, spec_path: Path | None, override: s
         return resolve_profile(str(cand))
     raise ProfileError(
         f"the LLMServe's profile is the ConfigMap {ref.config_map!r}, which only exists in a cluster: "
-        "pass --profile FILE or a built-in name to replay"
+        "pass --profile FILE or a built-in name"
     )
 
 
