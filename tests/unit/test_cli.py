@@ -177,6 +177,16 @@ def test_plan_in_auto_mode_prints_both_plans_and_picks_as_an_llmserve_does(capsy
     assert f"Auto: Disaggregated {d} GPUs, Unified {u} GPUs → {data['mode']}" in out
 
 
+def test_plan_in_auto_mode_plans_disaggregated_alone_where_the_profile_has_no_unified_tp(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # DOPD's profile measures prefill at TP1 and decode at TP2 only: no TP can run both duties
+    data = run_json(capsys, [*DOPD_PLAN[:7], "--rate", "5", "--mode", "Auto", "--json"])
+    assert data["mode"] == "Disaggregated" and set(data["plans"]) == {"Disaggregated"}
+    assert "Unified mode needs one" in data["unified_skipped"]
+    assert "Unified mode needs one" in run_error(capsys, [*DOPD_PLAN[:7], "--rate", "5", "--mode", "Unified"])
+
+
 def test_plan_for_an_llmserve_takes_its_profile_slos_mode_and_budget_and_flags_win(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode, SLOSpec, load_llmserve
+from fulcrum.errors import PlanningError
 from fulcrum.ratio.planner import (
     NO_GPU_BOUND,
     Plan,
@@ -203,14 +204,22 @@ def run(args: argparse.Namespace) -> int:
             plans[Mode.DISAGGREGATED.value] = plan_disaggregated(
                 workload, profile, slo, tp_prefill=got.tp_prefill, tp_decode=got.tp_decode, min_gpus=lo,
                 max_gpus=hi, settings=settings)
+        unified_skipped: str | None = None
         if got.mode != Mode.DISAGGREGATED.value:
-            plans[Mode.UNIFIED.value] = plan_unified(workload, profile, slo, tp_unified=got.tp_unified, min_gpus=lo,
-                                                     max_gpus=hi, settings=settings)
+            try:
+                plans[Mode.UNIFIED.value] = plan_unified(workload, profile, slo, tp_unified=got.tp_unified,
+                                                         min_gpus=lo, max_gpus=hi, settings=settings)
+            except PlanningError as err:
+                if got.mode == Mode.UNIFIED.value:
+                    raise
+                unified_skipped = str(err)  # Auto plans Disaggregated alone, as fulcrum.ratio.planner.plan_modes
         # as fulcrum.ratio.planner.plan in Auto mode: feasible first, then fewer GPUs, a tie to Disaggregated
         p = min(plans.values(), key=lambda x: (not x.feasible, x.gpus, x.mode != Mode.DISAGGREGATED.value))
         out: dict[str, Any] = _plan_dict(p, profile.name)
         if got.mode == Mode.AUTO.value:
             out["plans"] = {mode: _plan_dict(x, profile.name) for mode, x in plans.items()}
+            if unified_skipped is not None:
+                out["unified_skipped"] = unified_skipped
     else:
         r = plan_ratio(profile, args.isl, args.osl, tp_prefill=got.tp_prefill, tp_decode=got.tp_decode,
                        tpot_slo_s=slo.tpot_ms / 1e3, decode_concurrency=args.decode_concurrency,
@@ -244,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         both = ", ".join(f"{mode} {x['gpus']} GPUs{'' if x['feasible'] else ' (infeasible)'}"
                          for mode, x in out["plans"].items())
         print(f"  Auto: {both} → {out['mode']}")
+        if "unified_skipped" in out:
+            print(f"  Auto: no Unified plan: {out['unified_skipped']}")
     if out.get("mode") == Mode.UNIFIED.value:
         print(f"  unified instances  {out['unified_replicas']} × TP{out['tp_unified']}  "
               f"(cc = {out['decode_concurrency']} requests each)")
