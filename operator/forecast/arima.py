@@ -344,7 +344,7 @@ class ArimaForecaster:
     def _refit(self) -> None:
         """Estimate the parameters on the window; on failure or a constant window leave no model."""
         y = np.fromiter(self._history, dtype=float)
-        level = float(np.mean(np.abs(y)))
+        space = ModelSpace.of(y, log=self.log_transform)  # scale: the window's mean |value| (1 for zeros)
         self._results = None
         self._recursion = None
         self._cache.clear()
@@ -352,10 +352,10 @@ class ArimaForecaster:
         self._errors.clear()
         self._refit_deferred = False
         self._correction.reset()
-        if float(np.ptp(y)) <= 1e-12 * max(level, 1.0):
+        if float(np.ptp(y)) <= 1e-12 * max(space.scale, 1.0):
             return  # constant window: last value is exact; ARIMA's likelihood is degenerate
-        self._space = ModelSpace.of(y, log=self.log_transform)
-        endog = self._space.endog(y)
+        self._space = space
+        endog = space.endog(y)
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             try:

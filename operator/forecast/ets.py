@@ -197,16 +197,16 @@ class EtsForecaster:
 
     def _refit(self) -> None:
         y = np.fromiter(self._history, dtype=float)
-        level = float(np.mean(np.abs(y)))
+        space = ModelSpace.of(y)  # scale: the window's mean |value| (1 for zeros)
         self._has_model = False
         self._deferred = False
         self._since_refit = 0
         self._errors.clear()
         self._factor.reset()
-        if float(np.ptp(y)) <= 1e-12 * max(level, 1.0):
+        if float(np.ptp(y)) <= 1e-12 * max(space.scale, 1.0):
             return  # constant window: last value is exact
-        self._space = ModelSpace.of(y)
-        endog = self._space.endog(y)
+        self._space = space
+        endog = space.endog(y)
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             try:
