@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fulcrum.api.llmserve import LLMServeSpec, load_llmserve
-from fulcrum.commands.replay import resolve_spec_profile
+from fulcrum.ratio.profiles import resolve_spec_profile
 from fulcrum.observation import Observation
 from fulcrum.replay.driver import ReplayOptions, run_planner, run_policy
 from fulcrum.replay.result import PolicyRun

@@ -45,7 +45,7 @@ JUDGED = ("fulcrum", "dopd")
 def resolvable(path: Path) -> bool:
     """Whether the example's profile resolves here (a built-in or a file; not a ConfigMap in a cluster)."""
     from fulcrum.api.llmserve import load_llmserve
-    from fulcrum.commands.replay import resolve_spec_profile
+    from fulcrum.ratio.profiles import resolve_spec_profile
     from fulcrum.errors import ProfileError
 
     try:

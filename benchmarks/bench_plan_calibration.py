@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode, load_llmserve
-from fulcrum.commands.replay import resolve_spec_profile
+from fulcrum.ratio.profiles import resolve_spec_profile
 from fulcrum.errors import PlanningError
 from fulcrum.observation import QUANTILE_LEVELS
 from fulcrum.ratio.lengths import LengthDistribution

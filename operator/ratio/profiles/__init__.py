@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import PerformanceProfile, load_profile
 
-__all__ = ["BUILTIN_PROFILES", "builtin_profile", "resolve_profile"]
+if TYPE_CHECKING:
+    from fulcrum.api.llmserve import LLMServeSpec
+
+__all__ = ["BUILTIN_PROFILES", "builtin_profile", "resolve_profile", "resolve_spec_profile"]
 
 BUILTIN_PROFILES: tuple[str, ...] = ("dopd-llama70b-fp8-h100", "splitwise-llama2-70b-h100", "splitwise-llama2-70b-a100")
 
@@ -41,3 +45,29 @@ def resolve_profile(name_or_path: str) -> PerformanceProfile:
             f"(built-ins: {', '.join(BUILTIN_PROFILES)})"
         )
     return load_profile(name_or_path)
+
+
+def resolve_spec_profile(spec: LLMServeSpec, spec_path: Path | None, override: str | None) -> PerformanceProfile:
+    """The profile an ``LLMServe`` read from a file is planned with outside a cluster (``fulcrum replay``,
+    ``fulcrum plan --llmserve``, the benchmarks): ``override`` (a ``--profile`` flag: a file or a built-in name) if
+    given, else the spec's reference.
+
+    A ``path`` reference is resolved relative to the LLMServe file's folder first, then the working directory.
+
+    Raises:
+        ProfileError: the spec names a ConfigMap (in-cluster only) or the file/name is unknown.
+    """
+    if override:
+        return resolve_profile(override)
+    ref = spec.profile
+    if ref.name:
+        return builtin_profile(ref.name)
+    if ref.path:
+        cand = Path(ref.path)
+        if not cand.is_absolute() and spec_path is not None and (spec_path.parent / cand).is_file():
+            cand = spec_path.parent / cand
+        return resolve_profile(str(cand))
+    raise ProfileError(
+        f"the LLMServe's profile is the ConfigMap {ref.config_map!r}, which only exists in a cluster: "
+        "pass --profile FILE or a built-in name"
+    )

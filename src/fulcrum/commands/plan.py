@@ -39,7 +39,7 @@ from fulcrum.ratio.planner import (
     plan_unified,
 )
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_profile
+from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_profile, resolve_spec_profile
 
 __all__ = ["add_parser", "run"]
 
@@ -140,15 +140,12 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         res = load_llmserve(args.llmserve)
         spec, name = res.spec, res.metadata.name
     if spec is not None:
-        from fulcrum.commands.replay import resolve_spec_profile  # the spec's profile, as a replay resolves it
-
         profile = resolve_spec_profile(spec, args.llmserve, args.profile)
     else:
         profile = resolve_profile(args.profile)
-    own = spec.slo if spec is not None else None
-    slo = SLOSpec(ttft_ms=_pick(args.ttft_ms, own.ttft_ms if own else None, 2000.0),
-                  tpot_ms=_pick(args.tpot_ms, own.tpot_ms if own else None, 80.0),
-                  percentile=_pick(args.percentile, own.percentile if own else None, 90.0))
+    base = spec.slo if spec is not None else SLOSpec()  # SLOSpec's defaults: TTFT 2 s and TPOT 80 ms at P90
+    slo = SLOSpec(ttft_ms=_pick(args.ttft_ms, base.ttft_ms, None), tpot_ms=_pick(args.tpot_ms, base.tpot_ms, None),
+                  percentile=_pick(args.percentile, base.percentile, None))
     sc = spec.scaling if spec is not None else None
     mode = _pick(args.mode, spec.mode.value if spec is not None else None, Mode.DISAGGREGATED.value)
     if args.rate is None:

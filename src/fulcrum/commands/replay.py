@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.api.llmserve import LLMServe, LLMServeSpec, ModelSpec, load_llmserve
-from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.ratio.profiles import BUILTIN_PROFILES, builtin_profile, resolve_profile
+from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_spec_profile
 from fulcrum.replay.distribution import check_records_path, write_records
 from fulcrum.replay.driver import ReplayOptions, run_policy, scale_arrivals, warmup_seconds
 from fulcrum.replay.pareto import pareto_verdict
@@ -46,7 +45,7 @@ from fulcrum.replay.table import comparison_table, infeasible_lines, percentiles
 from fulcrum.traces import TRACE_FORMATS, load_trace
 from fulcrum.workload import Request
 
-__all__ = ["add_parser", "run", "resolve_spec_profile"]
+__all__ = ["add_parser", "run"]
 
 
 def _routing_arg(text: str) -> list[str]:
@@ -89,30 +88,6 @@ def add_parser(sub: Any) -> None:
 
 def _default_spec() -> LLMServeSpec:
     return LLMServe(spec=LLMServeSpec(model=ModelSpec(name="meta-llama/Llama-3.1-70B-Instruct-FP8"))).spec
-
-
-def resolve_spec_profile(spec: LLMServeSpec, spec_path: Path | None, override: str | None) -> PerformanceProfile:
-    """The profile a replay (or ``fulcrum plan --llmserve``) uses: ``--profile`` if given, else the spec's reference.
-
-    A ``path`` reference is resolved relative to the LLMServe file's folder first, then the working directory.
-
-    Raises:
-        ProfileError: the spec names a ConfigMap (in-cluster only) or the file/name is unknown.
-    """
-    if override:
-        return resolve_profile(override)
-    ref = spec.profile
-    if ref.name:
-        return builtin_profile(ref.name)
-    if ref.path:
-        cand = Path(ref.path)
-        if not cand.is_absolute() and spec_path is not None and (spec_path.parent / cand).is_file():
-            cand = spec_path.parent / cand
-        return resolve_profile(str(cand))
-    raise ProfileError(
-        f"the LLMServe's profile is the ConfigMap {ref.config_map!r}, which only exists in a cluster: "
-        "pass --profile FILE or a built-in name"
-    )
 
 
 def _check_report_dir(path: Path | None) -> None:
