@@ -8,7 +8,8 @@ One request: validate (400) → count the prompt (``fulcrum.router.tokens``) →
 :class:`~fulcrum.routing.base.RouteDecision` (503 when it finds no instance) → execute it
 (``fulcrum.router.handoff``) → relay. An instance that fails before anything reached the client is left out and
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message. An engine's 4xx is
-the client's error and is relayed as is.
+the client's error and is relayed as is (a body that is not a JSON object is put in OpenAI's error shape); another
+status that is not 200 (204, 3xx) carries no answer and is a 502.
 
 Executing a decision: :data:`EXECUTORS` maps each decision kind to its executor (colocated, disaggregated, split);
 steps common to every kind (a planned prefix pull) run before it. Calls reach the engines through the pool's
@@ -77,7 +78,7 @@ from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, End
 from fulcrum.router.sse import DONE, encode_event
 from fulcrum.router.tokens import count_prompt
 from fulcrum.router.transport import HttpTransport, QueuedTransport, new_session, retire_queue
-from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
+from fulcrum.router.upstream import UpstreamFailure, UpstreamPool, upstream_message
 
 __all__ = [
     "PolicyFactory",
@@ -216,9 +217,20 @@ def _error_response(err: RouterHTTPError) -> web.Response:
 
 
 # ------------------------------------------------------------------------------------------ admission
+class _UnreadableBody(BadRequest):
+    """400: the request body cannot be read (e.g. it fails its ``Content-Encoding``); the connection is closed
+    after the answer, since the rest of the body on it cannot be told from a next request."""
+
+
 async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: float) -> Exchange:
     assert st.pool is not None
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except (web.RequestPayloadError, aiohttp.ClientPayloadError) as err:  # e.g. a Content-Encoding that fails
+        # nothing more can be read: without this aiohttp would try to drain the rest after the answer, meet the
+        # same error again and log it as unhandled (the connection is closed after the answer, _UnreadableBody)
+        request.content.feed_eof()
+        raise _UnreadableBody(f"cannot read the request body: {' '.join(str(err).split())}") from err
     req, body = parse_request(raw, endpoint)
     cfg = st.config
     if isinstance(req, CompletionRequest):
@@ -477,7 +489,10 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
         ex = await _admit(st, request, endpoint, t0)
     except RouterHTTPError as err:
         st.metrics.child(st.metrics.responses, endpoint, str(err.status)).inc()
-        return _error_response(err)
+        refusal = _error_response(err)
+        if isinstance(err, _UnreadableBody):
+            refusal.force_close()
+        return refusal
     st.metrics.child(st.metrics.admitted, endpoint).inc()
     cap = ex.max_tokens if ex.max_tokens is not None else max(1, (st.config.max_model_len or ex.prompt.max_model_len or 4096) - ex.prompt.count)
     hashes: tuple[int, ...] = ()
@@ -545,8 +560,11 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
         if sink.started:  # cannot happen: non-200 answers come before any event
             await _stream_error(sink, UpstreamError(f"upstream answered HTTP {out.status}"))
             return sink.answer()
+        if out.status < 400:  # 204, 3xx ...: no answer to relay
+            what = "with no body" if not out.body else "instead of an answer"
+            return _finish_error(st, ex, UpstreamError(f"the engine answered HTTP {out.status} {what}"))
         st.metrics.child(st.metrics.responses, ex.endpoint, str(out.status)).inc()
-        return web.Response(status=out.status, body=out.body or b"", headers=_JSON_HEADERS)
+        return web.Response(status=out.status, body=_error_answer(out), headers=_JSON_HEADERS)
     _observe_done(st, ex, sink, out, "200")
     if not ex.stream:
         return web.Response(status=200, body=out.body or b"", headers=_JSON_HEADERS)
@@ -569,6 +587,19 @@ def _observe_done(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome 
         st.rescheduler.observe_finished(ex.model, out.prompt_tokens or ex.prompt.count, n)
     if sink.first_token_at is not None and n > 1:
         m.tpot.observe((now - sink.first_token_at) / (n - 1))
+
+
+def _error_answer(out: Outcome) -> bytes:
+    """An engine's 4xx body as relayed: a JSON object as it came; anything else (text, HTML, another JSON value,
+    nothing) as the OpenAI error object carrying the engine's message."""
+    raw = out.body or b""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        data = None
+    if isinstance(data, dict):
+        return raw
+    return json.dumps(error_body(upstream_message(raw, out.status), "invalid_request_error", None, out.status)).encode()
 
 
 def _finish_error(st: RouterState, ex: Exchange, err: RouterHTTPError) -> web.Response:
@@ -710,11 +741,16 @@ def _move_off(st: RouterState, iid: str) -> None:
 
 
 async def _watch_config(st: RouterState, sleep: Callable[[float], Any]) -> None:
+    """Poll the config file every ``reload_interval_s``; a poll that fails unexpectedly (an invalid file is the
+    watcher's business, logged there) is logged and polling goes on, so a later valid file still applies."""
     assert st.watcher is not None
     while True:
         await sleep(st.config.reload_interval_s)
-        if st.watcher.due():
-            st.watcher.poll()
+        try:
+            if st.watcher.due():
+                st.watcher.poll()
+        except Exception:  # noqa: BLE001 - the watcher must outlive any one bad reload
+            log.exception("router config reload failed unexpectedly; keeping the current config and watching on")
 
 
 def create_app(

@@ -381,17 +381,25 @@ def load_config(path: str | Path) -> RouterConfig:
     """Read and validate a router config file.
 
     Raises:
-        RouterConfigError: unreadable file, invalid YAML, or an invalid field.
+        RouterConfigError: unreadable file, not UTF-8, invalid YAML (nested too deeply included), or an invalid
+            field.
     """
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise RouterConfigError(f"cannot read router config {path}: {err}") from err
+    except UnicodeDecodeError as err:
+        raise RouterConfigError(f"router config {path} is not valid UTF-8: {err}") from err
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise RouterConfigError(f"router config {path} is not valid YAML: {err}") from err
-    return parse_config(data)
+    except RecursionError as err:
+        raise RouterConfigError(f"router config {path} is nested too deeply") from err
+    try:
+        return parse_config(data)
+    except RecursionError as err:
+        raise RouterConfigError(f"router config {path} is nested too deeply") from err
 
 
 class ConfigWatcher:

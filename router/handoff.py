@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fulcrum.router.metrics import RouterMetrics
-from fulcrum.router.relay import ClientSink, Exchange, Outcome, Transform, relay
+from fulcrum.router.relay import ClientSink, Exchange, Outcome, Transform, relay, token_count
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest
 from fulcrum.router.sse import encode_event, is_usage_only
 from fulcrum.router.tokens import count_prompt
@@ -313,8 +313,8 @@ async def run_disaggregated(pool: UpstreamPool, ex: Exchange, a: str, b: str, si
         return out
     kv = out.data.get("kv_transfer_params")
     u = out.data.get("usage")
-    pt = u.get("prompt_tokens") if isinstance(u, dict) else None
-    p_exact = pt if isinstance(pt, int) else ex.prompt.count
+    pt = token_count(u.get("prompt_tokens")) if isinstance(u, dict) else None
+    p_exact = pt if pt is not None else ex.prompt.count
     body = dict(ex.body)
     if isinstance(kv, dict) and handoff_is_safe(p_exact, 0, block_size, remote_block_count(kv), remote_token_count(kv)):
         body["kv_transfer_params"] = kv
@@ -443,11 +443,11 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
     p_ids = choice.get("prompt_token_ids") or (list(ids) if ids is not None else None)
     u = out.data.get("usage")
     usage: dict[str, Any] = u if isinstance(u, dict) else {}
-    p = int(usage.get("prompt_tokens") or (len(p_ids) if p_ids else ex.prompt.count))
+    p = token_count(usage.get("prompt_tokens")) or (len(p_ids) if p_ids else ex.prompt.count)
     if choice.get("finish_reason") != "length":
         # A finished on its own (stop, EOS) before the handoff point: its answer is the whole answer
         text = str(choice.get("text") or "")
-        n = len(gen) if isinstance(gen, list) else int(usage.get("completion_tokens") or 0)
+        n = len(gen) if isinstance(gen, list) else token_count(usage.get("completion_tokens")) or 0
         return await _emit_whole(ex, shape, sink, text, choice.get("finish_reason"), choice.get("stop_reason"), _usage(p, n))
     if not isinstance(gen, list) or len(gen) < k + 1 or not p_ids:
         log.warning("engine %s returned no token ids (return_token_ids unsupported?): running %s colocated on %s",
@@ -487,9 +487,9 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
         if not ex.stream:  # B's whole answer
             ch = (obj.get("choices") or [{}])[0]
             return shape.whole(text_k + str(ch.get("text") or ""), ch.get("finish_reason"), ch.get("stop_reason"),
-                               _usage(p, k + int(u.get("completion_tokens") or 0), u))
+                               _usage(p, k + (token_count(u.get("completion_tokens")) or 0), u))
         if is_usage_only(obj):
-            return shape.usage_chunk(_usage(p, k + int(u.get("completion_tokens") or 0), u))
+            return shape.usage_chunk(_usage(p, k + (token_count(u.get("completion_tokens")) or 0), u))
         ch = (obj.get("choices") or [{}])[0]
         first = not first_sent[0]
         first_sent[0] = True

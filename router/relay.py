@@ -25,7 +25,7 @@ from fulcrum.router.tokens import PromptTokens
 from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
 
 __all__ = ["ClientGone", "ClientSink", "Exchange", "Outcome", "relay", "Transform", "count_event_tokens",
-           "error_outcome_message", "whole_usage"]
+           "error_outcome_message", "token_count", "whole_usage"]
 
 Transform = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
@@ -189,6 +189,11 @@ def _parse_json(raw: bytes, iid: str) -> dict[str, Any]:
     return data
 
 
+def token_count(value: Any) -> int | None:
+    """A token count from an engine's ``usage``: a non-negative integer (not a bool), else None (unknown)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 _DECODER = json.JSONDecoder()
 _USAGE_VALUE = re.compile(rb'\s*:\s*\{')
 
@@ -227,13 +232,14 @@ async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, 
             raise
         u = data.get("usage")
         usage = u if isinstance(u, dict) else {}
-    ct = int(usage.get("completion_tokens") or 0)
-    pt = usage.get("prompt_tokens")
+    ct = token_count(usage.get("completion_tokens"))
+    if ct is None:
+        ct = 0  # not given, or not a count: unknown
     ticket.add_tokens(ct)
     if transform is not None and data is not None:
         data = transform(data) or data
         raw = json.dumps(data).encode()
-    return Outcome(200, raw, ct, int(pt) if isinstance(pt, int) else None, data)
+    return Outcome(200, raw, ct, token_count(usage.get("prompt_tokens")), data)
 
 
 async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dict[str, Any], sink: ClientSink,
@@ -267,10 +273,9 @@ async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dic
         raise UpstreamFailure(iid, "timeout", f"{iid} sent no token within {pool.config.timeouts.first_token_s:g} s") from err
     if early is not None:
         return early
-    usage = state.usage
-    ct = int(usage["completion_tokens"]) if usage and isinstance(usage.get("completion_tokens"), int) else state.counted
-    pt = usage.get("prompt_tokens") if usage else None
-    return Outcome(200, None, ct, pt if isinstance(pt, int) else None)
+    usage = state.usage or {}
+    ct = token_count(usage.get("completion_tokens"))
+    return Outcome(200, None, state.counted if ct is None else ct, token_count(usage.get("prompt_tokens")))
 
 
 @dataclass(slots=True)

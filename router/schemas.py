@@ -9,11 +9,18 @@ prompt is a 400 (send one request per prompt) — routing and splitting are deci
 
 ``kv_transfer_params`` from a client is refused (400): it steers the engines' KV connector, and malformed values
 kill a decode engine (vLLM advisories on incomplete ``kv_transfer_params``); only the router sets it.
+
+Numbers must be finite anywhere in the body, fields the router does not know included: ``NaN``, ``Infinity`` and
+literals that overflow a double (``1e999``) are a 400 naming the field. Prompt text (``prompt``, each message's
+``content``) must be valid Unicode: JSON's ``\\udXXX`` escapes can write a lone UTF-16 surrogate, which no
+tokenizer can encode, so it is a 400 naming where it is.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
@@ -40,7 +47,7 @@ TokenId = Annotated[int, Field(strict=True, ge=0)]
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Open):
@@ -130,6 +137,59 @@ def _first_error(err: ValidationError) -> BadRequest:
     return BadRequest(f"{loc}: {msg}" if loc else msg, param=loc or None)
 
 
+def _non_finite(value: Any, loc: str) -> tuple[str, float] | None:
+    """The first non-finite float in ``value`` (depth first) as (its dotted path, the value), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (loc, value)
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        if isinstance(v, (float, dict, list)):
+            found = _non_finite(v, f"{loc}.{k}" if loc else str(k))
+            if found is not None:
+                return found
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate code point: in a ``str`` from ``json.loads`` always a lone one (a pair becomes one code point)."""
+
+
+def _prompt_texts(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
+    """The prompt's texts with their locations: ``prompt`` (or ``prompt.i``), or each message's ``content`` text."""
+    if isinstance(req, CompletionRequest):
+        p = req.prompt
+        if isinstance(p, str):
+            return [("prompt", p)]
+        return [(f"prompt.{i}", x) for i, x in enumerate(p) if isinstance(x, str)]
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(req.messages):
+        c = m.content
+        if isinstance(c, str):
+            out.append((f"messages.{i}.content", c))
+        elif isinstance(c, list):
+            out += [(f"messages.{i}.content.{j}.text", part["text"]) for j, part in enumerate(c)
+                    if isinstance(part.get("text"), str)]
+    return out
+
+
+def _check_unicode(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse a prompt holding a lone surrogate (module docstring).
+
+    Raises:
+        BadRequest: naming the field, the character's index and its code point.
+    """
+    for loc, text in _prompt_texts(req):
+        m = _SURROGATE.search(text)
+        if m is not None:
+            raise BadRequest(f"prompt contains a lone surrogate (invalid Unicode) at {loc}, character {m.start()}: "
+                             f"U+{ord(m.group()):04X}", param=loc)
+
+
 def parse_request(raw: bytes, endpoint: Endpoint) -> tuple[CompletionRequest | ChatCompletionRequest, dict[str, Any]]:
     """Parse and validate a request body.
 
@@ -137,14 +197,33 @@ def parse_request(raw: bytes, endpoint: Endpoint) -> tuple[CompletionRequest | C
         the validated model and the body as a plain dict (what is forwarded, unknown fields kept).
 
     Raises:
-        BadRequest: not UTF-8 JSON, not an object, or a field missing, mistyped or out of range.
+        BadRequest: not UTF-8 JSON, not an object, a number that is not finite, a field missing, mistyped or out
+            of range, or a prompt that is not valid Unicode.
     """
+    non_finite = False
+
+    def finite_or_flag(text: str) -> float:
+        nonlocal non_finite
+        v = float(text)
+        if not math.isfinite(v):
+            non_finite = True
+        return v
+
     try:
-        body = json.loads(raw)
+        # the hooks only flag: the (rare) body with a non-finite number is walked afterwards to name the field
+        body = json.loads(raw, parse_float=finite_or_flag, parse_constant=finite_or_flag)
     except (ValueError, RecursionError) as err:
         raise BadRequest(f"request body is not valid JSON: {str(err)[:200]}") from err
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    if non_finite:
+        try:
+            found = _non_finite(body, "")
+        except RecursionError as err:
+            raise BadRequest("request body is nested too deeply") from err
+        if found is not None:
+            loc, value = found
+            raise BadRequest(f"{loc}: must be a finite number, got {value}", param=loc)
     cls: type[CompletionRequest] | type[ChatCompletionRequest]
     cls = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
     try:
@@ -153,4 +232,5 @@ def parse_request(raw: bytes, endpoint: Endpoint) -> tuple[CompletionRequest | C
         raise _first_error(err) from err
     except RecursionError as err:
         raise BadRequest("request body is nested too deeply") from err
+    _check_unicode(req)
     return req, body

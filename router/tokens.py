@@ -5,9 +5,10 @@
   ``{"model", "prompt"}`` or ``{"model", "messages", "add_generation_prompt": true}`` answers
   ``{"tokens": [...], "count": n, "max_model_len": m}``; the chat template is applied exactly as the chat
   endpoint applies it. An engine's 4xx (e.g. a message the template rejects) is the client's error (400).
-- ``token_count: estimate``, or when no instance answers ``/tokenize``: one token per 4 UTF-8 bytes of text
-  (+4 per chat message for the template's role markers). It only feeds the policies; the context-length check
-  is then the engine's (its 400 is relayed), never the router's.
+- ``token_count: estimate``, or when no instance answers ``/tokenize`` (an answer other than non-negative integer
+  token ids and, when given, a positive integer ``max_model_len`` is ignored and logged): one token per 4 UTF-8
+  bytes of text (+4 per chat message for the template's role markers). It only feeds the policies; the
+  context-length check is then the engine's (its 400 is relayed), never the router's.
 """
 
 from __future__ import annotations
@@ -63,9 +64,31 @@ def estimate_tokens(req: CompletionRequest | ChatCompletionRequest) -> int:
         p = req.single_prompt()
         if isinstance(p, list):
             return max(1, len(p))
-        return max(1, -(-len(p.encode()) // _BYTES_PER_TOKEN))
-    n = sum(-(-len(_content_text(m.content).encode()) // _BYTES_PER_TOKEN) + _TOKENS_PER_MESSAGE for m in req.messages)
+        return max(1, -(-_utf8_len(p) // _BYTES_PER_TOKEN))
+    n = sum(-(-_utf8_len(_content_text(m.content)) // _BYTES_PER_TOKEN) + _TOKENS_PER_MESSAGE for m in req.messages)
     return max(1, n)
+
+
+def _utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8; a lone surrogate (refused at parsing, ``fulcrum.router.schemas``) counts 3."""
+    return len(text.encode(errors="surrogatepass"))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tokenize_answer(data: dict[str, Any]) -> tuple[tuple[int, ...], int | None] | str:
+    """A ``/tokenize`` answer holding a ``tokens`` list: (the token ids, ``max_model_len`` or None when absent), or
+    why it cannot be used."""
+    tokens = data["tokens"]
+    for t in tokens:
+        if not (_is_int(t) and t >= 0):
+            return f"a token id is not a non-negative integer: {t!r}"[:200]
+    mml = data.get("max_model_len")
+    if mml is not None and not (_is_int(mml) and mml > 0):
+        return f"max_model_len is not a positive integer: {mml!r}"[:200]
+    return tuple(tokens), mml
 
 
 def _tokenize_body(req: CompletionRequest | ChatCompletionRequest, body: dict[str, Any], model: str | None) -> dict[str, Any]:
@@ -112,9 +135,12 @@ async def count_prompt(pool: UpstreamPool, req: CompletionRequest | ChatCompleti
                 raise BadRequest(f"the engine's tokenizer rejected the prompt: {upstream_message(raw, status)}")
             if status != 200 or not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
                 break  # an engine without /tokenize: estimate
-            mml = data.get("max_model_len")
-            if isinstance(mml, int) and mml > 0:
+            got = _tokenize_answer(data)
+            if isinstance(got, str):
+                log.warning("%s answered /tokenize with a malformed body (%s); estimating the prompt's length", iid, got)
+                break
+            ids, mml = got
+            if mml is not None:
                 pool.learned_max_model_len = mml
-            ids = tuple(int(t) for t in data["tokens"])
             return PromptTokens(len(ids), ids, True, pool.learned_max_model_len)
     return PromptTokens(estimate_tokens(req), None, False, pool.learned_max_model_len)

@@ -63,8 +63,8 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
 
     Raises:
         ValueError: unknown policy, unknown parameter (the message names it and lists the known ones), or a
-            value the policy rejects.
-        TypeError: a value of the wrong type where the policy checks it.
+            value the policy rejects or of the wrong type (the message names the policy, the parameter and its
+            value).
     """
     known = policy_parameters(name)
     given = dict(params or {})
@@ -72,7 +72,28 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
     if unknown:
         listed = ", ".join(sorted(known)) or "none"
         raise ValueError(f"unknown parameter(s) {', '.join(map(repr, unknown))} for routing policy {name!r}; known: {listed}")
-    return POLICIES[name](**given)
+    factory = POLICIES[name]
+    try:
+        return factory(**given)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"routing policy {name!r}: {_culprit(factory, given)}: {err}") from err
+
+
+def _culprit(factory: Callable[..., Policy], given: Mapping[str, Any]) -> str:
+    """Which of ``given`` a failed construction is about: the first parameter the policy refuses on its own
+    (the others at their defaults), else all of them (they are refused only together)."""
+    for key, value in given.items():
+        try:
+            factory(**{key: value})
+        except (TypeError, ValueError):
+            return f"parameter {key!r} = {_short(value)} is invalid"
+    listed = ", ".join(f"{k}={_short(v)}" for k, v in given.items())
+    return f"parameters {listed} are invalid together" if given else "cannot be built"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def policy_params(
@@ -133,7 +154,7 @@ def reconfigured(policy: Policy, name: str, params: Mapping[str, Any] | None = N
 
     Raises:
         whatever ``build`` raises (:func:`make_policy`: ValueError for an unknown policy or parameter or a value
-        the policy rejects, TypeError for a value of the wrong type); ``policy`` is unchanged then.
+        the policy rejects or of the wrong type); ``policy`` is unchanged then.
     """
     given = dict(params or {})
     reconfigure = getattr(policy, "reconfigure", None)

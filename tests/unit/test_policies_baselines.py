@@ -94,3 +94,27 @@ def test_registry_surfaces_invalid_values_as_value_errors():
         make_policy("split", {"max_probes": 0})
     with pytest.raises(ValueError):
         make_policy("disaggregated", {"ultra_short_tokens": -1})
+
+
+@pytest.mark.parametrize("name,params,param", [
+    ("load_aware", {"load_threshold": "x"}, "load_threshold"),
+    ("disaggregated", {"kv_block_tokens": "16"}, "kv_block_tokens"),
+    ("disaggregated", {"miss_weight": 0.5, "ultra_short_tokens": None}, "ultra_short_tokens"),
+    ("split", {"max_probes": "a"}, "max_probes"),
+    ("split", {"epsilon_s": 0.01, "max_probes": 0}, "max_probes"),
+])
+def test_registry_names_the_policy_and_the_parameter_of_a_wrongly_typed_or_refused_value(name, params, param):
+    with pytest.raises(ValueError) as info:
+        make_policy(name, params)
+    assert str(info.value).startswith(f"routing policy {name!r}: parameter {param!r} = {params[param]!r} is invalid: ")
+    assert isinstance(info.value.__cause__, (TypeError, ValueError))
+
+
+def test_a_rebuild_with_a_wrongly_typed_parameter_is_a_value_error_and_keeps_nothing_half_changed():
+    from fulcrum.routing.disaggregated import DisaggregatedPolicy
+    from fulcrum.routing.registry import reconfigured
+
+    policy = DisaggregatedPolicy(ultra_short_tokens=64)
+    with pytest.raises(ValueError, match="'disaggregated': parameter 'kv_block_tokens' = '16' is invalid"):
+        reconfigured(policy, "disaggregated", {"kv_block_tokens": "16"})
+    assert policy.ultra_short_tokens == 64 and policy.kv_block_tokens == 16

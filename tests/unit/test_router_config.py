@@ -179,3 +179,108 @@ def test_the_prefill_queue_names_of_an_llmserve_are_valid_config_values():
     cfg = parse_config({"prefill_queue": {"kind": "nats", "stream": layout.stream, "subject_prefix": layout.subject_prefix}})
     assert cfg.prefill_queue.stream == "PREFILL_PROD_LLAMA-3_1"
     assert cfg.prefill_queue.subject_prefix == "fulcrum.prefill.prod.llama-3_1"
+
+
+
+# ------------------------------------------------------------------------------------ files that are not YAML text
+def write_bytes(path, data, bump):
+    path.write_bytes(data)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + bump * 1_000_000_000))
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"model: \xff\n", "is not valid UTF-8"),
+    (b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "is nested too deeply"),
+])
+def test_a_file_that_is_not_utf8_or_nested_too_deeply_is_a_config_error(tmp_path, data, reason):
+    p = tmp_path / "bad.yaml"
+    p.write_bytes(data)
+    with pytest.raises(RouterConfigError, match=reason):
+        load_config(p)
+
+
+def test_the_watcher_survives_bad_bytes_and_deep_nesting_and_applies_the_next_good_file(tmp_path):
+    p = tmp_path / "router.yaml"
+    p.write_text(GOOD)
+    clock = Clock()
+    applied = []
+    w = ConfigWatcher(p, load_config(p), applied.append, clock)
+    write_bytes(p, b"model: \xff\n", 1)
+    assert not w.poll() and "is not valid UTF-8" in (w.last_error or "")
+    write(p, "a: " + "[" * 5000 + "]" * 5000 + "\n", 2)
+    assert not w.poll() and "is nested too deeply" in (w.last_error or "")
+    assert w.current.max_model_len == 2048 and applied == []
+    write(p, GOOD.replace("max_model_len: 2048", "max_model_len: 4096"), 3)
+    assert w.poll() and applied[-1].max_model_len == 4096 and w.last_error is None
+
+
+async def _until(cond, timeout=5.0):
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return cond()
+
+
+@pytest.mark.asyncio
+async def test_a_live_router_keeps_watching_after_an_undecodable_config_and_applies_the_next_good_one(
+        router_harness, tmp_path):
+    import yaml
+
+    p = tmp_path / "router.yaml"
+    p.write_text("model: fake-model\n")
+    h = await router_harness(n=1, config={"reload_interval_s": 0.02}, config_path=p)
+    st = h.state
+    (task,) = [t for t in st.tasks if t.get_name() == "router-config"]
+    write(p, yaml.safe_dump(h.config), 1)  # the harness's own config (instances kept)
+    assert await _until(lambda: st.watcher.current.reload_interval_s == 0.02 and st.watcher.last_error is None)
+    write_bytes(p, b"model: \xff\n", 2)
+    assert await _until(lambda: "is not valid UTF-8" in (st.watcher.last_error or ""))
+    assert not task.done()
+    write(p, yaml.safe_dump({**h.config, "max_retries": 5}), 3)
+    assert await _until(lambda: st.config.max_retries == 5), st.watcher.last_error
+    assert not task.done()
+    r = await h.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    assert r.status == 200
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_failure_of_one_reload_is_logged_and_the_watcher_polls_on(router_harness, tmp_path, caplog):
+    import yaml
+
+    p = tmp_path / "router.yaml"
+    p.write_text("model: fake-model\n")
+    h = await router_harness(n=1, config={"reload_interval_s": 0.02}, config_path=p)
+    st = h.state
+    (task,) = [t for t in st.tasks if t.get_name() == "router-config"]
+    real_poll = st.watcher.poll
+    calls = []
+
+    def poll_failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("disk on fire")
+        return real_poll()
+
+    st.watcher.poll = poll_failing_once
+    assert await _until(lambda: len(calls) >= 1)
+    write(p, yaml.safe_dump({**h.config, "max_retries": 5}), 1)
+    assert await _until(lambda: st.config.max_retries == 5)
+    assert not task.done()
+    (rec,) = [r for r in caplog.records if "router config reload failed unexpectedly" in r.getMessage()]
+    assert rec.levelname == "ERROR" and rec.exc_info is not None and "disk on fire" in str(rec.exc_info[1])
+
+
+def test_the_cli_refuses_a_wrongly_typed_policy_parameter_in_one_line(tmp_path, capsys):
+    from fulcrum.cli import main
+
+    p = tmp_path / "bad.yaml"
+    p.write_text('model: m\npolicy: {name: load_aware, params: {load_threshold: "x"}}\n'
+                 'instances: [{id: w0, url: "http://127.0.0.1:9"}]\n')
+    assert main(["router", "--config", str(p), "--loop", "asyncio", "--log-level", "error"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "fulcrum router: error: routing policy 'load_aware': parameter 'load_threshold' = 'x' is invalid: "
+        "'>=' not supported between instances of 'str' and 'float'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("aiohttp")
-pytest.importorskip("pytest_asyncio")
+pytest_asyncio = pytest.importorskip("pytest_asyncio")
 
 from fakes.fake_engine import FakeEngineSettings, fake_chat_ids  # noqa: E402
 from fakes.sse_client import answer_text, parse_stream  # noqa: E402
@@ -125,6 +125,11 @@ BAD = [
     (b'{"prompt": [1, -2]}', "prompt"),
     (b'{"prompt": "a", "kv_transfer_params": {"do_remote_prefill": true}}', "kv_transfer_params"),
     (b'{"prompt": "a", "max_tokens": 5000}', "context"),
+    (b'{"prompt": "a", "temperature": NaN}', "temperature: must be a finite number"),
+    (b'{"prompt": "a", "temperature": Infinity}', "temperature: must be a finite number, got inf"),
+    (b'{"prompt": "a", "temperature": 1e999}', "temperature: must be a finite number, got inf"),
+    (b'{"prompt": "a", "top_p": NaN}', "top_p: must be a finite number, got nan"),
+    (b'{"prompt": "a", "logit_bias": {"50": -Infinity}}', "logit_bias.50: must be a finite number, got -inf"),
 ]
 
 
@@ -205,3 +210,236 @@ async def test_the_tokenizer_rejecting_a_chat_prompt_is_the_clients_400(router_h
     r = await h.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ok"}]})
     assert r.status == 400 and "unsupported content part" in (await r.json())["error"]["message"]
     assert all(e.started == 0 for e in h.engines)
+
+
+
+async def test_a_number_that_is_not_finite_is_a_400_naming_its_field(router_harness):
+    h = await router_harness()
+    for raw, param in [(b'{"prompt": "a", "temperature": Infinity}', "temperature"),
+                       (b'{"prompt": "a", "top_p": NaN}', "top_p"),
+                       (b'{"prompt": "a", "max_tokens": 2, "x": [1.5, {"y": 1e999}]}', "x.1.y")]:
+        r = await h.client.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["param"] == param and "must be a finite number" in err["message"], raw
+    r = await h.client.post("/v1/completions", data=b'{"prompt": "a", "max_tokens": 2, "temperature": 0.5, "top_p": 1e-3}',
+                            headers={"Content-Type": "application/json"})
+    assert r.status == 200
+    assert all(e.started == 1 for e in h.engines[:1])
+
+
+# ------------------------------------------------------------------------------------ invalid Unicode
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", rb'{"prompt": "a\udc80b", "max_tokens": 4}', "prompt"),
+    ("/v1/completions", rb'{"prompt": ["\ud800"], "max_tokens": 4}', "prompt.0"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud83d"}], "max_tokens": 4}',
+     "messages.0.content"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": '
+                             rb'[{"type": "text", "text": "x\ud83d"}]}], "max_tokens": 4}', "messages.1.content.0.text"),
+])
+@pytest.mark.parametrize("token_count", ["estimate", "tokenize"])
+async def test_a_prompt_with_a_lone_surrogate_is_a_400_naming_where(router_harness, path, raw, param, token_count):
+    h = await router_harness(config={"token_count": token_count})
+    r = await h.client.post(path, data=raw, headers={"Content-Type": "application/json"})
+    assert r.status == 400, await r.text()
+    err = (await r.json())["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"].startswith(f"prompt contains a lone surrogate (invalid Unicode) at {param}, character ")
+    assert all(e.started == 0 for e in h.engines)
+
+
+async def test_a_surrogate_pair_is_one_valid_character(router_harness):
+    h = await router_harness(config={"token_count": "estimate"})
+    r = await h.client.post("/v1/completions", data=rb'{"prompt": "\ud83d\ude00", "max_tokens": 2}',
+                            headers={"Content-Type": "application/json"})
+    assert r.status == 200
+    assert "fulcrum_router_input_tokens_sum 1.0" in h.state.metrics.exposition().decode()  # 4 UTF-8 bytes
+
+
+async def test_the_byte_estimate_survives_a_lone_surrogate():
+    from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest
+    from fulcrum.router.tokens import estimate_tokens
+
+    # parsing refuses such prompts; a request built another way must still not crash the estimate
+    assert estimate_tokens(CompletionRequest.model_validate({"prompt": "a\udc80b"})) == 2  # 5 bytes
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "\ud83d"}]})
+    assert estimate_tokens(chat) == 1 + 4
+
+
+# ------------------------------------------------------------------------------------ unreadable bodies
+async def test_a_body_failing_its_content_encoding_is_a_400_and_the_router_serves_on(router_harness, caplog):
+    import gzip
+
+    h = await router_harness(n=1)
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    for encoding in ("gzip", "deflate"):
+        r = await h.client.post("/v1/completions", data=body,
+                                headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+        assert r.status == 400, await r.text()
+        err = (await r.json())["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["message"].startswith("cannot read the request body") and f"content-encoding: {encoding}" in err["message"]
+    r = await h.client.post("/v1/completions", data=gzip.compress(body),
+                            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status == 200 and len((await r.json())["choices"][0]["text"]) == 2
+    assert h.engines[0].started == 1
+    assert not [rec for rec in caplog.records if rec.levelno >= 40]  # nothing logged as an unhandled error
+
+
+# ------------------------------------------------------------------------------------ a misbehaving worker
+@pytest_asyncio.fixture
+async def odd_worker():
+    """``await odd_worker(gen, tokenize=None, **config)``: a plain aiohttp worker whose generation and ``/tokenize``
+    answers are the given handlers (``tokenize=None``: a valid answer), and a router in front of it → the router's
+    test client. Closed after the test."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from fulcrum.router.app import create_app
+    from fulcrum.router.config import parse_config
+
+    made: list = []
+
+    async def valid_tokenize(request):
+        return web.json_response({"tokens": [1, 2], "count": 2, "max_model_len": 4096})
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    async def make(gen, tokenize=None, **config):
+        up = web.Application()
+        up.router.add_post("/v1/completions", gen)
+        up.router.add_post("/v1/chat/completions", gen)
+        up.router.add_post("/tokenize", tokenize or valid_tokenize)
+        up.router.add_get("/health", health)
+        runner = web.AppRunner(up)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        made.append(runner)
+        cfg = {"model": "m", "instances": [{"id": "w0", "url": f"http://127.0.0.1:{runner.addresses[0][1]}"}],
+               "max_retries": 0, "timeouts": {"connect_s": 1, "health_s": 1, "first_token_s": 5, "request_s": 5},
+               **config}
+        client = TestClient(TestServer(create_app(parse_config(cfg), health_checks=False), handler_cancellation=True))
+        await client.start_server()
+        made.append(client)
+        return client
+
+    yield make
+    for x in reversed(made):
+        await (x.close() if hasattr(x, "close") else x.cleanup())
+
+
+def _whole(usage):
+    return {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}],
+            "usage": usage}
+
+
+def _metric(client, line_start):
+    from fulcrum.router.app import ROUTER
+
+    text = client.app[ROUTER].metrics.exposition().decode()
+    return next(line for line in text.splitlines() if line.startswith(line_start))
+
+
+@pytest.mark.parametrize("completion_tokens", ["abc", {"a": 1}, True, -5, 2.5, None])
+async def test_a_malformed_usage_in_a_whole_answer_is_relayed_with_an_unknown_count(odd_worker, completion_tokens):
+    from aiohttp import web
+
+    async def gen(request):
+        return web.json_response(_whole({"prompt_tokens": True, "completion_tokens": completion_tokens}))
+
+    client = await odd_worker(gen)
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status == 200, await r.text()
+    data = await r.json()
+    assert data["choices"][0]["text"] == "ab" and data["usage"]["completion_tokens"] == completion_tokens
+    assert _metric(client, "fulcrum_router_output_tokens_sum") == "fulcrum_router_output_tokens_sum 0.0"
+
+
+@pytest.mark.parametrize("completion_tokens", ['"x"', "-5", "true", "{}"])
+async def test_a_malformed_usage_in_a_stream_falls_back_to_the_counted_tokens(odd_worker, completion_tokens):
+    from aiohttp import web
+
+    async def gen(request):
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')
+        await r.write(b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":'
+                      + completion_tokens.encode() + b'}}\n\n')
+        await r.write(b"data: [DONE]\n\n")
+        await r.write_eof()
+        return r
+
+    client = await odd_worker(gen)
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+    assert r.status == 200
+    text, _, _, done_once = parse_stream(await r.read())
+    assert text == "a" and done_once
+    assert _metric(client, "fulcrum_router_output_tokens_sum") == "fulcrum_router_output_tokens_sum 1.0"
+
+
+@pytest.mark.parametrize("answer,reason", [
+    ({"tokens": ["a", "b"], "count": 2}, "a token id is not a non-negative integer: 'a'"),
+    ({"tokens": [[1], [2]], "count": 2}, "a token id is not a non-negative integer: [1]"),
+    ({"tokens": [None], "count": 1}, "a token id is not a non-negative integer: None"),
+    ({"tokens": [1, True], "count": 2}, "a token id is not a non-negative integer: True"),
+    ({"tokens": [1, 2], "count": 2, "max_model_len": True}, "max_model_len is not a positive integer: True"),
+    ({"tokens": [1, 2], "count": 2, "max_model_len": "4096"}, "max_model_len is not a positive integer: '4096'"),
+])
+async def test_a_malformed_tokenize_answer_is_ignored_for_the_estimate(odd_worker, caplog, answer, reason):
+    from aiohttp import web
+
+    from fulcrum.router.app import ROUTER
+
+    async def gen(request):
+        return web.json_response(_whole({"prompt_tokens": 2, "completion_tokens": 2}))
+
+    async def tokenize(request):
+        return web.json_response(answer)
+
+    client = await odd_worker(gen, tokenize)
+    r = await client.post("/v1/completions", json={"prompt": "hello world!", "max_tokens": 2})
+    assert r.status == 200, await r.text()
+    assert (await r.json())["choices"][0]["text"] == "ab"
+    assert _metric(client, "fulcrum_router_input_tokens_sum") == "fulcrum_router_input_tokens_sum 3.0"  # 12 bytes / 4
+    assert client.app[ROUTER].pool.learned_max_model_len is None  # not learned from a malformed answer
+    assert any(f"w0 answered /tokenize with a malformed body ({reason})" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_an_engines_4xx_that_is_not_json_is_relayed_in_openais_error_shape(odd_worker):
+    from aiohttp import web
+
+    async def gen(request):
+        return web.Response(status=400, text="plain text error")
+
+    client = await odd_worker(gen)
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status == 400 and r.content_type == "application/json"
+    assert await r.json() == {"error": {"message": "plain text error", "type": "invalid_request_error", "param": None,
+                                        "code": 400}}
+
+
+async def test_an_engines_json_4xx_is_still_relayed_byte_for_byte(odd_worker):
+    from aiohttp import web
+
+    raw = b'{"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}'
+
+    async def gen(request):
+        return web.Response(status=422, body=raw, content_type="application/json")
+
+    client = await odd_worker(gen)
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status == 422 and await r.read() == raw
+
+
+async def test_an_engine_answering_204_is_a_502_not_an_empty_json_answer(odd_worker):
+    from aiohttp import web
+
+    async def gen(request):
+        return web.Response(status=204)
+
+    client = await odd_worker(gen)
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status == 502 and r.content_type == "application/json"
+    err = (await r.json())["error"]
+    assert err["type"] == "upstream_error" and err["message"] == "the engine answered HTTP 204 with no body"
