@@ -4,7 +4,8 @@
   under the chart's ServiceAccount and RBAC (namespaced mode: a Role in the watched namespace);
 - Prometheus (Debian's binary, a host process on 127.0.0.1) discovers the pods through ``kubernetes_sd_configs``
   and scrapes them as the chart's PodMonitor/ServiceMonitor would; the operator observes through it;
-- bad LLMServes are rejected by the API server (schema + CEL); one naming a missing profile ConfigMap gets a
+- bad LLMServes are rejected by the API server (schema + CEL); one whose Deployments the API server refuses gets
+  Degraded/ApplyRejected and an Event; one naming a missing profile ConfigMap gets a
   condition and an Event and nothing is created;
 - deleting the LLMServe lets kube-controller-manager's garbage collector remove everything it owned, and the
   node agent stops the pods' processes;
@@ -219,6 +220,19 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
      ["spec.scaling.tpDecode", "must be <= gpu.gpusPerNode"]),
     ("router-policy", lambda d: d["spec"]["router"].update(policy="random"), ["spec.router.policy", "Unsupported value"]),
     ("unknown-field", lambda d: d["spec"].update(gpuCount=8), ["spec.gpuCount", "unknown field"]),
+    ("max-gpus-string", lambda d: d["spec"]["scaling"].update(maxGPUs="8"), ["spec.scaling.maxGPUs", "must be of type integer"]),
+    ("forecaster-order", lambda d: d["spec"]["scaling"].update(forecaster={"order": [-1, 0, 0]}),
+     ["spec.scaling.forecaster.order[0]", "greater than or equal to 0"]),
+    ("cpu-quantity", lambda d: d["spec"]["engine"].update(resources={"requests": {"cpu": "lots"}}),
+     ["spec.engine.resources.requests.cpu", "should match"]),
+    ("toleration-no-key", lambda d: d["spec"].update(placement={"tolerations": [{"effect": "NoSchedule"}]}),
+     ["spec.placement.tolerations[0].operator", "operator must be Exists when key is empty"]),
+    ("toleration-exists-value", lambda d: d["spec"].update(
+        placement={"tolerations": [{"key": "a", "operator": "Exists", "value": "v"}]}),
+     ["spec.placement.tolerations[0].value", "value must be empty when operator is Exists"]),
+    ("toleration-seconds", lambda d: d["spec"].update(
+        placement={"tolerations": [{"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}]}),
+     ["spec.placement.tolerations[0].effect", "effect must be NoExecute when tolerationSeconds is set"]),
     ("name-too-long-" + "x" * 42, lambda d: None, ["metadata.name", "55"]),
 ]
 
@@ -279,6 +293,37 @@ def test_a_missing_profile_configmap_sets_a_condition_and_an_event_and_creates_n
               f"in {TIMINGS['missing_profile_s']:.1f} s")
     finally:
         local_cluster.kubectl("delete", "llmserve", "no-profile", "-n", ns, "--ignore-not-found", check=False)
+
+
+def test_a_deployment_the_api_server_rejects_sets_apply_rejected_and_an_event(
+        local_cluster: Any, chart: Installed, namespaces: tuple[str, str]) -> None:
+    # a node-selector key the LLMServe schema takes as any string but Kubernetes refuses on a pod template: the
+    # API server answers the operator's apply of the worker Deployments with 422, which is the spec's fault and
+    # is reported as Degraded/ApplyRejected with a Warning Event, not retried every 10 s in silence
+    ns = namespaces[1]
+    doc = _sim_llmserve(ns, "rejected", placement={"nodeSelector": {"bad key!": "x"}})
+    t0 = time.monotonic()
+    local_cluster.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(doc))
+    try:
+        def condition() -> dict[str, Any] | None:
+            st = _get(local_cluster, "llmserve", ns, "rejected").get("status") or {}
+            return next((c for c in st.get("conditions") or [] if c["type"] == "Degraded"
+                         and c["status"] == "True" and c["reason"] == "ApplyRejected"), None)
+
+        cond = _wait("Degraded/ApplyRejected", condition, timeout_s=120, every_s=1.0)
+        assert "422" in cond["message"] and "bad key!" in cond["message"], cond["message"]
+
+        def event() -> dict[str, Any] | None:
+            evs = _get(local_cluster, "events", ns).get("items") or []
+            return next((e for e in evs if e["involvedObject"].get("name") == "rejected"
+                         and e["reason"] == "ApplyRejected"), None)
+
+        ev = _wait("the ApplyRejected Event", event, timeout_s=60)
+        assert ev["type"] == "Warning"
+        print(f"rejected apply: condition {cond['reason']!r} ({cond['message'][:300]}); Event in "
+              f"{time.monotonic() - t0:.1f} s")
+    finally:
+        local_cluster.kubectl("delete", "llmserve", "rejected", "-n", ns, "--ignore-not-found", check=False)
 
 
 # --- 2. Prometheus for real -------------------------------------------------------------------------------

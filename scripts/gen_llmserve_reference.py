@@ -190,9 +190,10 @@ def render() -> str:
         f"`{names['singular']}`, short name{'s' if len(names['shortNames']) > 1 else ''} "
         + ", ".join(f"`{s}`" for s in names["shortNames"]) + ". "
         "The CRD (`crds/llmserve.yaml`, `fulcrum crd`) is generated from the same pydantic model as this page; "
-        "`fulcrum replay --llmserve FILE` reads the same resource. Field names are camelCase in YAML; the Python "
-        "model (`fulcrum.api.llmserve`) also accepts snake_case. Unknown fields are rejected by the model "
-        "(`SpecError` naming the field) and pruned by the API server.",
+        "`fulcrum replay --llmserve FILE` reads the same resource. Field names are camelCase, as the API server "
+        "takes them (a snake_case key in a document is refused, naming the camelCase one; Python code builds the "
+        "model by its snake_case field names). Unknown fields are rejected by the model (`SpecError` naming the "
+        "field) and pruned by the API server.",
         "",
         _cell(root.get("description", "")),
         "",

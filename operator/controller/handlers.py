@@ -19,9 +19,14 @@ call the methods directly); :func:`register` binds them to kopf:
   deletes them; the handler only forgets the loop and its metrics (optional: deletion never waits for the
   operator).
 
-Errors: Kubernetes API failures (after ``apply.py``'s retries) raise ``kopf.TemporaryError`` from the
-create/update handlers (kopf retries with backoff) and are counted in ``fulcrum_operator_reconcile_errors_total``;
-the daemon logs them and tries again at the next interval.
+Errors: Kubernetes API failures (after ``apply.py``'s retries: 409, 429, 5xx, no answer) raise
+``kopf.TemporaryError`` from the create/update handlers (kopf retries with backoff) and are counted in
+``fulcrum_operator_reconcile_errors_total``; the daemon logs them and tries again at the next interval. An apply
+the API server *rejects* (any other 4xx but 401 and 408, e.g. 422 Invalid: a pod template Kubernetes refuses) is
+permanent for that generation: the same objects would be refused again, so it is not retried by kopf — the handler
+returns, the status says Degraded/``ApplyRejected`` with the API server's message, and one Warning Event is
+posted per generation (as for an invalid spec). The daemon still tries once per interval (an admission policy or
+RBAC fixed meanwhile is picked up); a new generation is reconciled at once.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.scaling.loop import ControlLoop, LoopOutcome, distribute, external_replicas
 from fulcrum.target import ClusterTarget, Pool
 
-from fulcrum.controller.apply import ApplyReport, KubeApiError
+from fulcrum.controller.apply import RETRY_STATUSES, ApplyReport, KubeApiError
 from fulcrum.controller.drain import (DELETION_COST_ANNOTATION, DrainResult, PodLoad, drain_pool, draining_from_metrics,
                                      load_from_metrics)
 from fulcrum.controller.metrics import OperatorMetrics
@@ -127,6 +132,10 @@ class _Runtime:
     degraded: str | None = None
     loop_previous: ClusterTarget = field(default_factory=ClusterTarget)
     invalid_spec_event: int | None = None
+    apply_rejected: str | None = None
+    """Why the API server rejected this generation's objects (the Degraded/ApplyRejected message), or None."""
+    apply_rejected_event: int | None = None
+    """The generation whose ApplyRejected Event was posted (one per generation)."""
     warmed: bool = False
     drains: dict[Pool, asyncio.Task[None]] = field(default_factory=dict)
     """Drains in flight, by pool (background tasks: the control loop goes on meanwhile). Shared by the
@@ -135,6 +144,16 @@ class _Runtime:
     """Serialises applies: an interval's and a drain's never interleave (a pool's replicas have one writer)."""
     drain_notes: list[str] = field(default_factory=list)
     """Drain timeouts and failures since the last interval (its Degraded message)."""
+
+
+#: 4xx answers that are not a rejection of the objects: credentials to refresh, a request that timed out.
+_TRANSIENT_4XX = frozenset({401, 408})
+
+
+def _rejected(err: KubeApiError) -> bool:
+    """The API server refused the objects themselves (400, 403 from an admission policy, 404, 422 Invalid…): applying
+    them again cannot succeed. Not 409/429 (``apply.py`` retries them) nor :data:`_TRANSIENT_4XX`."""
+    return 400 <= err.status < 500 and err.status not in RETRY_STATUSES and err.status not in _TRANSIENT_4XX
 
 
 def _key(body: Mapping[str, Any]) -> str:
@@ -350,12 +369,30 @@ class Controller:
                 rt.invalid_spec_event = gen
         await self._write_status(body, st)
 
+    async def _apply_rejected(self, body: Mapping[str, Any], rt: _Runtime, err: KubeApiError) -> None:
+        """The API server rejected this generation's objects (:func:`_rejected`): Degraded/ApplyRejected with its
+        message, one Warning Event per generation, the error counted; nothing raised (no retry of the same
+        objects by kopf)."""
+        key = _key(body)
+        where = f" on {err.path}" if err.path else ""
+        msg = f"the API server rejected the objects of generation {rt.generation} (HTTP {err.status}{where}): {err.reason}"
+        log.error("%s: %s", key, msg)
+        self.metrics.reconcile_errors.inc()
+        rt.apply_rejected = msg
+        if rt.apply_rejected_event != rt.generation:
+            await self.event(body, "Warning", "ApplyRejected", msg)
+            rt.apply_rejected_event = rt.generation
+        ready = await self._ready_counts(rt.serve)
+        await self._write_status(body, self._status(rt, body, ready, degraded=rt.degraded))
+
     # ----------------------------------------------------------------------------------------- handlers
     async def reconcile(self, body: Mapping[str, Any]) -> bool:
         """Create/update/resume: validate, apply every object for the target in force, write status.
 
         Returns:
-            True when applied; False when the spec (or its profile) is invalid (status says why; nothing applied).
+            True when applied; False when the spec (or its profile) is invalid (status says why; nothing applied)
+            or the API server rejected its objects (status Degraded/ApplyRejected, one Warning Event per
+            generation; :meth:`_apply_rejected`).
 
         Raises:
             KubeApiError: the API failed after retries (the kopf wrapper turns it into a TemporaryError).
@@ -367,7 +404,14 @@ class Controller:
             await self._invalid(body, err)
             return False
         # a spec change never scales in (``_apply``): a shrinking pool keeps its replicas until an interval drains it
-        report = await self._apply(rt, body, rt.loop.current)
+        try:
+            report = await self._apply(rt, body, rt.loop.current)
+        except KubeApiError as err:
+            if not _rejected(err):
+                raise
+            await self._apply_rejected(body, rt, err)
+            return False
+        rt.apply_rejected = None
         log.info("%s: reconciled generation %s: %d written, %d unchanged", _key(body),
                  rt.generation, len(report.written), len(report.unchanged))
         ready = await self._ready_counts(serve)
@@ -386,7 +430,8 @@ class Controller:
         """One control-loop interval (module doc). Returns False when the LLMServe is gone (the daemon ends).
 
         Raises:
-            KubeApiError: the API failed after retries while applying (the daemon logs it and goes on).
+            KubeApiError: the API failed after retries while applying (the daemon logs it and goes on); an apply
+                the API server rejects is reported in the status instead (:meth:`_apply_rejected`).
         """
         key = _key(body)
         try:
@@ -401,7 +446,14 @@ class Controller:
             await self._warm_start(key, rt, rt.observer, ready)
         rt.loop_previous = rt.loop.current
         cluster = KubernetesCluster(self, rt, body, asyncio.get_running_loop())
-        outcome = await _in_own_thread(rt.loop.run_interval, cluster, name=f"interval {key}")
+        try:
+            outcome = await _in_own_thread(rt.loop.run_interval, cluster, name=f"interval {key}")
+        except KubeApiError as err:
+            if not _rejected(err):
+                raise
+            await self._apply_rejected(body, rt, err)
+            return True
+        rt.apply_rejected = None
         await self._events(body, rt, outcome)
         degraded = outcome.degraded
         drain_msgs, rt.drain_notes[:] = list(rt.drain_notes), []
@@ -451,7 +503,7 @@ class Controller:
         status as the previous one."""
         return build_status(previous=body.get("status"), generation=rt.generation, target=rt.applied, ready=ready,
                             selector=worker_selector(rt.serve.metadata.name), now=self.now(), outcome=outcome,
-                            degraded=degraded, draining=rt.draining)
+                            degraded=degraded, draining=rt.draining, apply_rejected=rt.apply_rejected)
 
     async def _warm_start(self, key: str, rt: _Runtime, observer: PrometheusObserver, ready: ReadyCounts) -> None:
         """Fit a new loop's forecaster on the intervals Prometheus kept (``ControlLoop.warm_start``), so that an

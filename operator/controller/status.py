@@ -208,6 +208,7 @@ def build_status(
     degraded: str | None = None,
     draining: Sequence[str] = (),
     spec_error: str | None = None,
+    apply_rejected: str | None = None,
 ) -> dict[str, Any]:
     """The status to write after one reconcile or interval.
 
@@ -223,6 +224,8 @@ def build_status(
         degraded: why the operator is degraded (e.g. Prometheus down, drain timed out), or None.
         draining: pod names being drained now (``status.draining``).
         spec_error: the spec is invalid (nothing applied): Degraded=True reason InvalidSpec, Ready=False.
+        apply_rejected: the API server rejected the objects of this generation (its message): Degraded=True reason
+            ApplyRejected (before ``degraded``'s message, which is appended); the rest as usual.
 
     Returns:
         the whole ``status`` mapping.
@@ -248,10 +251,14 @@ def build_status(
     why = ("draining " + ", ".join(draining)) if draining else (f"waiting for {', '.join(short)}" if short else "stable")
     conds = set_condition(conds, "Progressing", progressing,
                           "Draining" if draining else ("ScalingPools" if short else "Stable"), why, now)
-    conds = set_condition(conds, "Degraded", degraded is not None,
-                          "ObservationUnavailable" if degraded and outcome is not None and not outcome.observed
-                          else ("Fault" if degraded else "AsExpected"),
-                          degraded or "observing, forecasting and planning normally", now)
+    if apply_rejected is not None:
+        conds = set_condition(conds, "Degraded", True, "ApplyRejected",
+                              "; ".join([apply_rejected] + ([degraded] if degraded else [])), now)
+    else:
+        conds = set_condition(conds, "Degraded", degraded is not None,
+                              "ObservationUnavailable" if degraded and outcome is not None and not outcome.observed
+                              else ("Fault" if degraded else "AsExpected"),
+                              degraded or "observing, forecasting and planning normally", now)
     if outcome is not None:
         fr = outcome.forecast_ready
         conds = set_condition(conds, "ForecastReady", fr, "Forecasting" if fr else

@@ -715,3 +715,100 @@ async def test_a_failing_event_post_is_logged_and_the_interval_goes_on(
     assert await c.interval(live(objs)) is True
     assert live(objs)["status"]["pools"]["prefill"]["desired"] > 1 and objs.events == []
     assert "could not post event ScaledOut" in caplog.text
+
+
+# What a real API server answers for a pod template it refuses (here: a gpu.type with a space as the value of
+# placement.gpuTypeLabel's node selector, which passes the spec's own checks).
+_REJECTED = KubeApiError(
+    422, 'Deployment.apps "llama-prefill" is invalid: spec.template.spec.nodeSelector: Invalid value: "H100 SXM": '
+         "a valid label must be an empty string or consist of alphanumeric characters",
+    "/apis/apps/v1/namespaces/default/deployments/llama-prefill")
+
+
+def _with_generation(body: dict[str, Any], generation: int) -> dict[str, Any]:
+    body = copy.deepcopy(body)
+    body["metadata"]["generation"] = generation
+    return body
+
+
+def _errors(c: Controller) -> float:
+    return float(c.metrics.reconcile_errors._value.get())
+
+
+async def test_an_apply_the_api_server_rejects_is_degraded_once_per_generation_and_not_retried(
+        objs: InMemoryObjects) -> None:
+    seed(objs, llmserve(gpu={"type": "H100 SXM"}, placement={"gpuTypeLabel": "nvidia.com/gpu.product"}))
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    objs.fail["apply_all"] = _REJECTED
+    assert await c.reconcile(live(objs)) is False  # returned, not raised: kopf does not retry the same objects
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and d["reason"] == "ApplyRejected"
+    assert 'Deployment.apps "llama-prefill" is invalid' in d["message"] and "422" in d["message"]
+    assert "generation 1" in d["message"]
+    assert live(objs)["status"]["observedGeneration"] == 1
+    (event,) = objs.by_reason("ApplyRejected")
+    assert event["type"] == "Warning" and "H100 SXM" in event["message"]
+    assert _errors(c) == 1
+    # the same generation again (a resume), and the daemon's interval: still reported, no second Event, no raise
+    assert await c.reconcile(live(objs)) is False
+    clock.t += 10
+    assert await c.interval(live(objs)) is True
+    assert cond(live(objs), "Degraded")["reason"] == "ApplyRejected"
+    assert len(objs.by_reason("ApplyRejected")) == 1
+    # a new generation is tried at once: rejected again → its own Event; accepted → Degraded clears
+    body = _with_generation(live(objs), 2)
+    objs.put(body)
+    assert await c.reconcile(live(objs)) is False
+    assert len(objs.by_reason("ApplyRejected")) == 2 and "generation 2" in objs.by_reason("ApplyRejected")[1]["message"]
+    del objs.fail["apply_all"]
+    objs.put(_with_generation(live(objs), 3))
+    assert await c.reconcile(live(objs)) is True
+    assert cond(live(objs), "Degraded")["status"] == "False"
+    assert names(objs, "Deployment") == {"llama-prefill", "llama-decode", "llama-router"}
+
+
+async def test_an_interval_whose_apply_is_rejected_reports_it_and_the_next_accepted_one_clears_it(
+        objs: InMemoryObjects) -> None:
+    seed(objs)
+    clock = Clock()
+    c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
+    assert await c.reconcile(live(objs)) is True
+    objs.fail["apply_all"] = _REJECTED
+    clock.t += 10
+    assert await c.interval(live(objs)) is True  # not raised to the daemon
+    assert cond(live(objs), "Degraded")["reason"] == "ApplyRejected"
+    assert len(objs.by_reason("ApplyRejected")) == 1
+    clock.t += 10
+    assert await c.interval(live(objs)) is True
+    assert len(objs.by_reason("ApplyRejected")) == 1
+    del objs.fail["apply_all"]
+    clock.t += 10
+    assert await c.interval(live(objs)) is True
+    assert cond(live(objs), "Degraded")["reason"] != "ApplyRejected"
+
+
+@pytest.mark.parametrize("status", [0, 401, 408, 409, 429, 500, 503])
+async def test_api_failures_that_are_not_a_rejection_still_raise_for_a_retry(objs: InMemoryObjects, status: int) -> None:
+    seed(objs)
+    c = make_controller(objs)
+    objs.fail["apply_all"] = KubeApiError(status, "injected")
+    with pytest.raises(KubeApiError):
+        await c.reconcile(live(objs))
+    assert objs.by_reason("ApplyRejected") == []
+
+
+async def test_the_kopf_change_handler_retries_a_failing_api_but_not_a_rejected_apply(objs: InMemoryObjects) -> None:
+    import kopf
+
+    registry = kopf.OperatorRegistry()
+    c = make_controller(objs)
+    register(registry, c)
+    (on_change,) = {h.fn for h in registry._changing.get_all_handlers() if h.id == "reconcile"}
+    seed(objs)
+    objs.fail["apply_all"] = _REJECTED
+    await on_change(body=live(objs))  # no TemporaryError: kopf would retry it every 10 s forever
+    assert cond(live(objs), "Degraded")["reason"] == "ApplyRejected"
+    objs.fail["apply_all"] = KubeApiError(503, "down")
+    with pytest.raises(kopf.TemporaryError):
+        await on_change(body=live(objs))

@@ -92,6 +92,19 @@ def test_an_invalid_spec_sets_degraded_and_not_ready_only() -> None:
     assert "pools" not in st and st["observedGeneration"] == 2
 
 
+def test_an_apply_the_api_server_rejected_sets_degraded_apply_rejected_and_keeps_the_pools() -> None:
+    st = build_status(previous=None, generation=3, target=TARGET, ready=ReadyCounts(prefill=4, decode=2),
+                      selector="s", now=T0, degraded="Prometheus down",
+                      apply_rejected='HTTP 422: Deployment.apps "x-prefill" is invalid')
+    d = get_condition(st["conditions"], "Degraded")
+    assert d is not None and d["status"] == "True" and d["reason"] == "ApplyRejected"
+    assert d["message"] == 'HTTP 422: Deployment.apps "x-prefill" is invalid; Prometheus down'
+    assert st["pools"]["prefill"]["desired"] == 4 and st["observedGeneration"] == 3
+    cleared = build_status(previous=st, generation=4, target=TARGET, ready=ReadyCounts(prefill=4, decode=2),
+                           selector="s", now=T0 + timedelta(seconds=60))
+    assert get_condition(cleared["conditions"], "Degraded")["reason"] == "AsExpected"  # type: ignore[index]
+
+
 def test_the_target_reads_back_from_status_after_a_restart() -> None:
     st = build_status(previous=None, generation=1, target=TARGET, ready=ReadyCounts(4, 2, 0), selector="s", now=T0,
                       draining=["llama-decode-x"])

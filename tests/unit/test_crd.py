@@ -51,6 +51,8 @@ def _drop_nulls(obj: Any) -> Any:
     """Kubernetes treats null-valued fields as absent in CEL expressions."""
     if isinstance(obj, dict):
         return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_nulls(v) for v in obj]
     return obj
 
 
@@ -180,7 +182,7 @@ def test_spec_schema_keeps_the_model_constraints_in_openapi_v3_0_form() -> None:
         0.5, True, 1.0, True,
     )
     order = props["scaling"]["properties"]["forecaster"]["properties"]["order"]
-    assert order["items"] == {"type": "integer"} and order["minItems"] == order["maxItems"] == 3
+    assert order["items"] == {"type": "integer", "minimum": 0} and order["minItems"] == order["maxItems"] == 3
     assert props["mode"]["enum"] == [m.value for m in Mode]
     assert props["router"]["properties"]["policy"]["enum"] == [p.value for p in RouterPolicy]
     assert props["router"]["properties"]["prefillQueue"]["enum"] == ["direct", "nats"]
@@ -211,9 +213,9 @@ def test_new_fields_have_the_types_kubernetes_needs() -> None:
     assert props["scaling"]["properties"]["drainTimeoutSeconds"]["default"] == 300
 
 
-@pytest.mark.parametrize(("value", "ok"), [(4, True), ("500m", True), ("16Gi", True), (0.5, True), ("1e3", True),
-                                           ("lots", False), ("16 Gi", False), (True, False)])
-def test_resource_quantities_accept_numbers_and_kubernetes_quantity_strings(value: Any, ok: bool) -> None:
+@pytest.mark.parametrize(("value", "ok"), [(4, True), ("500m", True), ("16Gi", True), ("0.5", True), ("1e3", True),
+                                           (0.5, False), ("lots", False), ("16 Gi", False), (True, False)])
+def test_resource_quantities_accept_integers_and_kubernetes_quantity_strings(value: Any, ok: bool) -> None:
     spec = {"model": {"name": "m"}, "engine": {"resources": {"requests": {"cpu": value}}}}
     if ok:
         parsed = parse_llmserve({"spec": spec}).spec.engine.resources.requests.cpu
@@ -221,6 +223,26 @@ def test_resource_quantities_accept_numbers_and_kubernetes_quantity_strings(valu
     else:
         with pytest.raises(SpecError, match="spec.engine.resources.requests.cpu"):
             parse_llmserve({"spec": spec})
+
+
+def test_a_quantity_number_with_a_fraction_is_refused_with_the_string_form_to_write() -> None:
+    """int-or-string takes integers only: the API server refuses ``cpu: 0.5``, so the model does too, and says
+    what to write instead; an integral float is an integer to the API server too."""
+    spec = {"model": {"name": "m"}, "engine": {"resources": {"limits": {"cpu": 0.5}}}}
+    with pytest.raises(SpecError, match=r'spec\.engine\.resources\.limits\.cpu: 0\.5 .*"500m" or "0\.5"'):
+        parse_llmserve({"spec": spec})
+    spec["engine"]["resources"]["limits"]["cpu"] = 4.0
+    assert parse_llmserve({"spec": spec}).spec.engine.resources.limits.cpu == "4"
+
+
+def test_the_crd_checks_the_quantity_syntax_of_the_string_form() -> None:
+    from fulcrum.api.llmserve import _QUANTITY
+
+    resources = spec_schema()["properties"]["engine"]["properties"]["resources"]["properties"]
+    for side in ("requests", "limits"):
+        for name in ("cpu", "memory"):
+            node = resources[side]["properties"][name]
+            assert node["x-kubernetes-int-or-string"] is True and node["pattern"] == _QUANTITY.pattern
 
 
 def test_metadata_name_leaves_room_for_the_child_object_names() -> None:
@@ -300,17 +322,36 @@ _CEL_CASES: list[tuple[str, dict[str, Any]]] = [
     ("least loaded, disaggregated", {"mode": "Disaggregated", "router": {"policy": "least_loaded"}}),
     ("round robin, auto", {"mode": "Auto", "router": {"policy": "round_robin"}}),
     ("load aware, auto", {"mode": "Auto", "router": {"policy": "load_aware"}}),
+    ("toleration of a key", {"placement": {"tolerations": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}}),
+    ("toleration of every taint", {"placement": {"tolerations": [{"operator": "Exists"}]}}),
+    ("empty toleration", {"placement": {"tolerations": [{}]}}),
+    ("toleration without key, Equal", {"placement": {"tolerations": [{"key": "", "operator": "Equal"}]}}),
+    ("toleration without key, a value", {"placement": {"tolerations": [{"value": "v"}]}}),
+    ("Exists with a value", {"placement": {"tolerations": [{"key": "a", "operator": "Exists", "value": "v"}]}}),
+    ("Exists with an empty value", {"placement": {"tolerations": [{"key": "a", "operator": "Exists", "value": ""}]}}),
+    ("Exists with a null value", {"placement": {"tolerations": [{"key": "a", "operator": "Exists", "value": None}]}}),
+    ("Equal with a value", {"placement": {"tolerations": [{"key": "a", "operator": "Equal", "value": "v"}]}}),
+    ("seconds without an effect", {"placement": {"tolerations": [{"key": "a", "tolerationSeconds": 30}]}}),
+    ("seconds with NoSchedule",
+     {"placement": {"tolerations": [{"key": "a", "effect": "NoSchedule", "tolerationSeconds": 30}]}}),
+    ("seconds with NoExecute",
+     {"placement": {"tolerations": [{"key": "a", "effect": "NoExecute", "tolerationSeconds": 30}]}}),
+    ("a good toleration, then a bad one",
+     {"placement": {"tolerations": [{"operator": "Exists"}, {"key": "a", "operator": "Exists", "value": "v"}]}}),
 ]
 
 
 def _cel_rules(schema: dict[str, Any], obj: Any) -> Iterator[tuple[str, Any]]:
-    """(rule, self) for every x-kubernetes-validations rule whose node is present in ``obj``."""
+    """(rule, self) for every x-kubernetes-validations rule whose node is present in ``obj`` (list items too)."""
     for rule in schema.get("x-kubernetes-validations", []):
         yield rule["rule"], obj
     if isinstance(obj, dict):
         for name, child in schema.get("properties", {}).items():
             if name in obj:
                 yield from _cel_rules(child, obj[name])
+    if isinstance(obj, list) and "items" in schema:
+        for item in obj:
+            yield from _cel_rules(schema["items"], item)
 
 
 @pytest.mark.parametrize(("case", "overrides"), _CEL_CASES, ids=[c for c, _ in _CEL_CASES])
@@ -343,3 +384,100 @@ def test_cel_cases_cover_both_accepted_and_rejected_specs() -> None:
         except SpecError:
             verdicts.add(False)
     assert verdicts == {True, False}
+
+
+def test_toleration_rules_are_those_kubernetes_enforces_on_a_pod() -> None:
+    """An empty key needs operator Exists, Exists takes no value, tolerationSeconds needs effect NoExecute: the API
+    server refuses the worker Deployments otherwise, so the model and the CRD refuse the spec up front."""
+    def check(toleration: dict[str, Any], message: str) -> None:
+        with pytest.raises(SpecError, match=rf"spec\.placement\.tolerations\.0: .*{message}"):
+            parse_llmserve({"spec": {"model": {"name": "m"}, "placement": {"tolerations": [toleration]}}})
+
+    check({}, "operator must be Exists when key is empty")
+    check({"key": "a", "operator": "Exists", "value": "v"}, "value must be empty when operator is Exists")
+    check({"key": "a", "tolerationSeconds": 5}, "effect must be NoExecute when tolerationSeconds is set")
+    rules = spec_schema()["properties"]["placement"]["properties"]["tolerations"]["items"]["x-kubernetes-validations"]
+    assert [r["fieldPath"] for r in rules] == [".operator", ".value", ".effect"]
+
+
+# --- values the API server refuses by type or bound --------------------------------------------------
+
+
+def _openapi_to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
+    """A structural OpenAPI v3.0 node as draft-4 JSON schema (nullable, int-or-string; x-kubernetes-* dropped)."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "properties":
+            out[key] = {n: _openapi_to_jsonschema(c) for n, c in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _openapi_to_jsonschema(value)
+        elif not key.startswith("x-kubernetes") and key not in ("nullable", "default", "description"):
+            out[key] = value
+    if node.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]  # a pattern applies to the string form only
+    if node.get("nullable") and "type" in out:
+        out["type"] = (out["type"] if isinstance(out["type"], list) else [out["type"]]) + ["null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    return out
+
+
+_VALUE_CASES: list[tuple[str, dict[str, Any], bool]] = [
+    ("cpu lots", {"engine": {"resources": {"requests": {"cpu": "lots"}}}}, False),
+    ("cpu 2", {"engine": {"resources": {"requests": {"cpu": 2}}}}, True),
+    ("cpu 500m", {"engine": {"resources": {"requests": {"cpu": "500m"}}}}, True),
+    ("cpu 0.5 as a string", {"engine": {"resources": {"limits": {"cpu": "0.5"}}}}, True),
+    ("cpu 0.5 as a number", {"engine": {"resources": {"limits": {"cpu": 0.5}}}}, False),
+    ("memory 16Gi", {"engine": {"resources": {"limits": {"memory": "16Gi"}}}}, True),
+    ("memory 16 Gi", {"engine": {"resources": {"limits": {"memory": "16 Gi"}}}}, False),
+    ("order (2, 0, 1)", {"scaling": {"forecaster": {"order": [2, 0, 1]}}}, True),
+    ("order negative", {"scaling": {"forecaster": {"order": [-1, 0, 0]}}}, False),
+    ("order negative q", {"scaling": {"forecaster": {"order": [0, 1, -1]}}}, False),
+    ("maxGPUs as a string", {"scaling": {"maxGPUs": "8"}}, False),
+    ("maxGPUs as a boolean", {"scaling": {"maxGPUs": True}}, False),
+    ("tpDecode as a string", {"scaling": {"tpDecode": "2"}}, False),
+    ("replicas as a string", {"scaling": {"replicaOwner": "External", "replicas": "4"}}, False),
+    ("rescheduling yes", {"router": {"rescheduling": "yes"}}, False),
+    ("rescheduling 1", {"router": {"rescheduling": 1}}, False),
+    ("rescheduling true", {"router": {"rescheduling": True}}, True),
+    ("ttftMs as a string", {"slo": {"ttftMs": "100"}}, False),
+    ("ttftMs an integer", {"slo": {"ttftMs": 100}}, True),
+    ("intervalSeconds an integer", {"scaling": {"intervalSeconds": 30}}, True),
+    ("memoryGiB as a string", {"gpu": {"memoryGiB": "80"}}, False),
+    ("tolerationSeconds as a string",
+     {"placement": {"tolerations": [{"key": "a", "effect": "NoExecute", "tolerationSeconds": "30"}]}}, False),
+]
+
+
+@pytest.mark.parametrize(("case", "overrides", "ok"), _VALUE_CASES, ids=[c for c, _, _ in _VALUE_CASES])
+def test_the_crd_schema_and_the_model_refuse_the_same_values(case: str, overrides: dict[str, Any], ok: bool) -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (pip install jsonschema)")
+    spec = {"model": {"name": "m"}, **overrides}
+    try:
+        parse_llmserve({"spec": spec})
+        model_ok = True
+    except SpecError:
+        model_ok = False
+    schema = spec_schema()
+    errors = list(jsonschema.Draft4Validator(_openapi_to_jsonschema(schema)).iter_errors(_apply_defaults(schema, spec)))
+    assert (model_ok, not errors) == (ok, ok), f"{case}: model {model_ok}, CRD {errors or 'accepts'}"
+
+
+def test_documents_take_the_camelcase_names_only_and_python_keeps_the_field_names(tmp_path: Path) -> None:
+    """The API server prunes a snake_case key (or refuses it with strict field validation): a document that
+    uses one is refused with the key named, not read as if the cluster would keep it."""
+    from fulcrum.api import ScalingSpec, load_llmserve
+
+    with pytest.raises(SpecError, match=r"spec\.scaling\.min_gpus: unknown field 'min_gpus'.*'minGPUs'"):
+        parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"min_gpus": 3}}})
+    with pytest.raises(SpecError, match=r"spec\.model\.served_name: unknown field 'served_name'.*'servedName'"):
+        parse_llmserve({"spec": {"model": {"name": "m", "served_name": "x"}}})
+    with pytest.raises(SpecError, match=r"spec\.scaling\.bogus: unknown field 'bogus'"):
+        parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"bogus": 1}}})
+    doc = tmp_path / "llmserve.yaml"
+    doc.write_text("spec:\n  model: {name: m}\n  scaling:\n    interval_seconds: 30\n", encoding="utf-8")
+    with pytest.raises(SpecError, match=r"spec\.scaling\.interval_seconds: unknown field.*'intervalSeconds'"):
+        load_llmserve(doc)
+    assert parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"minGPUs": 3}}}).spec.scaling.min_gpus == 3
+    assert ScalingSpec(min_gpus=3, max_gpus=8).min_gpus == 3  # Python constructs by field name
+    assert LLMServeSpec.model_validate({"model": {"name": "m"}, "scaling": {"min_gpus": 2}}).scaling.min_gpus == 2

@@ -30,7 +30,10 @@ Cross-field rules of the model become CEL ``x-kubernetes-validations``: ``minGPU
 ``replicaOwner: External`` requires ``replicas``, and ``replicas <= maxGPUs`` on ``spec.scaling``; exactly one
 non-empty source on ``spec.profile``; on ``spec``: each fixed TP at most ``gpu.gpusPerNode`` and
 ``scaling.maxGPUs``, ``scaling.replicas × gpu.gpusPerNode >= scaling.minGPUs`` (an instance uses 1 to
-gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``. The rules rely on the object
+gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``; on each
+``spec.placement.tolerations[]`` item the rules Kubernetes applies to a pod's tolerations (operator ``Exists``
+when ``key`` is empty, no ``value`` with ``Exists``, ``tolerationSeconds`` only with effect ``NoExecute``), so
+that such a spec is refused at ``kubectl apply`` instead of when the operator applies its Deployments. The rules rely on the object
 defaults above (defaulting runs before validation, so ``spec.scaling``, ``spec.gpu``, ``spec.connectors`` and
 their members are always present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use
 ``fieldPath``, so the CRD needs Kubernetes 1.28 or newer (CEL validation itself is on by default since 1.25).
@@ -163,9 +166,11 @@ def _given(field: str) -> str:
     return f"(has(self.{field}) && size(self.{field}) > 0 ? 1 : 0)"
 
 
-# CEL rules by the property path of the spec node they are attached to (() = spec itself). They
-# mirror the model validators ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits and
-# LLMServeSpec._replicas_and_connectors (router.policy against mode too).
+# CEL rules by the property path of the spec node they are attached to (() = spec itself; "[]" = the items of
+# the list before it). They mirror the model validators ScalingSpec._min_le_max, ProfileRef._exactly_one,
+# LLMServeSpec._tp_fits, LLMServeSpec._replicas_and_connectors (router.policy against mode too) and
+# Toleration._as_kubernetes_validates. Rules on list items are costed by the API server per possible item (a
+# list without maxItems: about a million): keep them to a few has()/size()/== terms.
 _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         _tp_rule("tpPrefill"),
@@ -205,6 +210,23 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "rule": "!has(self.replicas) || self.replicas <= self.maxGPUs",
             "message": "replicas must be <= maxGPUs (an instance uses at least one GPU)",
             "fieldPath": ".replicas",
+        },
+    ],
+    ("placement", "tolerations", "[]"): [
+        {
+            "rule": "(has(self.key) && size(self.key) > 0) || (has(self.operator) && self.operator == 'Exists')",
+            "message": "operator must be Exists when key is empty (a toleration of every taint)",
+            "fieldPath": ".operator",
+        },
+        {
+            "rule": "!has(self.value) || size(self.value) == 0 || !has(self.operator) || self.operator != 'Exists'",
+            "message": "value must be empty when operator is Exists",
+            "fieldPath": ".value",
+        },
+        {
+            "rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            "message": "effect must be NoExecute when tolerationSeconds is set",
+            "fieldPath": ".effect",
         },
     ],
     ("profile",): [
@@ -257,7 +279,7 @@ def _unwrap_nullable(node: dict[str, Any], path: str) -> tuple[dict[str, Any], b
 
 def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
     """Convert one pydantic JSON-schema node (and its children) to a structural OpenAPI v3.0 node."""
-    where = "spec" + "".join(f".{p}" for p in path)
+    where = "spec" + "".join(p if p == "[]" else f".{p}" for p in path)
     node = _resolve(node, defs)
     node, nullable = _unwrap_nullable(node, where)
     node = _resolve(node, defs)  # a nullable $ref: anyOf [{$ref}, null]
@@ -317,13 +339,13 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...
 
 def _array_items(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...], where: str) -> dict[str, Any]:
     if "prefixItems" in node:
-        items = [_structural(i, defs, path) for i in node["prefixItems"]]
+        items = [_structural(i, defs, (*path, "[]")) for i in node["prefixItems"]]
         if any(i != items[0] for i in items):
             raise ValueError(f"{where}: a tuple with different item types cannot be expressed structurally")
         return items[0]
     if "items" not in node:
         raise ValueError(f"{where}: array without items")
-    return _structural(node["items"], defs, path)
+    return _structural(node["items"], defs, (*path, "[]"))
 
 
 def spec_schema() -> dict[str, Any]:
@@ -339,7 +361,7 @@ def spec_schema() -> dict[str, Any]:
     for path in _VALIDATIONS:
         node = spec
         for name in path:
-            node = node.get("properties", {}).get(name, {})
+            node = node.get("items", {}) if name == "[]" else node.get("properties", {}).get(name, {})
         if "x-kubernetes-validations" not in node:
             raise ValueError(f"CEL rules target spec.{'.'.join(path)}, which the model does not have")
     return spec

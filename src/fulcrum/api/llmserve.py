@@ -2,7 +2,11 @@
 
 A platform engineer writes one ``LLMServe`` (model, GPUs, SLOs, limits); the planner reads the same
 object whether it runs in the operator or in replay. Field names are camelCase on the wire (Kubernetes
-convention) and snake_case in Python; both are accepted when parsing.
+convention) and snake_case in Python. A document (:func:`parse_llmserve`, :func:`load_llmserve`) must use the
+camelCase names — the API server prunes (or, with strict field validation, rejects) any other key, so a
+snake_case key is reported as unknown; Python code constructing the models may use either. Numbers and
+booleans must be YAML/JSON numbers and booleans, as Kubernetes requires (``"8"`` or ``"yes"`` are rejected,
+an integer where a float is expected is fine).
 
 Invalid specs raise :class:`fulcrum.errors.SpecError` whose message names every offending field by its
 path (e.g. ``spec.scaling.maxGPUs``).
@@ -11,6 +15,8 @@ path (e.g. ``spec.scaling.maxGPUs``).
 from __future__ import annotations
 
 from enum import Enum
+import functools
+import inspect
 from pathlib import Path
 import re
 from typing import Annotated, Any, Literal
@@ -22,10 +28,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     WithJsonSchema,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 from pydantic.alias_generators import to_camel
 
 from fulcrum.errors import SpecError
@@ -174,16 +182,27 @@ _QUANTITY = re.compile(
 
 
 def _quantity_to_str(value: Any) -> Any:
-    """YAML ``cpu: 4`` is an int; a Kubernetes quantity is int-or-string: keep its text."""
+    """YAML ``cpu: 4`` is an int; a Kubernetes quantity is int-or-string: keep its text. A number with a fraction
+    (``cpu: 0.5``) is rejected, as the API server rejects it (int-or-string takes integers only): write it as a
+    string."""
     if isinstance(value, bool):
         return value  # rejected by the str check
-    if isinstance(value, (int, float)):
-        return repr(value) if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        if value.is_integer():  # 4.0: an integer to the API server too
+            return str(int(value))
+        raise PydanticCustomError(
+            "quantity_number",
+            "{value} is not an integer: Kubernetes takes a quantity as an integer or a string; write it as a string, "
+            'e.g. "500m" or "0.5"',
+            {"value": repr(value)},
+        )
+    if isinstance(value, int):
+        return str(value)
     return value
 
 
 def _check_quantity(value: str) -> str:
-    if not _QUANTITY.match(value):
+    if not _QUANTITY.fullmatch(value):
         raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 500m, 4, 16Gi)")
     return value
 
@@ -192,9 +211,32 @@ Quantity = Annotated[
     str,
     BeforeValidator(_quantity_to_str),
     AfterValidator(_check_quantity),
-    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+    # the pattern applies to the string form only (an integer is always a quantity)
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": _QUANTITY.pattern}),
 ]
-"""A Kubernetes resource quantity (``500m``, ``4``, ``16Gi``); numbers are accepted and kept as text."""
+"""A Kubernetes resource quantity (``500m``, ``4``, ``16Gi``); integers are accepted and kept as text, numbers
+with a fraction are not (the API server rejects them: write ``"0.5"`` or ``"500m"``)."""
+
+
+def _number_only(value: Any) -> Any:
+    """A number field takes a YAML/JSON number only: the API server rejects ``"8"`` (a string) and ``true`` (a
+    boolean) for it, where pydantic would coerce both."""
+    if isinstance(value, (str, bytes, bytearray, bool)):
+        raise PydanticCustomError(
+            "number_type", "Input should be a number, not {kind} {value}",
+            {"kind": "a boolean" if isinstance(value, bool) else "a string", "value": repr(value)},
+        )
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_number_only)]
+"""An integer field: a number (``8``, or ``8.0``), never a string or a boolean (``{"type": "integer"}``)."""
+
+Float = Annotated[float, BeforeValidator(_number_only)]
+"""A float field: any number (``100`` or ``0.5``), never a string or a boolean (``{"type": "number"}``)."""
+
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_number_only)]
+"""An integer >= 0 (the bound before the validator, so that it reaches the JSON schema as ``minimum: 0``)."""
 
 
 class ModelSpec(_Model):
@@ -233,25 +275,25 @@ class EngineSpec(_Model):
         "`fulcrum sim-worker` for kind `sim` (e.g. [--time-scale, \"0.1\"]).",
     )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="CPU and memory requests/limits of each worker container.")
-    max_model_len: int = Field(default=8192, ge=16, le=2_097_152, description="Maximum context length in tokens (prompt + output).")
-    block_size: int = Field(default=16, ge=1, le=1024, description="KV cache block size in tokens.")
+    max_model_len: Int = Field(default=8192, ge=16, le=2_097_152, description="Maximum context length in tokens (prompt + output).")
+    block_size: Int = Field(default=16, ge=1, le=1024, description="KV cache block size in tokens.")
 
 
 class GPUSpec(_Model):
     """The accelerator type of the pools. Defaults describe an NVIDIA H100 SXM 80 GB."""
 
     type: str = Field(default="H100", min_length=1, description="GPU type; the node-selector value of placement.gpuTypeLabel when that is set.")
-    memory_gib: float = Field(default=80.0, gt=0, le=4096, alias="memoryGiB", description="Memory per GPU in GiB.")
-    hbm_bandwidth_gbps: float = Field(default=3350.0, gt=0, alias="hbmBandwidthGBps", description="HBM bandwidth per GPU in GB/s.")
-    gpus_per_node: int = Field(default=8, ge=1, le=64, alias="gpusPerNode", description="GPUs per node; bounds TP.")
+    memory_gib: Float = Field(default=80.0, gt=0, le=4096, alias="memoryGiB", description="Memory per GPU in GiB.")
+    hbm_bandwidth_gbps: Float = Field(default=3350.0, gt=0, alias="hbmBandwidthGBps", description="HBM bandwidth per GPU in GB/s.")
+    gpus_per_node: Int = Field(default=8, ge=1, le=64, alias="gpusPerNode", description="GPUs per node; bounds TP.")
 
 
 class SLOSpec(_Model):
     """Latency SLOs at a percentile (DOPD §VI uses TTFT < 2 s and TPOT < 80 ms at P90)."""
 
-    ttft_ms: float = Field(default=2000.0, gt=0, description="Time-to-first-token target in ms.")
-    tpot_ms: float = Field(default=80.0, gt=0, description="Time-per-output-token target in ms.")
-    percentile: float = Field(default=90.0, gt=0, le=100, description="Percentile at which both targets must hold, e.g. 90.")
+    ttft_ms: Float = Field(default=2000.0, gt=0, description="Time-to-first-token target in ms.")
+    tpot_ms: Float = Field(default=80.0, gt=0, description="Time-per-output-token target in ms.")
+    percentile: Float = Field(default=90.0, gt=0, le=100, description="Percentile at which both targets must hold, e.g. 90.")
 
 
 class ForecasterSpec(_Model):
@@ -264,45 +306,45 @@ class ForecasterSpec(_Model):
         "beats it on the trailing window; it beat `arima` in geometric-mean MAPE on the bundled traces "
         "(docs/forecasting.md).",
     )
-    order: tuple[int, int, int] = Field(
+    order: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
         default=(0, 1, 1),
         description="ARIMA order (p, d, q). The default (0, 1, 1) is exponential smoothing in ARIMA form; it beat "
         "(2, 0, 1) and the last value on the Azure code and Mooncake traces (docs/forecasting.md).",
     )
-    window: int = Field(default=64, ge=4, le=10_000, description="Intervals of history the model is fitted on (N of the O(N·(p+q)²) refit).")
-    refit_error: float = Field(default=0.25, gt=0, le=10, description="Refit when the recent mean absolute percentage error exceeds this (0.25 = 25%).")
-    prediction_level: float = Field(default=0.9, gt=0.5, lt=1.0, description="Level of the upper prediction bound used for proactive scaling.")
-    moving_average_window: int = Field(default=5, ge=1, le=10_000, description="Intervals averaged by the moving-average baseline.")
-    season_length: int = Field(default=144, ge=2, le=100_000, description="Season in intervals for seasonal-naive (144 × 10 min = 1 day).")
+    window: Int = Field(default=64, ge=4, le=10_000, description="Intervals of history the model is fitted on (N of the O(N·(p+q)²) refit).")
+    refit_error: Float = Field(default=0.25, gt=0, le=10, description="Refit when the recent mean absolute percentage error exceeds this (0.25 = 25%).")
+    prediction_level: Float = Field(default=0.9, gt=0.5, lt=1.0, description="Level of the upper prediction bound used for proactive scaling.")
+    moving_average_window: Int = Field(default=5, ge=1, le=10_000, description="Intervals averaged by the moving-average baseline.")
+    season_length: Int = Field(default=144, ge=2, le=100_000, description="Season in intervals for seasonal-naive (144 × 10 min = 1 day).")
 
 
 class ScalingSpec(_Model):
     """Limits and cadence of the planner loop."""
 
-    min_gpus: int = Field(default=1, ge=0, alias="minGPUs", description="Fewest GPUs the deployment may use.")
-    max_gpus: int = Field(default=64, ge=1, alias="maxGPUs", description="Most GPUs the deployment may use (the GPU budget).")
-    interval_seconds: float = Field(default=60.0, ge=1, le=86_400, description="Planner interval T in seconds.")
-    pod_startup_seconds: float = Field(default=120.0, ge=0, le=3_600, description="Time from scale-out to a ready instance; the forecast horizon adds it.")
-    cooldown_seconds: float = Field(default=300.0, ge=0, le=86_400, description="Minimum time between scale-ins of a pool.")
-    max_step: int = Field(default=8, ge=1, le=1024, description="Most instances added or removed per pool per interval.")
-    tp_prefill: int | None = Field(default=None, ge=1, le=64, description="Fixed TP of prefill instances; chosen by the planner (eq. 16 + memory) when unset.")
-    tp_decode: int | None = Field(default=None, ge=1, le=64, description="Fixed TP of decode instances; chosen by the planner (eqs. 11–14) when unset.")
-    tp_unified: int | None = Field(default=None, ge=1, le=64, description="Fixed TP of unified instances; chosen by the planner when unset.")
-    initial_prefill: int = Field(default=1, ge=0, description="Prefill instances at start (and for policy `static`).")
-    initial_decode: int = Field(default=1, ge=0, description="Decode instances at start (and for policy `static`).")
-    initial_unified: int = Field(default=1, ge=0, description="Unified instances at start in Unified mode (and for policy `static`).")
+    min_gpus: Int = Field(default=1, ge=0, alias="minGPUs", description="Fewest GPUs the deployment may use.")
+    max_gpus: Int = Field(default=64, ge=1, alias="maxGPUs", description="Most GPUs the deployment may use (the GPU budget).")
+    interval_seconds: Float = Field(default=60.0, ge=1, le=86_400, description="Planner interval T in seconds.")
+    pod_startup_seconds: Float = Field(default=120.0, ge=0, le=3_600, description="Time from scale-out to a ready instance; the forecast horizon adds it.")
+    cooldown_seconds: Float = Field(default=300.0, ge=0, le=86_400, description="Minimum time between scale-ins of a pool.")
+    max_step: Int = Field(default=8, ge=1, le=1024, description="Most instances added or removed per pool per interval.")
+    tp_prefill: Annotated[int, Field(ge=1, le=64), BeforeValidator(_number_only)] | None = Field(default=None, description="Fixed TP of prefill instances; chosen by the planner (eq. 16 + memory) when unset.")
+    tp_decode: Annotated[int, Field(ge=1, le=64), BeforeValidator(_number_only)] | None = Field(default=None, description="Fixed TP of decode instances; chosen by the planner (eqs. 11–14) when unset.")
+    tp_unified: Annotated[int, Field(ge=1, le=64), BeforeValidator(_number_only)] | None = Field(default=None, description="Fixed TP of unified instances; chosen by the planner when unset.")
+    initial_prefill: Int = Field(default=1, ge=0, description="Prefill instances at start (and for policy `static`).")
+    initial_decode: Int = Field(default=1, ge=0, description="Decode instances at start (and for policy `static`).")
+    initial_unified: Int = Field(default=1, ge=0, description="Unified instances at start in Unified mode (and for policy `static`).")
     forecaster: ForecasterSpec = Field(default_factory=ForecasterSpec, description="Load forecaster settings.")
     replica_owner: ReplicaOwner = Field(
         default=ReplicaOwner.OPERATOR,
         description="Who sets the total instance count: `Operator` (the planner; `replicas` is ignored) or `External` "
         "(an HPA/KEDA writes `replicas` through the scale subresource; the operator splits it by the planned ratio).",
     )
-    replicas: int | None = Field(
-        default=None, ge=0, le=4096,
+    replicas: Annotated[int, Field(ge=0, le=4096), BeforeValidator(_number_only)] | None = Field(
+        default=None,
         description="Total worker instances, all pools together; obeyed only when replicaOwner is External (required "
         "then). An instance uses 1 to gpu.gpusPerNode GPUs, so replicas <= maxGPUs and replicas × gpusPerNode >= minGPUs.",
     )
-    drain_timeout_seconds: int = Field(
+    drain_timeout_seconds: Int = Field(
         default=300, ge=0, le=86_400,
         description="Longest wait for a scaled-in instance's in-flight requests to finish before it is deleted; pods get "
         "this plus 30 s of termination grace.",
@@ -343,21 +385,32 @@ class RouterSpec(_Model):
     """Router settings; the operator writes them into the router ConfigMap."""
 
     policy: RouterPolicy = Field(default=RouterPolicy.DISAGGREGATED, description="Per-request routing policy.")
-    replicas: int = Field(default=1, ge=1, le=64, description="Router replicas.")
+    replicas: Int = Field(default=1, ge=1, le=64, description="Router replicas.")
     prefill_queue: Literal["direct", "nats"] = Field(default="direct", description="`nats` sends prefill jobs through a JetStream work queue (DOPD §V-C).")
-    rescheduling: bool = Field(default=False, description="ARES decode rescheduling (ARES §5.2, Alg. 1): every second the router moves one running decode request from an overloaded to an underloaded decode instance (a recompute migration; the client's stream does not break).")
-    role_reassignment: bool = Field(default=False, description="Role reassignment (BanaServe Alg. 1 with a role flip): the router shifts `both` (unified) instances between prefill and decode duty from measured utilisation, with hysteresis.")
-    prefix_pull: bool = Field(default=False, description="Load-aware dispatch over a shared KV store (BanaServe §4.2, §4.4.2; policy `load_aware` only): a request goes to the least-loaded instance, which pulls the prompt's cached prefix over NIXL from the instance holding it when that is cheaper than recomputing it. The workers' NIXL connector runs with `bidirectional_kv_xfer`.")
+    rescheduling: StrictBool = Field(default=False, description="ARES decode rescheduling (ARES §5.2, Alg. 1): every second the router moves one running decode request from an overloaded to an underloaded decode instance (a recompute migration; the client's stream does not break).")
+    role_reassignment: StrictBool = Field(default=False, description="Role reassignment (BanaServe Alg. 1 with a role flip): the router shifts `both` (unified) instances between prefill and decode duty from measured utilisation, with hysteresis.")
+    prefix_pull: StrictBool = Field(default=False, description="Load-aware dispatch over a shared KV store (BanaServe §4.2, §4.4.2; policy `load_aware` only): a request goes to the least-loaded instance, which pulls the prompt's cached prefix over NIXL from the instance holding it when that is cheaper than recomputing it. The workers' NIXL connector runs with `bidirectional_kv_xfer`.")
 
 
 class Toleration(_Model):
     """A Kubernetes pod toleration (core/v1 Toleration), copied onto every worker pod."""
 
-    key: str | None = Field(default=None, description="Taint key the toleration applies to; unset with operator Exists = every taint.")
+    key: str | None = Field(default=None, max_length=317, description="Taint key the toleration applies to (a label key: prefix of up to 253 characters, `/`, name of up to 63); unset with operator Exists = every taint.")
     operator: Literal["Exists", "Equal"] | None = Field(default=None, description="`Exists` or `Equal` (the Kubernetes default).")
-    value: str | None = Field(default=None, description="Taint value to match with operator Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value to match with operator Equal (a label value, up to 63 characters).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(default=None, description="Taint effect to match; unset = all.")
-    toleration_seconds: int | None = Field(default=None, description="How long a NoExecute taint is tolerated, seconds; unset = forever.")
+    toleration_seconds: Int | None = Field(default=None, description="How long a NoExecute taint is tolerated, seconds; unset = forever. Only with effect NoExecute.")
+
+    @model_validator(mode="after")
+    def _as_kubernetes_validates(self) -> "Toleration":
+        # the rules of Kubernetes' ValidateTolerations (the API server rejects the pod template otherwise)
+        if not self.key and self.operator != "Exists":
+            raise ValueError("operator must be Exists when key is empty (a toleration of every taint)")
+        if self.operator == "Exists" and self.value:
+            raise ValueError("value must be empty when operator is Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("effect must be NoExecute when tolerationSeconds is set")
+        return self
 
 
 class Affinity(_Model):
@@ -373,7 +426,7 @@ class PlacementSpec(_Model):
     """Where worker pods may run. The router pods get none of it (they need no GPU)."""
 
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every worker pod requires.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the worker pods tolerate (e.g. nvidia.com/gpu:NoSchedule).")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Taints the worker pods tolerate (e.g. nvidia.com/gpu:NoSchedule); at most 64, which bounds the cost of the CRD's CEL rules on each.")
     affinity: Affinity = Field(default_factory=Affinity, description="Node and pod affinity of the worker pods.")
     gpu_type_label: str = Field(
         default="",
@@ -473,19 +526,60 @@ class LLMServe(_Model):
     spec: LLMServeSpec
 
 
+@functools.cache
+def _wire_names() -> dict[str, frozenset[str]]:
+    """Python field name → its camelCase names on the wire, over every model of the resource (for hints)."""
+    out: dict[str, set[str]] = {}
+    todo: list[type[BaseModel]] = [LLMServe]
+    seen: set[type[BaseModel]] = set()
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, info in model.model_fields.items():
+            out.setdefault(name, set()).add(info.alias or name)
+            for arg in _model_args(info.annotation):
+                todo.append(arg)
+    return {name: frozenset(aliases) for name, aliases in out.items()}
+
+
+def _model_args(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in getattr(annotation, "__args__", ()) for m in _model_args(a)]
+
+
+def _error_message(e: Any) -> str:
+    if e["type"] == "extra_forbidden" and e["loc"]:
+        key = str(e["loc"][-1])
+        wire = _wire_names().get(key, frozenset()) - {key}
+        if len(wire) == 1:
+            return f"unknown field {key!r}: fields are camelCase, did you mean {next(iter(wire))!r}?"
+        return f"unknown field {key!r}"
+    return str(e["msg"])
+
+
 def _format_validation_error(err: ValidationError, root: str) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
         path = f"{root}.{loc}" if loc else root
-        lines.append(f"{path}: {e['msg']}")
+        lines.append(f"{path}: {_error_message(e)}")
     return "invalid LLMServe: " + "; ".join(lines)
+
+
+# Validate documents by the camelCase names only (pydantic >= 2.11, as pinned by requirements/*.lock; an older
+# pydantic, which pyproject.toml still allows, keeps accepting both names rather than failing every parse).
+_BY_ALIAS_ONLY = "by_name" in inspect.signature(BaseModel.model_validate).parameters
 
 
 def parse_llmserve(data: Any) -> LLMServe:
     """Validate a mapping (a parsed YAML/JSON document) into an :class:`LLMServe`.
 
-    A bare spec (a mapping with ``model`` at the top) is accepted too.
+    A bare spec (a mapping with ``model`` at the top) is accepted too. Keys are the camelCase names only (what
+    the API server keeps); a snake_case key is an unknown field. Numbers and booleans must be numbers and booleans
+    (no ``"8"``, no ``"yes"``), as in the CRD schema.
 
     Raises:
         SpecError: the document is not a mapping, or any field is invalid; the message names each
@@ -496,6 +590,8 @@ def parse_llmserve(data: Any) -> LLMServe:
     if "spec" not in data and "model" in data:
         data = {"spec": data}
     try:
+        if _BY_ALIAS_ONLY:
+            return LLMServe.model_validate(data, by_alias=True, by_name=False)
         return LLMServe.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_validation_error(err, root="")[:4000].replace(": .", ": ")) from err
