@@ -452,9 +452,12 @@ def load_profile(path: str | Path) -> PerformanceProfile:
         ProfileError: unreadable file, unknown extension, or invalid content (the message names it).
     """
     p = Path(path)
+    if p.is_dir():
+        raise ProfileError(f"{p} is a directory, not a profile file")
     if not p.is_file():
         raise ProfileError(f"profile file not found: {p}")
     suffix = p.suffix.lower()
+    yaml_file = p  # the YAML file being parsed, named in a YAML error (a CSV profile's .meta.yaml)
     try:
         if suffix in (".yaml", ".yml"):
             return profile_from_dict(yaml.safe_load(p.read_text(encoding="utf-8")), origin=str(p))
@@ -464,9 +467,14 @@ def load_profile(path: str | Path) -> PerformanceProfile:
             meta_path = p.with_name(p.stem + ".meta.yaml")
             if not meta_path.is_file():
                 raise ProfileError(f"{p}: CSV profiles need their scalar fields in {meta_path.name} beside them")
+            yaml_file = meta_path
             return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")) or {})
+    except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
+        mark = err.problem_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise ProfileError(f"{yaml_file}{where}: not valid YAML: {err.problem or err.context}") from err
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ProfileError(f"{p}: cannot parse: {err}") from err
+        raise ProfileError(f"{p}: cannot parse: {' '.join(str(err).split())}") from err
     raise ProfileError(f"{p}: unknown profile format {suffix!r} (use .yaml, .json or .csv)")
 
 

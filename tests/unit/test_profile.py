@@ -115,7 +115,7 @@ def test_missing_files_unknown_formats_and_unknown_builtins_fail_clearly(tmp_pat
     with pytest.raises(ProfileError, match="unknown profile format"):
         load_profile(tmp_path / "p.txt")
     (tmp_path / "bad.yaml").write_text("a: [1, 2")
-    with pytest.raises(ProfileError, match="cannot parse"):
+    with pytest.raises(ProfileError, match="not valid YAML"):
         load_profile(tmp_path / "bad.yaml")
     with pytest.raises(ProfileError, match="unknown built-in profile"):
         builtin_profile("nope")
@@ -144,3 +144,19 @@ def test_kv_capacity_follows_eq_11(table_i):
 def test_decode_table_rejects_an_empty_axis():
     with pytest.raises(ProfileError, match="no points"):
         DecodeTable((), (1.0,), ())
+
+
+def test_a_folder_or_invalid_yaml_is_one_line_naming_the_file_line_and_column(tmp_path):
+    (tmp_path / "somedir").mkdir()
+    with pytest.raises(ProfileError, match=r"somedir is a directory, not a profile file$"):
+        load_profile(tmp_path / "somedir")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\nb: : x\n")
+    with pytest.raises(ProfileError) as err:
+        load_profile(bad)
+    assert str(err.value) == f"{bad}:2:2: not valid YAML: expected ',' or ']', but got ':'"
+    # a CSV profile's scalars come from its .meta.yaml: that is the file named
+    (tmp_path / "c.csv").write_text("kind,tp,isl,batch,context,ms\n")
+    (tmp_path / "c.meta.yaml").write_text("name: [x\n")
+    with pytest.raises(ProfileError, match=r"c\.meta\.yaml:2:1: not valid YAML: "):
+        load_profile(tmp_path / "c.csv")

@@ -204,7 +204,14 @@ def test_the_default_warmup_is_pod_startup_plus_two_intervals(spec: LLMServeSpec
     sc = spec.scaling
     assert warmup_seconds(spec, ReplayOptions()) == sc.pod_startup_seconds + 2 * sc.interval_seconds
     assert warmup_seconds(spec, ReplayOptions(warmup_s=42.0)) == 42.0
-    assert warmup_seconds(spec, ReplayOptions(warmup_s=-5.0)) == 0.0
+    assert warmup_seconds(spec, ReplayOptions(warmup_s=-5.0)) == 0.0  # documented: negative scores everything
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_warmup_that_is_not_finite_is_a_value_error(spec: LLMServeSpec, bad: float) -> None:
+    # max(nan, 0.0) is nan: every score would read nan, so the library refuses it rather than clamping
+    with pytest.raises(ValueError, match="warmup_s must be a finite number of seconds"):
+        warmup_seconds(spec, ReplayOptions(warmup_s=bad))
 
 
 # ---------------------------------------------------------------------------------------------- inputs

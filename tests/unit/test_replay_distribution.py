@@ -128,6 +128,27 @@ def test_parquet_without_pyarrow_fails_naming_the_extra(monkeypatch: pytest.Monk
     assert check_records_path(tmp_path / "r.CSV") == "csv"
 
 
+def test_a_records_path_that_cannot_be_written_fails_the_check(tmp_path: Path) -> None:
+    folder = tmp_path / "taken.csv"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"^--records .*taken\.csv: is a folder, not a file$"):
+        check_records_path(folder)
+    a_file = tmp_path / "plain"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=r"^--records .*plain/r\.csv: .*plain is not a folder$"):
+        check_records_path(a_file / "r.csv")
+    if Path("/proc/self").is_dir():  # Linux: nothing can be created under /proc, not even as root
+        with pytest.raises(ValueError, match=r"^--records /proc/fulcrum-records\.csv: cannot write there \("):
+            check_records_path(Path("/proc/fulcrum-records.csv"))
+    # a good path: its missing folders are made, the scratch file is gone, an existing file is left as it was
+    nested = tmp_path / "a" / "b" / "r.csv"
+    assert check_records_path(nested) == "csv"
+    assert nested.parent.is_dir() and list(nested.parent.iterdir()) == []
+    kept = tmp_path / "kept.csv"
+    kept.write_text("old\n")
+    assert check_records_path(kept) == "csv" and kept.read_text() == "old\n"
+
+
 def test_parquet_records_hold_the_same_rows(run: PolicyRun, tmp_path: Path) -> None:
     pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install 'fulcrum[parquet]')")
     table = pq.read_table(write_records([run], tmp_path / "r.parquet", SLO)).to_pydict()

@@ -70,6 +70,14 @@ def test_missing_or_unparsable_files_are_config_errors(tmp_path):
         load_config(tmp_path / "x.yaml")
 
 
+def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("a: [1, 2\nb: : x\n")
+    with pytest.raises(RouterConfigError) as err:
+        load_config(p)
+    assert str(err.value) == f"router config {p}:2:2 is not valid YAML: expected ',' or ']', but got ':'"
+
+
 def test_the_watcher_reloads_on_change_and_keeps_the_last_good_config(tmp_path):
     p = tmp_path / "router.yaml"
     p.write_text(GOOD)

@@ -105,6 +105,18 @@ def test_unknown_bundled_name_lists_the_bundled_traces() -> None:
         load_trace("no/such/file.csv")
 
 
+def test_a_folder_is_named_as_a_folder_not_as_a_missing_file(tmp_path: Path) -> None:
+    (tmp_path / "somedir").mkdir()
+    with pytest.raises(TraceError, match=r"somedir is a directory, not a trace file$"):
+        load_trace(tmp_path / "somedir")
+
+
+def test_an_empty_window_of_a_bundled_trace_names_the_trace_not_its_file() -> None:
+    with pytest.raises(TraceError) as err:
+        load_trace("azure-conv-2023", start_s=100_000)
+    assert str(err.value).startswith("azure-conv-2023: no request in the window [100000, inf) s")
+
+
 # --- Azure CSV -----------------------------------------------------------------------------------
 
 

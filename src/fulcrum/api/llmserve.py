@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from enum import Enum
 import functools
-import inspect
 from pathlib import Path
 import re
 from typing import Annotated, Any, Literal
@@ -564,14 +563,9 @@ def _format_validation_error(err: ValidationError, root: str) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        path = f"{root}.{loc}" if loc else root
+        path = ".".join(part for part in (root, loc) if part)  # no stray leading dot when root is ""
         lines.append(f"{path}: {_error_message(e)}")
     return "invalid LLMServe: " + "; ".join(lines)
-
-
-# Validate documents by the camelCase names only (pydantic >= 2.11, as pinned by requirements/*.lock; an older
-# pydantic, which pyproject.toml still allows, keeps accepting both names rather than failing every parse).
-_BY_ALIAS_ONLY = "by_name" in inspect.signature(BaseModel.model_validate).parameters
 
 
 def parse_llmserve(data: Any) -> LLMServe:
@@ -590,11 +584,10 @@ def parse_llmserve(data: Any) -> LLMServe:
     if "spec" not in data and "model" in data:
         data = {"spec": data}
     try:
-        if _BY_ALIAS_ONLY:
-            return LLMServe.model_validate(data, by_alias=True, by_name=False)
-        return LLMServe.model_validate(data)
+        # the camelCase names only (pydantic >= 2.11, pyproject.toml): Python code keeps the field names
+        return LLMServe.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as err:
-        raise SpecError(_format_validation_error(err, root="")[:4000].replace(": .", ": ")) from err
+        raise SpecError(_format_validation_error(err, root="")[:4000]) from err
 
 
 def load_llmserve(path: str | Path) -> LLMServe:
@@ -610,6 +603,10 @@ def load_llmserve(path: str | Path) -> LLMServe:
         raise SpecError(f"cannot read LLMServe file {p}: {err.strerror or err}") from err
     try:
         data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
+        mark = err.problem_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise SpecError(f"{p}{where}: not valid YAML: {err.problem or err.context}") from err
     except yaml.YAMLError as err:
-        raise SpecError(f"{p}: not valid YAML: {err}") from err
+        raise SpecError(f"{p}: not valid YAML: {' '.join(str(err).split())}") from err
     return parse_llmserve(data)

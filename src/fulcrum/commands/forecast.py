@@ -83,6 +83,10 @@ def load_series(trace: str, interval_s: float, seed: int | None = None) -> tuple
     return tr.name, interval_series(tr.requests, interval_s), interval_s
 
 
+#: The most intervals a season may have (ForecasterSpec.season_length's upper bound).
+_SEASON_MAX = next(int(m.le) for m in ForecasterSpec.model_fields["season_length"].metadata
+                   if getattr(m, "le", None) is not None)
+
 #: ForecasterSpec field → the flag that sets it, for one-line errors.
 _FLAGS = {"order": "--order", "window": "--window", "season_length": "--season"}
 
@@ -100,6 +104,12 @@ def _spec(args: argparse.Namespace, interval_s: float) -> ForecasterSpec:
     if args.window is not None:
         kw["window"] = args.window
     kw["season_length"] = args.season if args.season is not None else max(2, int(round(86_400 / interval_s)))
+    most = _SEASON_MAX
+    if args.season is None and kw["season_length"] > most:  # the default season: name the flag that made it
+        raise ValueError(
+            f"--interval {interval_s:g} s makes the default season (one day) {kw['season_length']} intervals, "
+            f"more than {most}: pass --season or a longer --interval"
+        )
     try:
         return ForecasterSpec(**kw)
     except ValidationError as err:
@@ -112,6 +122,8 @@ def _spec(args: argparse.Namespace, interval_s: float) -> ForecasterSpec:
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.interval) and args.interval > 0):
         raise ValueError(f"--interval must be a positive number of seconds, got {args.interval}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0 intervals, got {args.warmup}")
     name, series, interval = load_series(args.trace, args.interval, args.seed)
     spec = _spec(args, interval)
     n = max((len(v) for v in series.values()), default=0)

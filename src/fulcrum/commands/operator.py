@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 from typing import Any
+
+import yaml
 
 from fulcrum.commands import bind_host
 
@@ -81,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         port = getattr(args, name)
         if not 0 <= port <= 65535:
             raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535, got {port}")
-    if args.drain_poll_seconds <= 0:
-        raise ValueError("--drain-poll-seconds must be > 0")
+    if not (math.isfinite(args.drain_poll_seconds) and args.drain_poll_seconds > 0):
+        raise ValueError(f"--drain-poll-seconds must be a finite number of seconds > 0, got {args.drain_poll_seconds:g}")
     url = args.prometheus_url.strip()
     if url and not url.startswith(("http://", "https://")):
         raise ValueError(f"--prometheus-url must start with http:// or https://, got {url!r}")
@@ -94,8 +97,14 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it (the CLI is where env is touched)
     try:
         api_client = _api_client(args.kubeconfig)
+    except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
+        mark = err.problem_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        source = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise ValueError(f"no Kubernetes credentials: {source}{where}: not valid YAML: "
+                         f"{err.problem or err.context}") from err
     except Exception as err:  # kubernetes.config.ConfigException, a missing or malformed file
-        raise ValueError(f"no Kubernetes credentials: {err}") from err
+        raise ValueError(f"no Kubernetes credentials: {' '.join(str(err).split())}") from err
     # Only once the command line and the credentials are good: kopf.configure adds a handler to the root logger
     # (bound to the stderr of the moment) and sets levels process-wide, which a rejected command must not leave.
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"

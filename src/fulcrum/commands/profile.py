@@ -33,6 +33,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from fulcrum.commands import check_writable_file
 from fulcrum.errors import ProfileError
 from fulcrum.worker.profiler import (
     GPU_PRESETS,
@@ -103,6 +104,7 @@ def _run_step_table(args: argparse.Namespace) -> int:
                          "FULCRUM_SCHEDULER_METRICS_PORT)")
     if Path(args.step_table).suffix.lower() != ".json":
         raise ValueError(f"--step-table must be a .json file, got {args.step_table!r}")
+    check_writable_file(args.step_table, "--step-table")
     table = asyncio.run(profile_steps(
         args.url, args.scheduler_metrics, model=args.model, prefill_tokens=_ints("step-prefill", args.step_prefill),
         decode_counts=_ints("step-decodes", args.step_decodes), contexts=_ints("step-contexts", args.step_contexts),
@@ -181,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out must be a .yaml file (or -), got {args.out!r}")
     if args.configmap_out and not args.configmap:
         raise ValueError("--configmap-out needs --configmap NAME")
+    for flag in ("retry_backoff_s", "request_timeout_s"):
+        if not math.isfinite(getattr(args, flag)):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds, got {getattr(args, flag)}")
     grid = ProfileGrid(isl=_ints("isl", args.isl), batch=_ints("batch", args.batch),
                        context=_ints("context", args.context), repeats=args.repeats,
                        decode_tokens=args.decode_tokens, retries=args.retries,
@@ -199,6 +204,10 @@ def run(args: argparse.Namespace) -> int:
         raise ProfileError("memory facts unknown: pass --gpu (a preset) or --gpu-memory-gib and --hbm-bandwidth-gbps")
     if flags.weight_bytes is None and model_dir is None:
         raise ProfileError("memory facts unknown: pass --weight-gib or --model-path")
+    # an output that cannot be written fails now, not after an hour of measuring
+    for flag, out in (("--out", args.out), ("--configmap-out", args.configmap_out)):
+        if out and out != "-":
+            check_writable_file(out, flag)
 
     def warn(msg: str) -> None:
         tqdm.write(f"fulcrum profile: warning: {msg}", file=sys.stderr)  # above the progress bar

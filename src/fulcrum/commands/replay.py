@@ -8,7 +8,7 @@ file gives the SLOs, limits, interval, start-up time and profile; without one, a
 Routing: the simulator routes every request through the router's own policy (``--routing``; default the spec's
 ``router.policy``). ``--routing A,B,...`` with several names replays the planner (``--policy``) once per routing
 policy and prints one table with a row per routing policy, plus the paths its requests took (split: Libra's
-micro-requests).
+micro-requests); it does not combine with ``--compare`` (every planner under one routing policy).
 
 Output: one line per policy, then the comparison table (the spec's percentile); ``--percentiles`` adds a second
 table with p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time per policy; ``--records FILE`` writes
@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -69,7 +71,8 @@ def add_parser(sub: Any) -> None:
                    "with static-best: the cheapest static deployment reaching fulcrum's SLO attainment (a sweep)")
     p.add_argument("--routing", type=_routing_arg, metavar="NAME[,NAME...]",
                    help=f"the router's routing policy the simulator runs ({', '.join(ROUTING_POLICIES)}; default: the "
-                   "spec's router.policy); several names: one row per routing policy under the planner of --policy")
+                   "spec's router.policy); several names: one row per routing policy under the planner of --policy "
+                   "(not with --compare)")
     p.add_argument("--seed", type=int, help="draw a synthetic trace with this seed (default: its own); "
                    "an error for any other trace")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by X (< 1 = a denser trace)")
@@ -91,13 +94,51 @@ def _default_spec() -> LLMServeSpec:
 
 
 def _check_report_dir(path: Path | None) -> None:
-    """Fail before a long replay when ``--report`` names something that is not (and cannot become) a folder.
+    """Fail before a long replay when ``--report`` names something that is not (and cannot become) a writable
+    folder: the folder is created now (as the report would create it) and a scratch file written and removed.
 
     Raises:
-        ValueError: ``path`` exists and is not a directory.
+        ValueError: ``path`` exists and is not a directory, cannot be created, or cannot be written into.
     """
-    if path is not None and path.exists() and not path.is_dir():
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
         raise ValueError(f"--report {path}: exists and is not a folder (the report writes several files into one)")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ValueError(f"--report {path}: {path.parent} is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--report {path}: cannot create the folder ({err.strerror or err})") from None
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"--report {path}: cannot write into the folder ({err.strerror or err})") from None
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers before anything is read, each a one-line error naming the flag.
+
+    Raises:
+        ValueError: ``--warmup`` negative or not finite; ``--start`` negative or not finite; ``--duration`` not
+            positive (or nan); ``--time-scale`` not a finite positive number; ``--compare`` with several
+            ``--routing`` names.
+    """
+    if args.warmup is not None and not (math.isfinite(args.warmup) and args.warmup >= 0):
+        raise ValueError(f"--warmup must be a finite number of seconds >= 0, got {args.warmup:g}")
+    if not (math.isfinite(args.start) and args.start >= 0):
+        raise ValueError(f"--start must be a finite number of seconds >= 0, got {args.start:g}")
+    if args.duration is not None and not args.duration > 0:
+        raise ValueError(f"--duration must be a positive number of seconds, got {args.duration:g}")
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):
+        raise ValueError(f"--time-scale must be a finite positive number, got {args.time_scale:g}")
+    if args.compare and args.routing is not None and len(args.routing) > 1:
+        raise ValueError(
+            f"--compare and several --routing names do not combine: --compare runs every planner under one "
+            f"routing policy, --routing {','.join(args.routing)} runs the planner of --policy under each; "
+            "drop --compare, or pass one --routing name"
+        )
 
 
 def _check_scored(requests: Sequence[Request], warmup_s: float) -> None:
@@ -115,9 +156,7 @@ def _check_scored(requests: Sequence[Request], warmup_s: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.records is not None:
-        check_records_path(args.records)  # a bad name or a missing pyarrow fails before a long replay
-    _check_report_dir(args.report)
+    _check_flags(args)
     spec_path = Path(args.llmserve) if args.llmserve else None
     spec = load_llmserve(spec_path).spec if spec_path else _default_spec()
     profile = resolve_spec_profile(spec, spec_path, args.profile)
@@ -128,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
     options = ReplayOptions(progress=progress, warmup_s=args.warmup, routing=routings[0])
     warmup = warmup_seconds(spec, options)
     _check_scored(requests, warmup)
+    # once the inputs are good, and before a long replay: a bad --records name, a missing pyarrow or a target
+    # that cannot be written fails now, not after the replay with its results lost
+    if args.records is not None:
+        check_records_path(args.records)
+    _check_report_dir(args.report)
     if len(routings) > 1:
         return _compare_routing(args, spec, profile, requests, trace.name, routings, options, warmup)
     policies = list(PLANNERS) if args.compare else [args.policy]

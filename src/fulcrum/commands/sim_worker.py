@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 from typing import Any
@@ -95,12 +96,12 @@ def run(args: argparse.Namespace) -> int:
     from fulcrum.worker.prefill_puller import PrefillPuller, Registrations
     from fulcrum.worker.sim_server import SimServerSettings, SimWorker, serve
 
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if not (math.isfinite(args.drain_timeout_s) and args.drain_timeout_s >= 0):
+        raise ValueError(f"--drain-timeout-s must be a finite number of seconds >= 0, got {args.drain_timeout_s:g}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("fulcrum.sim_worker")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be 0..65535, got {args.port}")
-    if args.drain_timeout_s < 0:
-        raise ValueError("--drain-timeout-s must be >= 0")
     profile = resolve_profile(args.profile)
     tp = args.tp if args.tp is not None else min(profile.decode_tps)
     for kind, measured in (("prefill", profile.prefill_tps), ("decode", profile.decode_tps)):

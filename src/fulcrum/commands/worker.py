@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import glob
 import logging
+import math
 import os
 import socket
 import sys
@@ -95,7 +96,28 @@ def gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def _check_lifecycle(args: argparse.Namespace) -> None:
+    """Refuse lifecycle flags out of range (each a one-line error naming the flag); the engine's own flags are
+    checked by :class:`fulcrum.worker.vllm_args.WorkerConfig`.
+
+    Raises:
+        ValueError: ``--health-port`` outside 0..65535; ``--startup-timeout-s`` not a finite number > 0;
+            ``--drain-timeout-s`` or ``--kill-grace-s`` not a finite number >= 0 (nan included).
+    """
+    if not 0 <= args.health_port <= 65535:
+        raise ValueError(f"--health-port must be in 0..65535, got {args.health_port}")
+    if not (math.isfinite(args.startup_timeout_s) and args.startup_timeout_s > 0):
+        raise ValueError(f"--startup-timeout-s must be a finite number of seconds > 0, got {args.startup_timeout_s:g}")
+    for flag in ("drain_timeout_s", "kill_grace_s"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds >= 0, got {v:g}")
+    if args.tpot_slo_ms is not None and not (math.isfinite(args.tpot_slo_ms) and args.tpot_slo_ms > 0):
+        raise ValueError(f"--tpot-slo-ms must be a finite number > 0, got {args.tpot_slo_ms:g}")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_lifecycle(args)
     from fulcrum.router.registry import InstanceRecord
     from fulcrum.router.registry_etcd import EtcdRegistration, parse_endpoints
     from fulcrum.worker.prefill_puller import PrefillPuller, Registrations, Startable

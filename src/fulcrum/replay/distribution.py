@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import math
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,18 +185,46 @@ def _has_pyarrow() -> bool:
 
 
 def check_records_path(path: Path) -> str:
-    """The format ``path`` will be written in (``"csv"`` or ``"parquet"``), checked before a long replay.
+    """The format ``path`` will be written in (``"csv"`` or ``"parquet"``), checked before a long replay: the
+    name, pyarrow for Parquet, and that the file can be written there. The probe creates the missing parent
+    folders (as :func:`write_records` would), writes and removes a scratch file beside ``path`` and opens an
+    existing ``path`` for appending (its content is left as it is).
 
     Raises:
-        ValueError: an unknown suffix, or ``.parquet`` without pyarrow installed (the message names the extra).
+        ValueError: an unknown suffix, ``.parquet`` without pyarrow installed (the message names the extra),
+            ``path`` is a folder, or its folder cannot be created or written into.
     """
-    fmt = RECORD_FORMATS.get(Path(path).suffix.lower())
+    path = Path(path)
+    fmt = RECORD_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"--records {path}: the file must end in .csv or .parquet")
     if fmt == "parquet" and not _has_pyarrow():
         raise ValueError(f"--records {path}: writing Parquet needs pyarrow, which is not installed: "
                          "pip install 'fulcrum[parquet]' (or pyarrow), or write a .csv file")
+    _probe_writable(path)
     return fmt
+
+
+def _probe_writable(path: Path) -> None:
+    """Raise ValueError (naming ``--records``) unless a file can be written at ``path``."""
+    if path.is_dir():
+        raise ValueError(f"--records {path}: is a folder, not a file")
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"--records {path}: {parent} is not a folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--records {path}: cannot create its folder {parent} ({err.strerror or err})") from None
+    try:
+        if path.exists():
+            with path.open("ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=parent):
+                pass
+    except OSError as err:
+        raise ValueError(f"--records {path}: cannot write there ({err.strerror or err})") from None
 
 
 def _csv_cell(value: Any) -> Any:

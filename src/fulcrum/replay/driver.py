@@ -69,9 +69,19 @@ class ReplayOptions:
 
 
 def warmup_seconds(spec: LLMServeSpec, options: ReplayOptions) -> float:
-    """The warm-up a replay leaves out of scoring (see :class:`ReplayOptions`), seconds."""
+    """The warm-up a replay leaves out of scoring (see :class:`ReplayOptions`), seconds.
+
+    A negative ``options.warmup_s`` is taken as 0 (score everything); ``fulcrum replay`` refuses one before it gets
+    here (``--warmup must be ... >= 0``).
+
+    Raises:
+        ValueError: ``options.warmup_s`` is nan or infinite (every score would read nan).
+    """
     if options.warmup_s is not None:
-        return max(float(options.warmup_s), 0.0)
+        warmup = float(options.warmup_s)
+        if not math.isfinite(warmup):
+            raise ValueError(f"warmup_s must be a finite number of seconds, got {warmup:g}")
+        return max(warmup, 0.0)
     return spec.scaling.pod_startup_seconds + 2 * spec.scaling.interval_seconds
 
 

@@ -182,8 +182,9 @@ def load_trace(
     if limit is not None:
         window = window[:limit]
     if not window:
+        label = file if origin == str(file) else name  # a bundled or synthetic trace by its name, not a path
         raise TraceError(
-            f"{file}: no request in the window [{start_s:g}, {end_s:g}) s "
+            f"{label}: no request in the window [{start_s:g}, {end_s:g}) s "
             f"(the trace spans {rows[-1].arrival_s - t0:.1f} s)"
         )
     base = window[0].arrival_s
@@ -292,6 +293,8 @@ def _resolve(path: str | Path) -> tuple[Path, str, str]:
     if isinstance(path, str) and path in BUNDLED_TRACES:
         bundled = bundled_trace_path(path)
         return bundled, path, f"bundled trace {path} ({bundled.name})"
+    if file.is_dir():
+        raise TraceError(f"{file} is a directory, not a trace file")
     names = ", ".join(sorted(BUNDLED_TRACES) + sorted(SYNTHETIC_TRACES))
     raise TraceError(f"no such trace file: {file} (bundled traces: {names})")
 
