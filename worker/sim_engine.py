@@ -95,12 +95,14 @@ def chat_token_ids(messages: Sequence[object], add_generation_prompt: bool = Tru
     ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts (other parts are ignored).
 
     Raises:
-        ValueError: a message is not an object.
+        ValueError: a message is not an object, or its ``role`` is not a string.
     """
     parts: list[str] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError("each message must be an object with role and content")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}].role: a string is required, got {m.get('role')!r}")
         c = m.get("content")
         if isinstance(c, list):
             c = "".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
@@ -350,7 +352,8 @@ class SimEngine:
         return self._held.get(request_id)
 
     def next_ready_at(self) -> float | None:
-        """The earliest ``ready_at`` among waiting requests (when a transfer completes), or None."""
+        """The earliest ``ready_at`` among waiting requests (when a transfer completes), or None. It may lie in
+        the past (a ready request that waits for KV blocks): only a future one is a reason to step again."""
         return min((r.ready_at for r in self._waiting), default=None)
 
     # ------------------------------------------------------------------ the step

@@ -167,6 +167,9 @@ class _Stream:
 
 
 _BOOL = TypeAdapter(bool)
+_INT = TypeAdapter(int)
+_MAX_LOGPROBS = 20
+"""Most ``logprobs`` a completion request may ask for (vLLM's default ``max_logprobs``)."""
 
 
 def _lax_bool(value: Any, name: str) -> bool:
@@ -190,10 +193,48 @@ class _BadRequest(Exception):
         self.status = status
 
 
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """A request body read as a JSON object.
+
+    Raises:
+        _BadRequest: 400, a body that is not JSON (also one nested too deeply for the parser: ``json`` raises
+            RecursionError on it), or JSON that is not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _BadRequest(400, "body is not JSON: nested too deeply") from None
+    except ValueError:
+        raise _BadRequest(400, "body is not JSON") from None
+    if not isinstance(body, dict):
+        raise _BadRequest(400, "body must be a JSON object")
+    return body
+
+
 def _error(status: int, message: str) -> web.Response:
     kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
                              status=status)
+
+
+def _lax_int(value: Any, name: str) -> int | None:
+    """``value`` read as vLLM's request models read an integer field (pydantic's lax mode: ``5``, ``"5"``,
+    ``5.0``...); None stays None.
+
+    Raises:
+        _BadRequest: 400, a value pydantic would not read as an integer (vLLM answers 400 too).
+    """
+    if value is None:
+        return None
+    try:
+        return int(_INT.validate_python(value))
+    except ValidationError:
+        raise _BadRequest(400, f"{name}: Input should be a valid integer, got {value!r}") from None
+
+
+def _stops_ok(value: Any) -> bool:
+    """Whether ``value`` is a ``stop`` vLLM accepts: a string or a list of strings."""
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value))
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -282,13 +323,19 @@ class SimWorker:
         prev_end: float | None = None
         while True:
             now = self._clock()
+            preemptions = self.engine.num_preemptions
             out = self.engine.step(now)
             self._gauges()
             if out is None:
                 prev_end = None
+                if self.engine.num_preemptions != preemptions:
+                    continue  # the step only preempted: the next one schedules with the freed blocks
+                # Sleep until a transfer completes (a ready_at in the future) or something changes (_wake: a new
+                # request, an abort, KV pulled or released). A waiting request that is ready but cannot get KV
+                # blocks is no reason to wake: only freed blocks (which set _wake) can let it in.
                 wake = self.engine.next_ready_at()
                 self._wake.clear()
-                timeout = None if wake is None else max(0.0, wake - now)
+                timeout = None if wake is None or wake <= now else wake - now
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 continue
@@ -375,6 +422,10 @@ class SimWorker:
         cap = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
             else body.get("max_tokens")
         if cap is None:
+            if chat and p >= self.settings.max_model_len:  # vLLM checks the prompt alone when max_tokens is unset
+                raise _BadRequest(400, f"This model's maximum context length is {self.settings.max_model_len} "
+                                       f"tokens. However, you requested {p} tokens in the messages, Please reduce "
+                                       f"the length of the messages.")
             cap = self.settings.max_model_len - p if chat else 16
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
             raise _BadRequest(400, "max_tokens must be a positive integer")
@@ -461,22 +512,31 @@ class SimWorker:
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """Serve one completion or chat completion request (module doc)."""
         try:
-            body = json.loads(await request.read())
-        except ValueError:
-            return _error(400, "body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object")
-        try:
+            body = _json_object(await request.read())
             return await self._generate(request, body, chat)
         except _BadRequest as err:
             return _error(err.status, str(err))
 
     async def _generate(self, request: web.Request, body: dict[str, Any], chat: bool) -> web.StreamResponse:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _BadRequest(400, f"model: Input should be a valid string, got {model!r}")
         if model is not None and model != self.settings.model:
             raise _BadRequest(404, f"The model `{model}` does not exist.")
-        if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or _lax_bool(body.get("echo"), "echo"):
+        choices = _lax_int(body.get("n"), "n")
+        if choices is not None and choices < 1:
+            raise _BadRequest(400, f"n must be at least 1, got {choices}.")
+        if (choices or 1) != 1 or (body.get("best_of") or 1) != 1 or _lax_bool(body.get("echo"), "echo"):
             raise _BadRequest(400, "the sim-worker serves n = 1 without best_of or echo")
+        if body.get("stop") is not None and not _stops_ok(body["stop"]):
+            raise _BadRequest(400, f"stop must be a string or a list of strings, got {body['stop']!r}")
+        if not chat:
+            lp = _lax_int(body.get("logprobs"), "logprobs")
+            if lp is not None and lp < 0:
+                raise _BadRequest(400, f"logprobs must be non-negative, got {lp}.")
+            if lp is not None and lp > _MAX_LOGPROBS:
+                raise _BadRequest(400, f"Requested sample logprobs of {lp}, which is greater than max allowed: "
+                                       f"{_MAX_LOGPROBS}")
         ids = self.prompt_ids(body, chat)
         cap = self._max_tokens(body, chat, len(ids))
         stream = _lax_bool(body.get("stream"), "stream")
@@ -514,7 +574,12 @@ class SimWorker:
             return resp
         finally:
             self._streams.pop(rid, None)
-            if self.engine.abort(rid):
+            freed = self.engine.abort(rid)
+            if keep_kv and rid not in self._release:
+                # The answer naming the held KV never went out (the client went away, possibly after the last
+                # step finished the request and held its KV): nobody can pull it, and no expiry timer is armed.
+                freed = self.engine.release_kv(rid) or freed
+            if freed:
                 self._wake.set()
             if finish is not None:
                 self._finished(s, finish, n)
@@ -530,27 +595,36 @@ class SimWorker:
 
     async def _tokens(self, rid: str, s: _Stream, stops: list[str], on_batch: Any) -> tuple[list[int], str, str, Any]:
         """Consume the request's tokens: (token ids, text, finish_reason, stop_reason); ``on_batch(pairs)`` gets
-        each step's (token, text piece) pairs."""
+        each step's (token, text released with it) pairs.
+
+        With stop strings the last ``max(len(stop)) − 1`` characters are held back until the request ends or a
+        stop string matches (vLLM's incremental detokenizer does the same), so the streamed pieces never show the
+        start of a stop string that later tokens complete: they always add up to the non-streamed text.
+        """
         gen: list[int] = []
         text = ""
+        sent = 0  # characters of text released to on_batch
+        hold = max((len(stp) for stp in stops), default=1) - 1
         async for batch in s.batches():
             pairs: list[tuple[int, str]] = []
-            for tok in batch:
+            for i, tok in enumerate(batch):
                 gen.append(tok)
                 piece = _piece(tok)
                 for stp in stops:
                     idx = (text + piece).find(stp)
                     if idx >= 0:
-                        cut = (text + piece)[:idx]
-                        pairs.append((tok, cut[len(text):]))
-                        text = cut
+                        text = (text + piece)[:idx]
+                        pairs.append((tok, text[sent:]))
                         if self.engine.stop(rid):
                             self._wake.set()
                         if on_batch is not None:
                             await on_batch(pairs)
                         return gen, text, "stop", stp
                 text += piece
-                pairs.append((tok, piece))
+                # the request's last token (done is read as the batch was taken: no await since) releases all
+                upto = len(text) if s.done and i == len(batch) - 1 else len(text) - hold
+                pairs.append((tok, text[sent:upto] if upto > sent else ""))
+                sent = max(sent, upto)
             if on_batch is not None:
                 await on_batch(pairs)
         return gen, text, "length", None
@@ -594,8 +668,8 @@ class SimWorker:
 
     @staticmethod
     def _logprobs(body: dict[str, Any], gen: list[int]) -> dict[str, Any] | None:
-        lp = body.get("logprobs")
-        if not isinstance(lp, int) or isinstance(lp, bool) or lp < 0:
+        lp = _lax_int(body.get("logprobs"), "logprobs")  # validated by _generate
+        if lp is None or lp < 0:
             return None
         pieces = [_piece(t) for t in gen]
         offs, o = [], 0
@@ -671,13 +745,7 @@ def create_sim_app(worker: SimWorker) -> web.Application:
         return await worker.generate(request, chat=True)
 
     async def read_json(request: web.Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            raise _BadRequest(400, "body is not JSON") from None
-        if not isinstance(body, dict):
-            raise _BadRequest(400, "body must be a JSON object")
-        return body
+        return _json_object(await request.read())
 
     async def tokenize(request: web.Request) -> web.Response:
         try:

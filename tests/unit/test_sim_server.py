@@ -61,10 +61,11 @@ async def sim():
     made: list[Sim] = []
 
     async def make(engine_id: str = "w0", time_scale: float = 0.01, kv_capacity_tokens: int = 50_000,
-                   **settings: Any) -> Sim:
+                   max_model_len: int = 4096, **settings: Any) -> Sim:
         worker = SimWorker(PROFILE, SimEngineConfig(tp=2, kv_capacity_tokens=kv_capacity_tokens, block_size=BS,
                                                     time_scale=time_scale),
-                           SimServerSettings(model=MODEL, engine_id=engine_id, max_model_len=4096, **settings))
+                           SimServerSettings(model=MODEL, engine_id=engine_id, max_model_len=max_model_len,
+                                             **settings))
         client: TestClient[Any, Any] = TestClient(TestServer(create_sim_app(worker), handler_cancellation=True))
         await client.start_server()
         s = Sim(worker, client)
@@ -142,11 +143,45 @@ async def test_token_ids_logprobs_and_stop_strings_are_answered_like_vllm(sim) -
     ({"prompt": "hi", "stream": "maybe"}, 400, "stream: Input should be a valid boolean, got 'maybe'"),
     ({"prompt": "hi", "echo": "yes"}, 400, "without best_of or echo"),
     ({"prompt": "hi", "echo": "maybe"}, 400, "echo: Input should be a valid boolean, got 'maybe'"),
+    ({"prompt": "hi", "n": 0}, 400, "n must be at least 1, got 0."),
+    ({"prompt": "hi", "n": "x"}, 400, "n: Input should be a valid integer, got 'x'"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ({"prompt": "hi", "logprobs": -1}, 400, "logprobs must be non-negative, got -1."),
+    ({"prompt": "hi", "logprobs": "x"}, 400, "logprobs: Input should be a valid integer, got 'x'"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop must be a string or a list of strings, got 5"),
+    ({"prompt": "hi", "stop": ["ab", None]}, 400, "stop must be a string or a list of strings, got ['ab', None]"),
+    ({"prompt": "hi", "model": 5}, 400, "model: Input should be a valid string, got 5"),
 ])
 async def test_bad_requests_get_a_4xx_with_the_reason(sim, body: dict[str, Any], status: int, needle: str) -> None:
     s = await sim()
     r = await s.client.post("/v1/completions", json=body)
     assert r.status == status
+    assert needle in (await r.json())["error"]["message"]
+
+
+async def test_logprobs_up_to_vllms_max_of_20_are_answered(sim) -> None:
+    s = await sim()
+    r = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 20})
+    assert r.status == 200
+    lp = (await r.json())["choices"][0]["logprobs"]
+    assert lp["tokens"] == list(expected(tokens_of("hi"), 2)) and lp["top_logprobs"] is not None
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": [{"role": "user", "content": "x" * 5000}]},  # no max_tokens: the prompt alone is too long
+     "This model's maximum context length is 4096 tokens. However, you requested 5022 tokens in the messages, "
+     "Please reduce the length of the messages."),
+    ({"messages": [{"role": "user", "content": "x" * 4074}]},  # exactly max_model_len: no room for one token
+     "However, you requested 4096 tokens in the messages"),
+    ({"messages": [{"content": "hi"}], "max_tokens": 2}, "messages[0].role: a string is required, got None"),
+    ({"messages": [{"role": 5, "content": "hi"}], "max_tokens": 2}, "messages[0].role: a string is required, got 5"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": ["x"]},
+     "model: Input should be a valid string, got ['x']"),
+])
+async def test_bad_chat_requests_get_400_with_vllms_reason(sim, body: dict[str, Any], needle: str) -> None:
+    s = await sim()
+    r = await s.client.post("/v1/chat/completions", json=body)
+    assert r.status == 400
     assert needle in (await r.json())["error"]["message"]
 
 
@@ -179,6 +214,18 @@ async def test_a_body_that_is_not_json_gets_400(sim) -> None:
     s = await sim()
     r = await s.client.post("/v1/completions", data=b"{nope")
     assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                                  "/fulcrum/kv/pull"])
+@pytest.mark.parametrize("data", [b"[" * 100_000, b'{"a":' * 50_000])
+async def test_a_body_nested_too_deeply_for_the_json_parser_gets_400_not_500(sim, path: str, data: bytes) -> None:
+    s = await sim()
+    r = await s.client.post(path, data=data)
+    assert r.status == 400
+    assert (await r.json())["error"]["message"] == "body is not JSON: nested too deeply"
+    r = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})  # still serving
+    assert r.status == 200 and (await r.json())["choices"][0]["text"] == expected(tokens_of("hi"), 2)
 
 
 async def test_tokenize_models_health_and_metrics_speak_vllms_names(sim) -> None:
@@ -236,6 +283,107 @@ async def test_a_client_that_goes_away_aborts_its_request_and_frees_its_kv(sim) 
             break
         await asyncio.sleep(0.02)
     assert s.worker.busy == 0 and s.worker.engine.free_blocks == s.worker.engine.config.num_blocks
+
+
+async def test_a_remote_decode_client_that_goes_away_during_its_last_step_frees_the_held_kv(sim) -> None:
+    s = await sim(time_scale=1.0)  # the 3000-token prefill step sleeps its profile time (the TTFT)
+    w = s.worker
+    total = w.engine.config.num_blocks
+    task = asyncio.create_task(s.client.post("/v1/completions", json={
+        "prompt": "x" * 3000, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}))
+    for _ in range(400):
+        if w.engine.num_held:
+            break
+        await asyncio.sleep(0.005)
+    # the engine finished the request and holds its KV; the handler still waits for the step's time to pass
+    assert w.engine.num_held == 1 and w.engine.num_running == 0 and w.engine.free_blocks == total - 3000 // BS - 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if w.engine.num_held == 0 and not w._streams:
+            break
+        await asyncio.sleep(0.02)
+    # nobody got the kv_transfer_params, so nobody can pull it: freed at once, no 480 s timer left behind
+    assert w.engine.num_held == 0 and w.engine.free_blocks == total
+    assert w._release == {} and w.busy == 0
+
+
+async def test_a_request_waiting_for_kv_blocks_does_not_spin_the_engine_loop(sim) -> None:
+    s = await sim(kv_capacity_tokens=64, max_model_len=64)  # 4 blocks of 16 tokens
+    w = s.worker
+    calls = [0]
+    step = w.engine.step
+
+    def counting(now: float) -> Any:
+        calls[0] += 1
+        return step(now)
+
+    w.engine.step = counting  # type: ignore[method-assign]
+    r = await s.client.post("/v1/completions", json={"prompt": [65] * 48, "max_tokens": 1,
+                                                     "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status == 200
+    kvp = (await r.json())["kv_transfer_params"]
+    assert w.engine.num_held == 1 and w.engine.free_blocks == 1  # A holds 3 of the 4 blocks, unpulled
+    b = asyncio.create_task(s.client.post("/v1/completions", json={"prompt": [66] * 40, "max_tokens": 1}))
+    for _ in range(100):
+        if w.engine.num_waiting:
+            break
+        await asyncio.sleep(0.01)
+    assert w.engine.num_waiting == 1  # B needs 3 blocks: it waits at the head of the queue
+    c0 = calls[0]
+    await asyncio.sleep(0.5)
+    assert calls[0] - c0 < 50  # the loop sleeps until blocks are freed (it spun ~100k steps in 0.5 s)
+    assert w.engine.num_waiting == 1 and not b.done()
+    r = await s.client.post("/fulcrum/kv/pull", json={"request_id": kvp["remote_request_id"], "engine_id": "w0"})
+    assert r.status == 200 and len((await r.json())["block_ids"]) == 3
+    rb = await asyncio.wait_for(b, 5.0)  # the freed blocks wake the loop: B runs
+    assert rb.status == 200 and (await rb.json())["choices"][0]["text"] == expected([66] * 40, 1)
+    assert w.engine.free_blocks == 4 and w.busy == 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("prompt,stop_at", [
+    ("hi", [(5, 8)]),  # "qvk" of "dqjbzqvkhpmzsjyy": its first two characters come a token before the match
+    ("hi", [(3, 4), (6, 10)]),  # the shorter stop matches first; holdback is the longest stop's length - 1
+    ("the quick brown fox", [(9, 11), (2, 7)]),  # the later-listed stop matches earlier in the text
+    ("the quick brown fox", []),  # a stop string that never matches: the held-back tail comes with the end
+])
+async def test_a_streamed_answer_never_shows_the_start_of_a_stop_string(sim, chat: bool, prompt: str,
+                                                                       stop_at: list[tuple[int, int]]) -> None:
+    s = await sim()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base: dict[str, Any] = {"max_tokens": 16}
+    if chat:
+        base["messages"] = [{"role": "user", "content": prompt}]
+        ids = tokens_of(f"<|user|>{prompt}\n<|assistant|>")
+    else:
+        base["prompt"] = prompt
+        ids = tokens_of(prompt)
+    full = expected(ids, 16)
+    stops = [full[a:b] for a, b in stop_at] or ["@#never!"]
+    body = {**base, "stop": stops}
+    r = await s.client.post(path, json=body)
+    whole = await r.json()
+    text = answer_text(whole)
+    ch = whole["choices"][0]
+    if stop_at:
+        first = min(stops, key=full.find)
+        assert (text, ch["finish_reason"], ch["stop_reason"]) == (full[:full.find(first)], "stop", first)
+    else:
+        assert (text, ch["finish_reason"]) == (full, "length")
+    r = await s.client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True},
+                                        "return_token_ids": True})
+    streamed, usage, chunks, done_once = parse_stream(await r.read())
+    assert done_once and streamed == text
+    assert usage == whole["usage"]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert [t for c in choices for t in c.get("token_ids", [])] == tokens_of(full)[:usage["completion_tokens"]]
+    assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == (ch["finish_reason"], ch["stop_reason"])
+    shown = ""
+    for c in choices:  # no prefix of the stream ever holds a stop string's beginning past the answer
+        shown += c["text"] if "text" in c else c["delta"].get("content") or ""
+        assert text.startswith(shown)
 
 
 # ------------------------------------------------------------------------------------------------ KV transfer
