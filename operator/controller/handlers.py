@@ -274,7 +274,7 @@ class Controller:
             observer = PrometheusObserver(self._prometheus(self.settings.prometheus_url),
                                           Selectors.for_llmserve(serve.metadata.name, serve.metadata.namespace),
                                           ttft_slo_s=slo.ttft_ms / 1000.0, tpot_slo_s=slo.tpot_ms / 1000.0,
-                                          percentile=slo.percentile)
+                                          percentile=slo.percentile, max_model_len=serve.spec.engine.max_model_len)
         new = _Runtime(serve=serve, generation=gen, loop=loop, applied=rt.applied if rt else current,
                        profile=profile, observer=observer, draining=list(rt.draining) if rt else [],
                        degraded=rt.degraded if rt else None)
@@ -466,10 +466,11 @@ class Controller:
 
     async def _events(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> None:
         """The Events of one interval, after its target was applied: ObservationUnavailable (first blind
-        interval), SLOInfeasible/SLOFeasible (:meth:`_slo_event`), ScaledOut per growing pool,
+        interval) or PlanningFailed (first interval the planner failed on), SLOInfeasible/SLOFeasible (:meth:`_slo_event`), ScaledOut per growing pool,
         TensorParallelChanged per pool whose TP changed (its pods roll)."""
         if outcome.degraded and rt.degraded is None:
-            await self.event(body, "Warning", "ObservationUnavailable", f"holding the current pools: {outcome.degraded}")
+            await self.event(body, "Warning", "PlanningFailed" if outcome.observed else "ObservationUnavailable",
+                             f"holding the current pools: {outcome.degraded}")
         await self._slo_event(body, rt, outcome)
         for pool, (old, new) in outcome.scale_out.items():
             await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")

@@ -160,9 +160,13 @@ def _buckets(result: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
         le = r.get("metric", {}).get("le")
         if le is None:
             continue
+        try:
+            bound = float(le)  # float("+Inf") parses
+        except (TypeError, ValueError):
+            continue  # a label that is no number (a broken exporter): the bucket is skipped
         v = _value(r)
-        if math.isfinite(v):
-            out.append((float(le), v))  # float("+Inf") parses
+        if math.isfinite(v) and not math.isnan(bound):
+            out.append((bound, v))
     return sorted(out)
 
 
@@ -230,12 +234,13 @@ class PrometheusObserver:
     """
 
     def __init__(self, client: QueryClient, selectors: Selectors, *, ttft_slo_s: float, tpot_slo_s: float,
-                 percentile: float) -> None:
+                 percentile: float, max_model_len: int | None = None) -> None:
         self.client = client
         self.selectors = selectors
         self.ttft_slo_s = ttft_slo_s
         self.tpot_slo_s = tpot_slo_s
         self.percentile = percentile
+        self.max_model_len = max_model_len
 
     def _promql(self, template: str, window_s: float) -> str:
         s = self.selectors
@@ -263,7 +268,8 @@ class PrometheusObserver:
             ready: ready instances per pool (from the Deployments' status).
 
         Raises:
-            ObservationError: Prometheus unreachable/failing, or no router series at all (not scraped).
+            ObservationError: Prometheus unreachable/failing, no router series at all (not scraped), or answers
+                that are no usable load (:meth:`_observation`).
         """
         return self._observation(time_s, interval_s, ready, lambda template: self.query(template, interval_s))
 
@@ -272,7 +278,8 @@ class PrometheusObserver:
         oldest first, from range queries (one ``query_range`` per query template, step ``interval_s``).
 
         Intervals in which the router had no series (before it existed, or a scrape gap) are left out, so the
-        list may be shorter than ``count``, or empty. ``ready`` is carried into every Observation (Prometheus
+        list may be shorter than ``count``, or empty; so are intervals whose answers are no usable load (the
+        :class:`ObservationError` cases of :meth:`observe` other than Prometheus failing). ``ready`` is carried into every Observation (Prometheus
         does not hold the Deployments' ready counts; the forecaster does not read them).
 
         Args:
@@ -298,7 +305,10 @@ class PrometheusObserver:
         for t in sorted(at(Q_ARRIVALS)):
             def samples_at(template: str, t: float = t) -> list[dict[str, Any]]:
                 return at(template).get(t, [])
-            out.append(self._observation(t, interval_s, ready, samples_at))
+            try:
+                out.append(self._observation(t, interval_s, ready, samples_at))
+            except ObservationError:
+                continue  # a past interval with unusable answers: left out, as a scrape gap
         return out
 
     def _range(self, template: str, interval_s: float, start_s: float, end_s: float) -> dict[float, list[dict[str, Any]]]:
@@ -318,7 +328,15 @@ class PrometheusObserver:
 
     def _observation(self, time_s: float, interval_s: float, ready: ReadyCounts,
                      fetch: Callable[[str], list[dict[str, Any]]]) -> Observation:
-        """Build the Observation from ``fetch(template)`` answers (instant-query shaped)."""
+        """Build the Observation from ``fetch(template)`` answers (instant-query shaped).
+
+        Raises:
+            ObservationError: answers that are no usable load, so the loop holds instead of planning on them: no
+                router series; arrivals NaN, infinite or without a value; arrivals but no usable mean prompt or
+                output length (series missing, 0 or NaN: planning them as 1-token requests would empty the
+                prefill pool); a mean prompt that is not finite or longer than ``max_model_len``; a prefill
+                queue that is not finite.
+        """
 
         def scalar(template: str, default: float = 0.0) -> float:
             res = fetch(template)
@@ -330,7 +348,12 @@ class PrometheusObserver:
             raise ObservationError(
                 f"Prometheus has no router series for {{{self.selectors.router}}} (is the router scraped?)")
         arrivals_f = _value(arrivals_res[0])
-        arrivals = int(round(arrivals_f)) if math.isfinite(arrivals_f) else 0
+        if not math.isfinite(arrivals_f):
+            raw = arrivals_res[0].get("value")
+            raise ObservationError(
+                f"Prometheus answered arrivals {raw[1] if isinstance(raw, (list, tuple)) and len(raw) > 1 else raw!r} "
+                f"for {{{self.selectors.router}}}: no usable request count")
+        arrivals = max(int(round(arrivals_f)), 0)
         isl_sum = scalar(Q_INPUT_TOKENS_SUM)
         isl_n = scalar(Q_INPUT_TOKENS_COUNT)
         isl_b = _buckets(fetch(Q_INPUT_TOKENS_BUCKETS))
@@ -350,12 +373,34 @@ class PrometheusObserver:
         level = self.percentile / 100.0
         has_isl = bool(isl_b) and isl_b[-1][1] > 0
         has_osl = bool(osl_b) and osl_b[-1][1] > 0
+        mean_isl = isl_sum / isl_n if isl_n > 0 else 0.0
+        mean_osl = osl_sum / osl_n if osl_n > 0 else 0.0
+        if arrivals > 0:
+            if not (math.isfinite(mean_isl) and mean_isl > 0):
+                raise ObservationError(
+                    f"{arrivals} arrivals but no usable mean prompt length (input tokens sum {isl_sum:g} over "
+                    f"count {isl_n:g}; are the fulcrum_router_input_tokens series scraped?)")
+            if self.max_model_len is not None and mean_isl > self.max_model_len:
+                raise ObservationError(
+                    f"mean prompt length {mean_isl:g} tokens exceeds maxModelLen {self.max_model_len}: "
+                    f"no load the engine can serve")
+            if not (math.isfinite(mean_osl) and mean_osl > 0):
+                raise ObservationError(
+                    f"{arrivals} arrivals but no usable mean output length (output tokens sum {osl_sum:g} over "
+                    f"count {osl_n:g}; are the fulcrum_router_output_tokens series scraped?)")
+        queues = [_value(res[0]) if res else math.nan for res in (fetch(Q_PREFILL_QUEUE), fetch(Q_PREFILL_QUEUE_NATS))]
+        if any(math.isinf(q) for q in queues):
+            raise ObservationError(f"Prometheus answered a prefill queue of {max(queues):g} requests: no usable backlog")
+        prefill_queue = sum(q for q in queues if math.isfinite(q))  # NaN / absent: no queue, as before
+        if not math.isfinite(prefill_queue):  # two finite gauges overflowing together (1e308 + 1e308)
+            raise ObservationError("Prometheus answered a prefill queue that is not finite: no usable backlog")
+        decode_queue = scalar(Q_DECODE_QUEUE)
         return Observation(
             time_s=time_s,
             interval_s=interval_s,
-            arrivals=max(arrivals, 0),
-            mean_isl=isl_sum / isl_n if isl_n > 0 else 0.0,
-            mean_osl=osl_sum / osl_n if osl_n > 0 else 0.0,
+            arrivals=arrivals,
+            mean_isl=mean_isl,
+            mean_osl=mean_osl,
             isl_quantiles=tuple(histogram_quantile(q, isl_b) for q in QUANTILE_LEVELS) if has_isl else (),
             osl_quantiles=tuple(histogram_quantile(q, osl_b) for q in QUANTILE_LEVELS) if has_osl else (),
             concurrency=max(scalar(Q_CONCURRENCY), 0.0),
@@ -365,9 +410,8 @@ class PrometheusObserver:
             slo_attainment=min(both) if both else math.nan,
             ttft_p_s=histogram_quantile(level, ttft_b),
             tpot_p_s=histogram_quantile(level, tpot_b),
-            prefill_queue=max(int(round(scalar(Q_PREFILL_QUEUE)
-                                        + scalar(Q_PREFILL_QUEUE_NATS))), 0),
-            decode_queue=max(int(round(scalar(Q_DECODE_QUEUE))), 0),
+            prefill_queue=max(int(round(prefill_queue)), 0),
+            decode_queue=max(int(round(decode_queue)), 0),
             kv_utilisation=min(max(scalar(Q_KV_USAGE), 0.0), 1.0),
             ready=ready,
         )

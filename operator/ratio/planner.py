@@ -281,9 +281,16 @@ def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, 
                 break
             k = max(cands, key=lambda k: needs[k] / max(new[k], 1e-9))
             new[k] += 1
-        notes.append(f"GPU budget: {gpus} GPUs needed, capped at maxGPUs={max_gpus}")
+        kept = sum(new[k] * tps[k] for k in new)
+        if kept > max_gpus:  # one instance of each pool the load needs is already over the budget
+            notes.append(f"GPU budget: maxGPUs={max_gpus} cannot hold the smallest deployment ("
+                         + " + ".join(f"1 {_POOL_NAMES.get(k, k)} TP{tps[k]}" for k in new if new[k] > 0)
+                         + f" = {kept} GPUs; {gpus} GPUs needed)")
+        else:
+            notes.append(f"GPU budget: {gpus} GPUs needed, capped at maxGPUs={max_gpus}")
         counts = new
     gpus = sum(counts[k] * tps[k] for k in counts)
+    filled = gpus < min_gpus
     while gpus < min_gpus:
         # a pool left empty first: minGPUs that cover one instance of each pool keep the deployment able to
         # serve at zero load (1 prefill + 1 decode, not 3 prefill and no decode for minGPUs 3, TPs 1 and 2)
@@ -296,7 +303,21 @@ def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, 
         k = max(counts, key=lambda k: (needs[k] / max(counts[k], 1e-9)) if needs[k] > 0 else -1.0)
         counts[k] += 1
         gpus += tps[k]
+    if filled and any(counts.values()):
+        # minGPUs below one instance of each pool (1 or 2 for TPs 1 and 2) filled only the first: a deployment
+        # with prefill and no decode answers nothing, so the fill keeps one instance of every pool
+        for k in counts:
+            if counts[k] == 0:
+                counts[k] = 1
+                gpus += tps[k]
+        if gpus > max_gpus:
+            notes.append(f"GPU budget: maxGPUs={max_gpus} cannot hold the smallest deployment ("
+                         + " + ".join(f"1 {_POOL_NAMES.get(k, k)} TP{tps[k]}" for k in counts)
+                         + f" = {gpus} GPUs)")
     return counts, notes
+
+
+_POOL_NAMES = {"p": "prefill", "d": "decode"}
 
 
 def plan_disaggregated(

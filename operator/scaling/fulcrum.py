@@ -177,6 +177,8 @@ class FulcrumPlanner:
         self.horizon_steps = max(1, math.ceil((sc.interval_seconds + sc.pod_startup_seconds) / sc.interval_seconds))
         self._state = ScalingState()
         self.last_plan: Plan | None = None
+        #: the last ISL and OSL distributions planned from measured lengths (:meth:`_known_lengths`)
+        self._last_lengths: tuple[LengthDistribution, LengthDistribution] | None = None
         self.max_headroom = max_headroom
         self.min_residuals = min_residuals
         # observed rates, req/s, newest last: the last 3 feed the max_headroom cap, the last peak_window the peak cap
@@ -350,8 +352,49 @@ class FulcrumPlanner:
         span = self.horizon_steps * self.tick_s
         return max(obs.prefill_queue, 0) / span if span > 0 else 0.0
 
+    def _known_lengths(self, w: WorkloadEstimate, isl_mean: float, osl_mean: float, loaded: bool,
+                       why: str) -> tuple[WorkloadEstimate, str]:
+        """``w`` with lengths that were measured: when there is load (``loaded``) but the mean ISL or OSL the
+        estimate was built from (``isl_mean``, ``osl_mean``) is unknown (NaN, infinite, ≤ 0),
+        :func:`workload_from_observation` / :func:`workload_from_forecast` would plan 1-token requests (a
+        prefill pool of 0); the last lengths planned from measurements stand in. Valid lengths are kept as
+        they are and remembered.
+
+        Raises:
+            _LengthsUnknown: load with unknown lengths and none measured before (nothing to size the pools by).
+        """
+        def ok(x: float) -> bool:
+            return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+        isl_ok, osl_ok = ok(isl_mean), ok(osl_mean)
+        if isl_ok and osl_ok:
+            self._last_lengths = (w.isl, w.osl)
+            return w, why
+        if not loaded:
+            return w, why
+        if self._last_lengths is None:
+            raise _LengthsUnknown(
+                f"{w.rate_rps:.3g} req/s to plan but no {'prompt' if not isl_ok else 'output'} length measured "
+                "yet: cannot size the pools")
+        last_isl, last_osl = self._last_lengths
+        w = WorkloadEstimate(w.rate_rps, w.isl if isl_ok else last_isl, w.osl if osl_ok else last_osl,
+                             w.arrival_cv2)
+        if isl_ok:
+            self._last_lengths = (w.isl, last_osl)
+        elif osl_ok:
+            self._last_lengths = (last_isl, w.osl)
+        unknown = " and ".join(n for n, good in (("prompt", isl_ok), ("output", osl_ok)) if not good)
+        return w, f"{why}; {unknown} lengths unknown: planning the last measured ones"
+
     def estimate(self, obs: Observation) -> tuple[WorkloadEstimate, dict[str, dict[str, float]], str]:
-        """The workload to plan for after observing ``obs`` (steps 1–2 of the module doc)."""
+        """The workload to plan for after observing ``obs`` (steps 1–2 of the module doc).
+
+        Load with unknown lengths (a mean ISL or OSL NaN or 0) is planned at the last measured lengths
+        (:meth:`_known_lengths`), never as 1-token requests.
+
+        Raises:
+            _LengthsUnknown: load with unknown lengths before any were measured (:meth:`step` holds the pools).
+        """
         self.forecaster.observe(obs)
         self._score_forecasts(obs)
         self._adapt_level(obs)
@@ -372,12 +415,17 @@ class FulcrumPlanner:
             res1 = self._residuals.get(1, deque())
             level = self.cold_start_level(len(res1))
             head = max(residual_quantile(res1, level), 0.0) if res1 else 0.0
-            return (
-                WorkloadEstimate(w.rate_rps + head + backlog_rate, w.isl, w.osl, w.arrival_cv2),
-                forecast_dict(fc_h),
-                f"cold start: planning for the observed load + {head:.2f} req/s of its measured error "
-                f"(P{level * 100:g} of {len(res1)} residuals)",
-            )
+            try:
+                w, why = self._known_lengths(
+                    WorkloadEstimate(w.rate_rps + head + backlog_rate, w.isl, w.osl, w.arrival_cv2),
+                    obs.mean_isl, obs.mean_osl, obs.arrivals > 0,
+                    f"cold start: planning for the observed load + {head:.2f} req/s of its measured error "
+                    f"(P{level * 100:g} of {len(res1)} residuals)",
+                )
+            except _LengthsUnknown as err:
+                err.forecast = forecast_dict(fc_h)
+                raise
+            return w, forecast_dict(fc_h), why
         fc_1 = self.forecaster.forecast(1, level)
         r_h, how_h = self._bound(fc_h, self.horizon_steps)
         r_1, how_1 = (r_h, how_h) if self.horizon_steps == 1 else self._bound(fc_1, 1)
@@ -392,11 +440,15 @@ class FulcrumPlanner:
         point = max(_finite(fc_h.rate.mean, 0.0), _finite(fc_1.rate.mean, 0.0))
         peak = max(itertools.islice(reversed(self._rates), self._peak_window))
         rate = min(rate, max(peak, point)) + backlog_rate
-        return (
-            workload_from_forecast(fc_h, rate),
-            forecast_dict(fc_h),
-            f"forecast {rate:.2f} req/s (mean + {how_h}) at +{self.horizon_steps} intervals",
-        )
+        try:
+            w, why = self._known_lengths(
+                workload_from_forecast(fc_h, rate), fc_h.isl.mean, fc_h.osl.mean, rate > 0,
+                f"forecast {rate:.2f} req/s (mean + {how_h}) at +{self.horizon_steps} intervals",
+            )
+        except _LengthsUnknown as err:
+            err.forecast = forecast_dict(fc_h)
+            raise
+        return w, forecast_dict(fc_h), why
 
     def _plans(self, workload: WorkloadEstimate, current: ClusterTarget) -> dict[ModeName, Plan]:
         """Both modes' plans for Auto (Unified left out when the profile cannot plan it), :func:`plan_modes`."""
@@ -405,8 +457,14 @@ class FulcrumPlanner:
         return cast(dict[ModeName, Plan], plans)
 
     def step(self, obs: Observation, current: ClusterTarget) -> Decision:
-        """Observe, forecast, plan and scale (module doc). Never raises on odd observations."""
-        workload, fc, why = self.estimate(obs)
+        """Observe, forecast, plan and scale (module doc). Never raises on odd observations: load whose lengths
+        were never measured holds the pools in force. Raises :class:`~fulcrum.errors.PlanningError` only for a
+        load no deployment can serve (a mean prompt no TP's KV memory holds), which
+        :class:`~fulcrum.scaling.loop.ControlLoop` turns into holding the pools and reporting Degraded."""
+        try:
+            workload, fc, why = self.estimate(obs)
+        except _LengthsUnknown as err:
+            return Decision(time_s=obs.time_s, target=current, reason=f"hold: {err}", forecast=err.forecast)
         if self.spec.mode == Mode.AUTO:
             plans = self._plans(workload, current)
             if len(plans) == 2:
@@ -514,6 +572,12 @@ class FulcrumPlanner:
                                gpus_disaggregated=plans["Disaggregated"].gpus, gpus_unified=plans["Unified"].gpus)
         return Decision(time_s=obs.time_s, target=nxt, reason=f"{reason} [{why}{self._budget_note()}]", forecast=fc,
                         numbers=numbers)
+
+
+class _LengthsUnknown(Exception):
+    """Load to plan whose lengths were never measured (:meth:`FulcrumPlanner._known_lengths`)."""
+
+    forecast: dict[str, dict[str, float]] = {}
 
 
 def _out_of_reach(*plans: Plan) -> dict[str, float]:

@@ -10,6 +10,9 @@ Rules on top of the planner (DESIGN principle 3 and the card's faults):
 - **never scale in blind**: no observation this interval (:class:`~fulcrum.cluster.ObservationError`:
   Prometheus down or empty) → keep the target in force, report Degraded with the reason; the planner is not
   stepped (its forecaster would learn a zero);
+- **never scale on a failed plan**: the planner raising :class:`~fulcrum.errors.PlanningError` on the load it
+  was given (e.g. a mean prompt longer than any TP's KV memory holds) → keep the target in force, report
+  Degraded with the planner's message;
 - **external replica owner** (``spec.scaling.replicaOwner: External``, e.g. KEDA or a person sets
   ``spec.scaling.replicas``): the planner still runs, for the P/D ratio and TPs; the total instance count is
   the external one, split by the planned ratio (:func:`distribute`);
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from fulcrum.api.llmserve import LLMServeSpec, ReplicaOwner
 from fulcrum.cluster import Cluster, ObservationError
+from fulcrum.errors import PlanningError
 from fulcrum.forecast.workload import WorkloadForecaster, required_history
 from fulcrum.observation import Observation
 from fulcrum.ratio.profile import PerformanceProfile
@@ -82,7 +86,7 @@ class LoopOutcome:
         target: the pools to converge to (the previous target when nothing could be observed).
         reason: one line: why (shown in events, logs and ``status.plan.reason``).
         observed: whether an observation was available.
-        degraded: why the loop is degraded (no observation), else None.
+        degraded: why the loop is degraded (no observation, or the planner failed on it), else None.
         changes: pools whose replica count changes: pool → (old, new); scale-ins must be drained first.
         forecast: series → {"mean", "lower", "upper"} (requests/s or tokens) of the planner, if it forecasts.
         numbers: the numbers behind the plan (ratio, decode concurrency, expected TTFT, SLO feasibility, …).
@@ -170,7 +174,8 @@ class ControlLoop:
         the cluster drains the pools it shrinks).
 
         Raises whatever the cluster's ``apply`` raises (the Kubernetes API failing after retries; a profile
-        without the planned TP in the simulator); an :class:`~fulcrum.cluster.ObservationError` never escapes.
+        without the planned TP in the simulator); an :class:`~fulcrum.cluster.ObservationError` or a
+        :class:`~fulcrum.errors.PlanningError` never escapes.
         """
         try:
             obs: Observation | None = cluster.observe(self.interval_s)
@@ -182,7 +187,8 @@ class ControlLoop:
         return outcome
 
     def step(self, obs: Observation | None, *, error: str | None = None) -> LoopOutcome:
-        """One interval. ``obs`` None (``error`` says why) keeps the target in force and reports degraded.
+        """One interval. ``obs`` None (``error`` says why) keeps the target in force and reports degraded; so
+        does a :class:`~fulcrum.errors.PlanningError` of the planner on ``obs`` (the reason names it).
 
         Never raises on odd observations (the planner contract); the returned target becomes ``current``.
         """
@@ -190,7 +196,12 @@ class ControlLoop:
             why = error or "no observation"
             return LoopOutcome(target=self.current, reason=f"hold: no observation ({why}); not scaling blind",
                                observed=False, degraded=why)
-        decision = self.planner.step(obs, self.current)
+        try:
+            decision = self.planner.step(obs, self.current)
+        except PlanningError as err:
+            why = f"planning failed: {str(err) or type(err).__name__}"
+            return LoopOutcome(target=self.current, reason=f"hold: {why}; keeping the pools in force",
+                               observed=True, degraded=why, observation=obs, forecast_ready=self._forecast_ready())
         target = decision.target
         reason = decision.reason
         total = external_replicas(self.spec)

@@ -259,3 +259,57 @@ def test_the_registry_builds_every_planner_the_crd_offers_and_rejects_others(tab
         assert make_planner(name, spec(), table_i).name == name.value
     with pytest.raises(ValueError, match="unknown planner 'magic'; choose one of fulcrum, dopd"):
         make_planner("magic", spec(), table_i)
+
+
+# --- robustness: a failed plan, unknown lengths, zero load with a small minGPUs ----------------------------------
+
+def _loop_obs(t: float, arrivals: int, isl: float = 1000.0, osl: float = 150.0) -> Observation:
+    return Observation(time_s=t, interval_s=10.0, arrivals=arrivals, mean_isl=isl if arrivals else 0.0,
+                       mean_osl=osl if arrivals else 0.0, ready=ReadyCounts(1, 1, 0))
+
+
+def test_a_planning_error_holds_the_target_and_reports_degraded_with_the_cause(table_i) -> None:
+    loop = ControlLoop(spec(), table_i, START)
+    for k in range(1, 21):
+        loop.step(_loop_obs(10.0 * k, 50))
+    held = loop.current
+    out = loop.step(_loop_obs(210.0, 50, isl=300_075.0))  # a mean prompt beyond any TP's KV memory
+    assert out.target == held and loop.current == held and not out.changes
+    assert out.degraded is not None and out.degraded.startswith("planning failed: ")
+    assert "leave no KV memory for one request of" in out.degraded
+    assert out.reason.startswith("hold: planning failed") and out.observed and out.observation is not None
+
+
+def test_a_planning_error_never_escapes_run_interval(table_i) -> None:
+    from fulcrum.errors import PlanningError
+
+    class Failing(RecordingPlanner):
+        def step(self, o: Observation, current: ClusterTarget) -> Decision:
+            raise PlanningError("profile 'x': the weights leave no KV memory for one request of 300075 tokens")
+
+    class OneCluster:
+        applied: list[tuple[ClusterTarget, str]] = []
+
+        def observe(self, interval_s: float) -> Observation:
+            return _loop_obs(10.0, 50)
+
+        def apply(self, target: ClusterTarget, reason: str) -> None:
+            self.applied.append((target, reason))
+
+    cluster = OneCluster()
+    out = ControlLoop(spec(), table_i, START, planner=Failing()).run_interval(cluster)
+    assert out.target == START and cluster.applied == [(START, out.reason)]
+    assert out.degraded == "planning failed: profile 'x': the weights leave no KV memory for one request of 300075 tokens"
+
+
+@pytest.mark.parametrize("min_gpus", [1, 2])
+def test_hours_of_zero_load_keep_one_prefill_and_one_decode_with_a_small_min_gpus(table_i, min_gpus) -> None:
+    loop = ControlLoop(spec(minGPUs=min_gpus), table_i, START)
+    for k in range(1, 31):
+        loop.step(_loop_obs(10.0 * k, 50))
+    seen = set()
+    for k in range(31, 31 + 360):  # an hour of zero traffic
+        out = loop.step(_loop_obs(10.0 * k, 0))
+        seen.add((out.target.prefill.replicas, out.target.decode.replicas))
+    assert seen == {(1, 1)}, seen
+    assert loop.current.prefill.replicas == 1 and loop.current.decode.replicas == 1

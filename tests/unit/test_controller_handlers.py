@@ -432,6 +432,7 @@ async def test_an_unreachable_tpot_target_is_reported_once_and_the_plan_stays_un
         objs: InMemoryObjects) -> None:
     body = llmserve(slo={"ttftMs": 5000, "tpotMs": 80})
     body["spec"]["scaling"].update(maxGPUs=32)
+    body["spec"]["engine"] = {**body["spec"].get("engine", {}), "maxModelLen": 16384}  # 12k prompts fit the context
     seed(objs, body)
     # 12,000-token prompts, 1,000 output tokens: one request's decode step on Table I's TP=2 is ~80.2 ms
     prom = FakePrometheus(rate=0.5, isl=12000.0, osl=1000.0)
@@ -812,3 +813,47 @@ async def test_the_kopf_change_handler_retries_a_failing_api_but_not_a_rejected_
     objs.fail["apply_all"] = KubeApiError(503, "down")
     with pytest.raises(kopf.TemporaryError):
         await on_change(body=live(objs))
+
+
+async def test_a_prompt_beyond_the_context_holds_the_pools_and_reports_degraded(objs: InMemoryObjects) -> None:
+    body = llmserve()
+    seed(objs, body)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    c = make_controller(objs, prom, clock=clock)
+    await c.reconcile(live(objs))
+    clock.t += 10
+    await c.interval(live(objs))
+    before = {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()}
+    prom.isl = 300_000.0  # beyond maxModelLen 8192: the observer rejects it
+    for _ in range(3):
+        clock.t += 10
+        assert await c.interval(live(objs))
+    assert {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()} == before
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and d["reason"] == "ObservationUnavailable"
+    assert "exceeds maxModelLen 8192" in d["message"]
+
+
+async def test_a_planning_error_holds_the_pools_and_reports_degraded_instead_of_failing_the_interval(
+        objs: InMemoryObjects) -> None:
+    body = llmserve()
+    body["spec"]["engine"] = {**body["spec"]["engine"], "maxModelLen": 2_000_000}  # the observer lets it through
+    seed(objs, body)
+    prom = FakePrometheus(rate=20.0)
+    clock = Clock()
+    c = make_controller(objs, prom, clock=clock)
+    await c.reconcile(live(objs))
+    clock.t += 10
+    await c.interval(live(objs))
+    before = {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()}
+    prom.isl = 300_000.0  # no TP's KV memory holds one such request: plan() raises PlanningError
+    for _ in range(3):
+        clock.t += 10
+        assert await c.interval(live(objs))
+    assert {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()} == before
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and d["message"].startswith("planning failed: ")
+    assert "no KV memory for one request" in d["message"]
+    events = objs.by_reason("PlanningFailed")
+    assert len(events) == 1 and events[0]["type"] == "Warning"

@@ -184,3 +184,133 @@ def test_history_of_an_unscraped_router_is_empty_and_a_failing_prometheus_an_obs
         observer(CannedRange({}, fail=True)).history(600.0, 60.0, 10, ReadyCounts())
     with pytest.raises(ValueError, match="count >= 1"):
         observer(CannedRange({})).history(600.0, 60.0, 0, ReadyCounts())
+
+
+# --- answers that are no usable load: ObservationError (the loop holds and reports Degraded), never a silent 0 ----
+
+def _observe(**over: list[dict[str, Any]]) -> Any:
+    answers = dict(ANSWERS)
+    answers.update(over)
+    return PrometheusObserver(CannedPrometheus(answers), SEL, ttft_slo_s=2.0, tpot_slo_s=0.08, percentile=90,
+                              max_model_len=8192).observe(3600.0, 60.0, ReadyCounts(1, 1, 0))
+
+
+@pytest.mark.parametrize("answer", [
+    [{"metric": {}, "value": [1700000000.0, "NaN"]}],
+    [{"metric": {}, "value": [1700000000.0, "+Inf"]}],
+    [{"metric": {}}],
+    [{"metric": {}, "value": None}],
+], ids=["NaN", "+Inf", "no-value", "value-None"])
+def test_arrivals_without_a_finite_value_are_an_observation_error_not_zero_arrivals(answer) -> None:
+    with pytest.raises(ObservationError, match="arrivals"):
+        _observe(arrivals=answer)
+
+
+@pytest.mark.parametrize("over", [
+    {"input_tokens_sum": [], "input_tokens_count": [], "input_tokens_buckets": []},
+    {"input_tokens_sum": [vec(0)]},
+    {"input_tokens_sum": [{"metric": {}, "value": [1700000000.0, "NaN"]}]},
+    {"input_tokens_sum": [vec(1e300)], "input_tokens_count": [vec(1e-300)]},
+], ids=["series-missing", "zero", "NaN", "infinite"])
+def test_arrivals_with_unknown_prompt_lengths_are_an_observation_error(over) -> None:
+    with pytest.raises(ObservationError, match="no usable mean prompt length"):
+        _observe(**over)
+
+
+def test_arrivals_with_unknown_output_lengths_are_an_observation_error() -> None:
+    with pytest.raises(ObservationError, match="no usable mean output length"):
+        _observe(output_tokens_sum=[], output_tokens_count=[], output_tokens_buckets=[])
+
+
+def test_a_mean_prompt_longer_than_max_model_len_is_an_observation_error() -> None:
+    with pytest.raises(ObservationError, match="exceeds maxModelLen 8192"):
+        _observe(input_tokens_sum=[vec(600 * 300_075)])
+    o = _observe(input_tokens_sum=[vec(600 * 8192)])  # at the limit: planned
+    assert o.mean_isl == 8192.0
+
+
+def test_no_arrivals_need_no_lengths() -> None:
+    o = _observe(arrivals=[vec(0)], input_tokens_sum=[], input_tokens_count=[], input_tokens_buckets=[],
+                 output_tokens_sum=[], output_tokens_count=[], output_tokens_buckets=[])
+    assert o.arrivals == 0 and o.mean_isl == 0.0 and o.mean_osl == 0.0
+
+
+@pytest.mark.parametrize("over", [
+    {"prefill_queue": [vec(1e308)], "prefill_queue_nats": [vec(1e308)]},
+    {"prefill_queue": [{"metric": {}, "value": [1700000000.0, "+Inf"]}]},
+], ids=["overflowing-sum", "+Inf"])
+def test_a_prefill_queue_that_is_not_finite_is_an_observation_error_not_an_overflow(over) -> None:
+    with pytest.raises(ObservationError, match="prefill queue"):
+        _observe(**over)
+
+
+def test_a_bucket_whose_le_is_no_number_is_skipped() -> None:
+    o = _observe(input_tokens_buckets=hist([("abc", 100), ("NaN", 200), ("1024", 400), ("2048", 600), ("+Inf", 600)]))
+    assert o.mean_isl == 1000.0
+    assert o.isl_quantiles and all(math.isfinite(q) for q in o.isl_quantiles)
+    assert o.isl_quantiles[2] == pytest.approx(1024 * 300 / 400)  # as if the bad buckets were absent
+
+
+def test_history_leaves_out_intervals_whose_answers_are_no_usable_load() -> None:
+    class Range:
+        def custom_query_range(self, query: str, start_time: Any, end_time: Any, step: str,
+                               params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+            if "requests_admitted_total" in query:
+                return [{"metric": {}, "values": [[1000.0, "600"], [1060.0, "NaN"], [1120.0, "600"]]}]
+            if "input_tokens_sum" in query:
+                return [{"metric": {}, "values": [[1000.0, "600000"], [1060.0, "0"], [1120.0, "600000"]]}]
+            if "input_tokens_count" in query or "output_tokens_count" in query:
+                return [{"metric": {}, "values": [[t, "600"] for t in (1000.0, 1060.0, 1120.0)]}]
+            if "output_tokens_sum" in query:
+                return [{"metric": {}, "values": [[t, "90000"] for t in (1000.0, 1060.0, 1120.0)]}]
+            return []
+
+    obs = observer(Range()).history(1120.0, 60.0, 3, ReadyCounts())
+    assert [o.time_s for o in obs] == [1000.0, 1120.0]
+
+
+class _PromCluster:
+    """Prometheus answers → PrometheusObserver → ControlLoop.run_interval (what the operator's interval runs)."""
+
+    def __init__(self, loop: Any, answers: dict[str, list[dict[str, Any]]]) -> None:
+        self.loop, self.answers, self.t, self.applied = loop, answers, 0.0, []
+
+    def observe(self, interval_s: float) -> Any:
+        self.t += interval_s
+        c = self.loop.current
+        return PrometheusObserver(CannedPrometheus(self.answers, window="10s"), SEL, ttft_slo_s=2.0, tpot_slo_s=0.08,
+                                  percentile=90, max_model_len=8192).observe(
+            self.t, interval_s, ReadyCounts(c.prefill.replicas, c.decode.replicas, 0))
+
+    def apply(self, target: Any, reason: str) -> None:
+        self.applied.append(target)
+
+
+@pytest.mark.parametrize("bad", [
+    {"arrivals": [{"metric": {}, "value": [1700000000.0, "NaN"]}]},
+    {"arrivals": [{"metric": {}, "value": [1700000000.0, "+Inf"]}]},
+    {"input_tokens_sum": [], "input_tokens_count": [], "input_tokens_buckets": []},
+    {"input_tokens_sum": [vec(600 * 300_075)]},
+    {"prefill_queue": [vec(1e308)], "prefill_queue_nats": [vec(1e308)]},
+], ids=["arrivals-NaN", "arrivals-Inf", "isl-missing", "isl-beyond-context", "queue-overflow"])
+def test_unusable_answers_hold_the_pools_and_report_degraded_in_the_loop(bad, table_i) -> None:
+    from fulcrum.api.llmserve import parse_llmserve
+    from fulcrum.scaling.loop import ControlLoop
+    from fulcrum.target import ClusterTarget, PoolSize
+
+    spec = parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {
+        "intervalSeconds": 10, "cooldownSeconds": 0, "podStartupSeconds": 0}}}).spec
+    loop = ControlLoop(spec, table_i, ClusterTarget(prefill=PoolSize(1, 1), decode=PoolSize(1, 2)))
+    answers = dict(ANSWERS)
+    answers.update(input_tokens_sum=[vec(600_000)], input_tokens_count=[vec(600)])
+    cluster = _PromCluster(loop, answers)
+    for _ in range(25):
+        assert loop.run_interval(cluster).degraded is None
+    steady = loop.current
+    assert steady.prefill.replicas >= 1 and steady.decode.replicas >= 1
+    answers.update(bad)
+    for _ in range(3):
+        out = loop.run_interval(cluster)  # no exception escapes
+        assert out.target == steady and not out.observed and out.degraded
+        assert "not scaling blind" in out.reason
+    assert cluster.applied[-1] == steady

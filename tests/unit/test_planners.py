@@ -314,3 +314,27 @@ def test_a_ramp_in_cold_start_keeps_its_headroom(table_i):
         heads.append(_cold_start_head(d.reason))
     assert heads[0] == 0.0  # nothing scored yet
     assert all(h is not None and h == pytest.approx(1.0, abs=0.05) for h in heads[2:])
+
+
+@pytest.mark.parametrize("bad", [0.0, math.nan, math.inf], ids=["zero", "NaN", "inf"])
+def test_load_with_unknown_prompt_lengths_is_planned_at_the_last_measured_lengths_not_as_1_token(table_i, bad):
+    planner = FulcrumPlanner(SPEC, table_i)
+    drive(planner, [obs(60.0 * k, 5.0) for k in range(1, 4)])  # cold start, lengths measured
+    cur = planner.initial()
+    good = planner.step(obs(240.0, 5.0), cur)
+    blind = planner.step(obs(300.0, 5.0, isl=bad, isl_quantiles=()), good.target)
+    assert blind.target.prefill.replicas >= 1, blind.reason  # not a 1-token prompt: prefill not emptied
+    assert blind.target == good.target
+    assert "prompt lengths unknown: planning the last measured ones" in blind.reason
+    assert planner.last_plan is not None and planner.last_plan.inputs["mean_isl"] > 100
+
+
+def test_load_with_lengths_never_measured_holds_the_pools(table_i):
+    planner = FulcrumPlanner(SPEC, table_i)
+    cur = planner.initial()
+    for t in (60.0, 120.0):
+        d = planner.step(obs(t, 5.0, isl=math.nan, osl=math.nan, isl_quantiles=(), osl_quantiles=()), cur)
+        assert d.target == cur
+        assert d.reason.startswith("hold: ") and "no prompt length measured yet" in d.reason
+    d = planner.step(obs(180.0, 5.0), cur)  # lengths arrive: planned
+    assert d.target.prefill.replicas >= 1 and d.target.decode.replicas >= 1 and "measured yet" not in d.reason

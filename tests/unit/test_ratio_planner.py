@@ -335,3 +335,25 @@ def test_zero_load_with_min_gpus_keeps_one_instance_of_each_pool() -> None:
     assert counts["p"] >= 1 and counts["d"] >= 1
     counts, _ = _fit_budget({"p": 2.0, "d": 0.5}, {"p": 1, "d": 2}, {"p": 2, "d": 1}, 3, 12)
     assert counts == {"p": 2, "d": 1}
+
+
+@pytest.mark.parametrize("min_gpus", [1, 2])
+def test_zero_load_with_a_min_gpus_below_one_of_each_pool_still_plans_one_prefill_and_one_decode(table_i, min_gpus):
+    p = plan_disaggregated(WorkloadEstimate.from_means(0, 1000, 150), table_i, SLOSpec(), min_gpus=min_gpus)
+    assert (p.prefill.replicas, p.decode.replicas) == (1, 1) and p.gpus == 3 and p.feasible
+    s = parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"minGPUs": min_gpus}}}).spec
+    t = plan(WorkloadEstimate.from_means(0, 1000, 150), table_i, s, PlannerSettings.from_spec(s)).target()
+    assert (t.prefill.replicas, t.decode.replicas) == (1, 1)
+    # minGPUs 0: no load still plans nothing
+    assert plan_disaggregated(WorkloadEstimate.from_means(0, 1000, 150), table_i, SLOSpec()).gpus == 0
+
+
+@pytest.mark.parametrize("max_gpus", [1, 2])
+@pytest.mark.parametrize("rate", [0.0, 5.0])
+def test_a_max_gpus_below_the_smallest_deployment_says_so_and_is_infeasible(table_i, max_gpus, rate):
+    p = plan_disaggregated(WorkloadEstimate.from_means(rate, 1000, 150), table_i, SLOSpec(), min_gpus=1,
+                           max_gpus=max_gpus, tp_prefill=1, tp_decode=2)
+    assert not p.feasible
+    assert any(f"maxGPUs={max_gpus} cannot hold the smallest deployment (1 prefill TP1 + 1 decode TP2 = 3 GPUs" in n
+               for n in p.notes), p.notes
+    assert not any("capped at" in n for n in p.notes), p.notes
