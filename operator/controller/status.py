@@ -36,7 +36,7 @@ from typing import Any
 
 from fulcrum.observation import ReadyCounts
 from fulcrum.ratio.feasibility import SLOInfeasible, condition_reason
-from fulcrum.scaling.loop import LoopOutcome
+from fulcrum.scaling.loop import PLANNING_FAILED, LoopOutcome
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 
 
@@ -196,6 +196,19 @@ def _plan_status(outcome: LoopOutcome, now: datetime) -> dict[str, Any]:
     return plan
 
 
+def _degraded_reason(degraded: str | None, outcome: LoopOutcome | None) -> str:
+    """The Degraded condition's reason: ObservationUnavailable (nothing observed this interval), PlanningFailed
+    (the planner failed on what was observed: :meth:`fulcrum.scaling.loop.ControlLoop.step`), Fault (anything
+    else, e.g. a drain timeout) or AsExpected."""
+    if not degraded:
+        return "AsExpected"
+    if outcome is not None and not outcome.observed:
+        return "ObservationUnavailable"
+    if outcome is not None and outcome.degraded is not None and outcome.degraded.startswith(PLANNING_FAILED):
+        return "PlanningFailed"
+    return "Fault"
+
+
 def build_status(
     *,
     previous: Mapping[str, Any] | None,
@@ -255,9 +268,7 @@ def build_status(
         conds = set_condition(conds, "Degraded", True, "ApplyRejected",
                               "; ".join([apply_rejected] + ([degraded] if degraded else [])), now)
     else:
-        conds = set_condition(conds, "Degraded", degraded is not None,
-                              "ObservationUnavailable" if degraded and outcome is not None and not outcome.observed
-                              else ("Fault" if degraded else "AsExpected"),
+        conds = set_condition(conds, "Degraded", degraded is not None, _degraded_reason(degraded, outcome),
                               degraded or "observing, forecasting and planning normally", now)
     if outcome is not None:
         fr = outcome.forecast_ready

@@ -36,7 +36,7 @@ from fulcrum.scaling.planner import PlanNumbers, Planner
 from fulcrum.scaling.registry import make_planner
 from fulcrum.target import ClusterTarget, Pool, PoolSize
 
-__all__ = ["LoopOutcome", "ControlLoop", "distribute", "external_replicas", "pool_changes"]
+__all__ = ["PLANNING_FAILED", "LoopOutcome", "ControlLoop", "distribute", "external_replicas", "pool_changes"]
 
 
 def external_replicas(spec: LLMServeSpec) -> int | None:
@@ -76,6 +76,11 @@ def pool_changes(old: ClusterTarget, new: ClusterTarget) -> dict[Pool, tuple[int
     """Pools whose replica count changes: pool → (old replicas, new replicas)."""
     return {p: (old.pool(p).replicas, new.pool(p).replicas) for p in Pool
             if old.pool(p).replicas != new.pool(p).replicas}
+
+
+PLANNING_FAILED = "planning failed:"
+"""How a :class:`LoopOutcome`'s ``degraded`` begins when the planner failed on the observed load (the status's
+Degraded reason PlanningFailed)."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,7 @@ class ControlLoop:
         try:
             decision = self.planner.step(obs, self.current)
         except PlanningError as err:
-            why = f"planning failed: {str(err) or type(err).__name__}"
+            why = f"{PLANNING_FAILED} {str(err) or type(err).__name__}"
             return LoopOutcome(target=self.current, reason=f"hold: {why}; keeping the pools in force",
                                observed=True, degraded=why, observation=obs, forecast_ready=self._forecast_ready())
         target = decision.target

@@ -853,7 +853,7 @@ async def test_a_planning_error_holds_the_pools_and_reports_degraded_instead_of_
         assert await c.interval(live(objs))
     assert {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()} == before
     d = cond(live(objs), "Degraded")
-    assert d["status"] == "True" and d["message"].startswith("planning failed: ")
+    assert d["status"] == "True" and d["reason"] == "PlanningFailed" and d["message"].startswith("planning failed: ")
     assert "no KV memory for one request" in d["message"]
     events = objs.by_reason("PlanningFailed")
     assert len(events) == 1 and events[0]["type"] == "Warning"
