@@ -292,3 +292,45 @@ def test_a_replay_of_an_externally_owned_spec_keeps_the_external_total_like_the_
     run = run_policy("fulcrum", window, external, profile)
     assert run.timeline and all(p.prefill + p.decode == 4 and p.prefill >= 1 and p.decode >= 1 for p in run.timeline)
     assert all("external replica owner: 4 instances" in d["reason"] for d in run.decisions)
+
+
+# ---------------------------------------------------------------------------------------------- planner failures
+class _FailingAfter:
+    """Fake planner for this test: Fulcrum's own, except that every step from ``at_s`` on raises PlanningError."""
+
+    def __init__(self, inner: object, at_s: float) -> None:
+        self._inner, self._at_s = inner, at_s
+        self.name = "fulcrum"
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def step(self, obs: object, current: object) -> object:
+        from fulcrum.errors import PlanningError
+
+        if obs.time_s >= self._at_s:  # type: ignore[attr-defined]
+            raise PlanningError("no KV memory for one request (the fake's failure)")
+        return self._inner.step(obs, current)  # type: ignore[attr-defined]
+
+
+def test_a_planner_failure_in_a_replay_holds_the_pools_and_is_reported_not_silent(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> None:
+    from fulcrum.replay.driver import run_planner
+    from fulcrum.replay.table import infeasible_lines, summary_json
+
+    run = run_planner(_FailingAfter(make_planner("fulcrum", spec, profile), 300.0), window, spec, profile,  # type: ignore[arg-type]
+                      ReplayOptions(progress=False))
+    assert run.held and run.held[0][0] == 300.0
+    assert all(t >= 300.0 and msg.startswith("planning failed: no KV memory") for t, msg in run.held)
+    assert len(run.held) == sum(1 for p in run.timeline if p.time_s >= 300.0) and run.ticks == len(run.timeline)
+    held_from = [(p.prefill, p.decode, p.unified) for p in run.timeline if p.time_s >= 300.0]
+    assert len(set(held_from)) == 1  # the pools in force at the failure, kept to the end
+    [line] = infeasible_lines([run])
+    assert line.startswith(f"warning: fulcrum: the pools were held in {len(run.held)} of {run.ticks} intervals, "
+                           "first at t = 300 s: planning failed: no KV memory")
+    held = summary_json([run], trace_name="t", slo=spec.slo)["policies"]["fulcrum"]["held"]
+    assert held == {"intervals": len(run.held), "total_intervals": run.ticks, "first_time_s": 300.0,
+                    "first_reason": run.held[0][1]}
+    ok = run_policy("fulcrum", window, spec, profile, ReplayOptions(progress=False))
+    assert ok.held == () and infeasible_lines([ok]) == []

@@ -43,6 +43,7 @@ POLICY_KEYS = {
     "wall_s",
     "latency",
     "slo_infeasible",
+    "held",
 }
 
 

@@ -195,6 +195,7 @@ def run_planner(
     forecasts: list[ForecastPoint] = []
     pending: dict[int, list[tuple[float, str, dict[str, float]]]] = {}
     decisions = []
+    held: list[tuple[float, str]] = []
     scale_events = 0
     infeasible = _InfeasibleTally()
     bar = None
@@ -207,6 +208,8 @@ def run_planner(
         sim.run_until(t)
         previous = loop.current
         outcome = loop.run_interval(sim)
+        if outcome.degraded is not None:  # the planner failed on this tick's load: the loop held the pools
+            held.append((t, outcome.degraded))
         obs = outcome.observation
         assert obs is not None  # the simulator always observes
         actual = {"rate": obs.rate_rps, "isl": obs.mean_isl, "osl": obs.mean_osl}
@@ -259,4 +262,6 @@ def run_planner(
         wall_s=time.perf_counter() - wall0,
         warmup_s=warmup,
         slo_infeasible=infeasible.result(),
+        held=tuple(held),
+        ticks=n_ticks,
     )

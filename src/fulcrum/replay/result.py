@@ -106,7 +106,9 @@ class PolicyRun:
     ``slo_infeasible`` — SLO targets its plans found out of reach, TTFT first; ``migrations`` — decode requests
     the simulated router moved (ARES rescheduling, on when the spec's ``router.rescheduling`` is; the whole trace);
     ``role_changes`` — duty flips of unified instances by the simulated router's role reassignment (on when the
-    spec's ``router.roleReassignment`` is; the whole trace).
+    spec's ``router.roleReassignment`` is; the whole trace); ``held`` — the ticks at which the control loop kept the
+    pools in force because the planner failed on the observed load (time s, the loop's ``degraded`` message;
+    :meth:`fulcrum.scaling.loop.ControlLoop.step`), empty when it never did; ``ticks`` — the planner ticks run.
     """
 
     policy: str
@@ -120,3 +122,5 @@ class PolicyRun:
     slo_infeasible: tuple[InfeasibleSLO, ...] = ()
     migrations: int = 0
     role_changes: int = 0
+    held: tuple[tuple[float, str], ...] = ()
+    ticks: int = 0

@@ -130,6 +130,8 @@ def summary_json(
             "wall_s": _finite_or_none(run.wall_s),
             "latency": _json_safe(s.latency.as_dict()),
             "slo_infeasible": [_json_safe(f.as_dict()) for f in run.slo_infeasible],
+            "held": ({"intervals": len(run.held), "total_intervals": run.ticks, "first_time_s": run.held[0][0],
+                      "first_reason": run.held[0][1]} if run.held else None),
         }
     result: dict[str, Any] = {
         "trace": trace_name,
@@ -259,5 +261,9 @@ def percentiles_table(runs: Sequence[PolicyRun], *, trace_name: str) -> str:
 def infeasible_lines(runs: Sequence[PolicyRun]) -> list[str]:
     """One warning line per policy and SLO target its plans found out of the profile's reach, e.g.
     ``warning: fulcrum: TPOT target 80 ms cannot be met: best 94.2 ms at batch 1 (…) — in 12 of 60 intervals, first
-    at t = 420 s``; empty when none did."""
-    return [f"warning: {run.policy}: {f.message()}" for run in runs for f in run.slo_infeasible]
+    at t = 420 s``, and one per policy whose control loop held its pools because the planner failed on the load
+    (``PolicyRun.held``); empty when none did."""
+    lines = [f"warning: {run.policy}: {f.message()}" for run in runs for f in run.slo_infeasible]
+    lines += [f"warning: {run.policy}: the pools were held in {len(run.held)} of {run.ticks} intervals, first at "
+              f"t = {run.held[0][0]:g} s: {run.held[0][1]}" for run in runs if run.held]
+    return lines
