@@ -12,8 +12,8 @@ equal ports do not clash (docs/e2e.md).
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
+
+from fulcrum.outputs import check_writable_file
 
 __all__ = ["BIND_HOST_ENV", "bind_host", "check_writable_file"]
 
@@ -30,29 +30,3 @@ def bind_host(host: str) -> str:
     """
     override = os.environ.get(BIND_HOST_ENV, "").strip()
     return override if host.strip() in _WILDCARDS and override else host
-
-
-def check_writable_file(path: str | Path, flag: str) -> None:
-    """Fail before long work when a file cannot be written at ``path`` (given as ``flag PATH``): a folder of that
-    name, a missing parent folder, or one that cannot be written into (a read-only file system, ``/proc``). The
-    probe writes and removes a scratch file in the parent folder, or opens an existing ``path`` for appending
-    (its content is left as it is); it creates nothing that stays.
-
-    Raises:
-        ValueError: the one-line reason, naming ``flag`` and ``path``.
-    """
-    file = Path(path)
-    if file.is_dir():
-        raise ValueError(f"{flag} {path}: is a folder, not a file")
-    parent = file.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: no such folder {parent}")
-    try:
-        if file.exists():
-            with file.open("ab"):
-                pass
-        else:
-            with tempfile.TemporaryFile(dir=parent):
-                pass
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None

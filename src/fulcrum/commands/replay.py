@@ -27,13 +27,13 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fulcrum.api.llmserve import LLMServe, LLMServeSpec, ModelSpec, load_llmserve
+from fulcrum.outputs import check_writable_folder
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.profiles import BUILTIN_PROFILES, resolve_spec_profile
 from fulcrum.replay.distribution import check_records_path, write_records
@@ -104,17 +104,7 @@ def _check_report_dir(path: Path | None) -> None:
         return
     if path.exists() and not path.is_dir():
         raise ValueError(f"--report {path}: exists and is not a folder (the report writes several files into one)")
-    if path.parent.exists() and not path.parent.is_dir():
-        raise ValueError(f"--report {path}: {path.parent} is not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--report {path}: cannot create the folder ({err.strerror or err})") from None
-    try:
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise ValueError(f"--report {path}: cannot write into the folder ({err.strerror or err})") from None
+    check_writable_folder(path, "--report")
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import math
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.api import SLOSpec
+from fulcrum.outputs import check_writable_file
 from fulcrum.simulator.metrics import percentile
 from fulcrum.simulator.records import RequestRecord
 
@@ -201,30 +201,8 @@ def check_records_path(path: Path) -> str:
     if fmt == "parquet" and not _has_pyarrow():
         raise ValueError(f"--records {path}: writing Parquet needs pyarrow, which is not installed: "
                          "pip install 'fulcrum[parquet]' (or pyarrow), or write a .csv file")
-    _probe_writable(path)
+    check_writable_file(path, "--records", create_parent=True)
     return fmt
-
-
-def _probe_writable(path: Path) -> None:
-    """Raise ValueError (naming ``--records``) unless a file can be written at ``path``."""
-    if path.is_dir():
-        raise ValueError(f"--records {path}: is a folder, not a file")
-    parent = path.parent
-    if parent.exists() and not parent.is_dir():
-        raise ValueError(f"--records {path}: {parent} is not a folder")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--records {path}: cannot create its folder {parent} ({err.strerror or err})") from None
-    try:
-        if path.exists():
-            with path.open("ab"):
-                pass
-        else:
-            with tempfile.TemporaryFile(dir=parent):
-                pass
-    except OSError as err:
-        raise ValueError(f"--records {path}: cannot write there ({err.strerror or err})") from None
 
 
 def _csv_cell(value: Any) -> Any:
