@@ -281,43 +281,38 @@ def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, 
                 break
             k = max(cands, key=lambda k: needs[k] / max(new[k], 1e-9))
             new[k] += 1
-        kept = sum(new[k] * tps[k] for k in new)
-        if kept > max_gpus:  # one instance of each pool the load needs is already over the budget
-            notes.append(f"GPU budget: maxGPUs={max_gpus} cannot hold the smallest deployment ("
-                         + " + ".join(f"1 {_POOL_NAMES.get(k, k)} TP{tps[k]}" for k in new if new[k] > 0)
-                         + f" = {kept} GPUs; {gpus} GPUs needed)")
+        if sum(new[k] * tps[k] for k in new) > max_gpus:  # one instance of each pool the load needs is over it
+            notes.append(_smallest_over_budget(max_gpus, tps, [k for k in new if new[k] > 0],
+                                               f"; {gpus} GPUs needed"))
         else:
             notes.append(f"GPU budget: {gpus} GPUs needed, capped at maxGPUs={max_gpus}")
         counts = new
     gpus = sum(counts[k] * tps[k] for k in counts)
-    filled = gpus < min_gpus
-    while gpus < min_gpus:
-        # a pool left empty first: minGPUs that cover one instance of each pool keep the deployment able to
-        # serve at zero load (1 prefill + 1 decode, not 3 prefill and no decode for minGPUs 3, TPs 1 and 2)
-        empty = [k for k in counts if counts[k] == 0]
-        if empty:
-            k = empty[0]
-            counts[k] += 1
-            gpus += tps[k]
-            continue
-        k = max(counts, key=lambda k: (needs[k] / max(counts[k], 1e-9)) if needs[k] > 0 else -1.0)
-        counts[k] += 1
-        gpus += tps[k]
-    if filled and any(counts.values()):
-        # minGPUs below one instance of each pool (1 or 2 for TPs 1 and 2) filled only the first: a deployment
-        # with prefill and no decode answers nothing, so the fill keeps one instance of every pool
+    if gpus < min_gpus:
+        # a fill gives every empty pool one instance first: the deployment can then serve at zero load (1 prefill
+        # + 1 decode, not 3 prefill and no decode for minGPUs 3, TPs 1 and 2), also when minGPUs is below one of
+        # each (1 or 2: prefill and no decode answers nothing); then by need, up to minGPUs
         for k in counts:
             if counts[k] == 0:
                 counts[k] = 1
                 gpus += tps[k]
-        if gpus > max_gpus:
-            notes.append(f"GPU budget: maxGPUs={max_gpus} cannot hold the smallest deployment ("
-                         + " + ".join(f"1 {_POOL_NAMES.get(k, k)} TP{tps[k]}" for k in counts)
-                         + f" = {gpus} GPUs)")
+        while gpus < min_gpus:
+            k = max(counts, key=lambda k: (needs[k] / max(counts[k], 1e-9)) if needs[k] > 0 else -1.0)
+            counts[k] += 1
+            gpus += tps[k]
+        if sum(tps.values()) > max_gpus:  # one instance of each pool is already over the budget
+            notes.append(_smallest_over_budget(max_gpus, tps, list(counts)))
     return counts, notes
 
 
 _POOL_NAMES = {"p": "prefill", "d": "decode"}
+
+
+def _smallest_over_budget(max_gpus: int, tps: dict[str, int], pools: list[str], tail: str = "") -> str:
+    """The note for a ``maxGPUs`` below one instance of each of ``pools`` (at their TPs ``tps``)."""
+    return (f"GPU budget: maxGPUs={max_gpus} cannot hold the smallest deployment ("
+            + " + ".join(f"1 {_POOL_NAMES.get(k, k)} TP{tps[k]}" for k in pools)
+            + f" = {sum(tps[k] for k in pools)} GPUs{tail})")
 
 
 def plan_disaggregated(
