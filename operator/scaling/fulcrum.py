@@ -353,7 +353,7 @@ class FulcrumPlanner:
         return max(obs.prefill_queue, 0) / span if span > 0 else 0.0
 
     def _known_lengths(self, w: WorkloadEstimate, isl_mean: float, osl_mean: float, loaded: bool,
-                       why: str) -> tuple[WorkloadEstimate, str]:
+                       why: str, forecast: dict[str, dict[str, float]]) -> tuple[WorkloadEstimate, str]:
         """``w`` with lengths that were measured: when there is load (``loaded``) but the mean ISL or OSL the
         estimate was built from (``isl_mean``, ``osl_mean``) is unknown (NaN, infinite, ≤ 0),
         :func:`workload_from_observation` / :func:`workload_from_forecast` would plan 1-token requests (a
@@ -361,7 +361,8 @@ class FulcrumPlanner:
         they are and remembered.
 
         Raises:
-            _LengthsUnknown: load with unknown lengths and none measured before (nothing to size the pools by).
+            _LengthsUnknown: load with unknown lengths and none measured before (nothing to size the pools by);
+                it carries ``forecast``, the tick's forecast, for the Decision that holds the pools.
         """
         def ok(x: float) -> bool:
             return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
@@ -375,14 +376,11 @@ class FulcrumPlanner:
         if self._last_lengths is None:
             raise _LengthsUnknown(
                 f"{w.rate_rps:.3g} req/s to plan but no {'prompt' if not isl_ok else 'output'} length measured "
-                "yet: cannot size the pools")
+                "yet: cannot size the pools", forecast)
         last_isl, last_osl = self._last_lengths
         w = WorkloadEstimate(w.rate_rps, w.isl if isl_ok else last_isl, w.osl if osl_ok else last_osl,
                              w.arrival_cv2)
-        if isl_ok:
-            self._last_lengths = (w.isl, last_osl)
-        elif osl_ok:
-            self._last_lengths = (last_isl, w.osl)
+        self._last_lengths = (w.isl, w.osl)  # the measured one of the two, if any, and the last of the other
         unknown = " and ".join(n for n, good in (("prompt", isl_ok), ("output", osl_ok)) if not good)
         return w, f"{why}; {unknown} lengths unknown: planning the last measured ones"
 
@@ -415,17 +413,14 @@ class FulcrumPlanner:
             res1 = self._residuals.get(1, deque())
             level = self.cold_start_level(len(res1))
             head = max(residual_quantile(res1, level), 0.0) if res1 else 0.0
-            try:
-                w, why = self._known_lengths(
-                    WorkloadEstimate(w.rate_rps + head + backlog_rate, w.isl, w.osl, w.arrival_cv2),
-                    obs.mean_isl, obs.mean_osl, obs.arrivals > 0,
-                    f"cold start: planning for the observed load + {head:.2f} req/s of its measured error "
-                    f"(P{level * 100:g} of {len(res1)} residuals)",
-                )
-            except _LengthsUnknown as err:
-                err.forecast = forecast_dict(fc_h)
-                raise
-            return w, forecast_dict(fc_h), why
+            fc = forecast_dict(fc_h)
+            w, why = self._known_lengths(
+                WorkloadEstimate(w.rate_rps + head + backlog_rate, w.isl, w.osl, w.arrival_cv2),
+                obs.mean_isl, obs.mean_osl, obs.arrivals > 0,
+                f"cold start: planning for the observed load + {head:.2f} req/s of its measured error "
+                f"(P{level * 100:g} of {len(res1)} residuals)", fc,
+            )
+            return w, fc, why
         fc_1 = self.forecaster.forecast(1, level)
         r_h, how_h = self._bound(fc_h, self.horizon_steps)
         r_1, how_1 = (r_h, how_h) if self.horizon_steps == 1 else self._bound(fc_1, 1)
@@ -440,15 +435,12 @@ class FulcrumPlanner:
         point = max(_finite(fc_h.rate.mean, 0.0), _finite(fc_1.rate.mean, 0.0))
         peak = max(itertools.islice(reversed(self._rates), self._peak_window))
         rate = min(rate, max(peak, point)) + backlog_rate
-        try:
-            w, why = self._known_lengths(
-                workload_from_forecast(fc_h, rate), fc_h.isl.mean, fc_h.osl.mean, rate > 0,
-                f"forecast {rate:.2f} req/s (mean + {how_h}) at +{self.horizon_steps} intervals",
-            )
-        except _LengthsUnknown as err:
-            err.forecast = forecast_dict(fc_h)
-            raise
-        return w, forecast_dict(fc_h), why
+        fc = forecast_dict(fc_h)
+        w, why = self._known_lengths(
+            workload_from_forecast(fc_h, rate), fc_h.isl.mean, fc_h.osl.mean, rate > 0,
+            f"forecast {rate:.2f} req/s (mean + {how_h}) at +{self.horizon_steps} intervals", fc,
+        )
+        return w, fc, why
 
     def _plans(self, workload: WorkloadEstimate, current: ClusterTarget) -> dict[ModeName, Plan]:
         """Both modes' plans for Auto (Unified left out when the profile cannot plan it), :func:`plan_modes`."""
@@ -575,9 +567,12 @@ class FulcrumPlanner:
 
 
 class _LengthsUnknown(Exception):
-    """Load to plan whose lengths were never measured (:meth:`FulcrumPlanner._known_lengths`)."""
+    """Load to plan whose lengths were never measured (:meth:`FulcrumPlanner._known_lengths`), with the tick's
+    forecast (series → mean/lower/upper) for the Decision that holds the pools."""
 
-    forecast: dict[str, dict[str, float]] = {}
+    def __init__(self, message: str, forecast: dict[str, dict[str, float]]) -> None:
+        super().__init__(message)
+        self.forecast = forecast
 
 
 def _out_of_reach(*plans: Plan) -> dict[str, float]:
