@@ -71,7 +71,8 @@ from fulcrum.controller.resources import (
     pool_deployment_name,
     worker_selector,
 )
-from fulcrum.controller.status import build_status, get_condition, slo_infeasibility, target_from_status
+from fulcrum.controller.status import (build_status, degraded_reason, get_condition, slo_infeasibility,
+                                      target_from_status)
 
 __all__ = ["GROUP", "VERSION", "PLURAL", "ControllerSettings", "Controller", "KubernetesCluster", "register",
            "fetch_text", "in_cluster_server"]
@@ -469,7 +470,7 @@ class Controller:
         interval) or PlanningFailed (first interval the planner failed on), SLOInfeasible/SLOFeasible (:meth:`_slo_event`), ScaledOut per growing pool,
         TensorParallelChanged per pool whose TP changed (its pods roll)."""
         if outcome.degraded and rt.degraded is None:
-            await self.event(body, "Warning", "PlanningFailed" if outcome.observed else "ObservationUnavailable",
+            await self.event(body, "Warning", degraded_reason(outcome.degraded, outcome),
                              f"holding the current pools: {outcome.degraded}")
         await self._slo_event(body, rt, outcome)
         for pool, (old, new) in outcome.scale_out.items():

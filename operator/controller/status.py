@@ -50,6 +50,7 @@ __all__ = [
     "build_status",
     "rfc3339",
     "slo_infeasibility",
+    "degraded_reason",
 ]
 
 #: Condition types the operator maintains, in the order they are written.
@@ -196,8 +197,9 @@ def _plan_status(outcome: LoopOutcome, now: datetime) -> dict[str, Any]:
     return plan
 
 
-def _degraded_reason(degraded: str | None, outcome: LoopOutcome | None) -> str:
-    """The Degraded condition's reason: ObservationUnavailable (nothing observed this interval), PlanningFailed
+def degraded_reason(degraded: str | None, outcome: LoopOutcome | None) -> str:
+    """The Degraded condition's reason, and the Warning Event's when an interval turns degraded:
+    ObservationUnavailable (nothing observed this interval), PlanningFailed
     (the planner failed on what was observed: :meth:`fulcrum.scaling.loop.ControlLoop.step`), Fault (anything
     else, e.g. a drain timeout) or AsExpected."""
     if not degraded:
@@ -268,7 +270,7 @@ def build_status(
         conds = set_condition(conds, "Degraded", True, "ApplyRejected",
                               "; ".join([apply_rejected] + ([degraded] if degraded else [])), now)
     else:
-        conds = set_condition(conds, "Degraded", degraded is not None, _degraded_reason(degraded, outcome),
+        conds = set_condition(conds, "Degraded", degraded is not None, degraded_reason(degraded, outcome),
                               degraded or "observing, forecasting and planning normally", now)
     if outcome is not None:
         fr = outcome.forecast_ready
