@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fulcrum.router.metrics import RouterMetrics
-from fulcrum.router.relay import ClientSink, Exchange, Outcome, Transform, relay, token_count
+from fulcrum.router.relay import ClientSink, Exchange, Outcome, Transform, relay
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest
 from fulcrum.router.sse import encode_event, is_usage_only
-from fulcrum.router.tokens import count_prompt
+from fulcrum.router.tokens import count_prompt, token_count
 from fulcrum.router.upstream import UpstreamPool
 
 __all__ = [

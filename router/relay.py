@@ -21,11 +21,11 @@ from aiohttp import web
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, Endpoint
 from fulcrum.router.sse import EventSplitter, event_payload, is_usage_only, plain_token_events, split_events
-from fulcrum.router.tokens import PromptTokens
+from fulcrum.router.tokens import PromptTokens, token_count
 from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
 
 __all__ = ["ClientGone", "ClientSink", "Exchange", "Outcome", "relay", "Transform", "count_event_tokens",
-           "error_outcome_message", "token_count", "whole_usage"]
+           "error_outcome_message", "whole_usage"]
 
 Transform = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
@@ -187,11 +187,6 @@ def _parse_json(raw: bytes, iid: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UpstreamFailure(iid, "broken", f"{iid} answered with JSON that is not an object")
     return data
-
-
-def token_count(value: Any) -> int | None:
-    """A token count from an engine's ``usage``: a non-negative integer (not a bool), else None (unknown)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 _DECODER = json.JSONDecoder()

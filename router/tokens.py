@@ -21,7 +21,7 @@ from fulcrum.router.errors import BadRequest
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest
 from fulcrum.router.upstream import UpstreamFailure, UpstreamPool, upstream_message
 
-__all__ = ["PromptTokens", "estimate_tokens", "count_prompt", "CHAT_TOKENIZE_KEYS"]
+__all__ = ["PromptTokens", "estimate_tokens", "count_prompt", "token_count", "CHAT_TOKENIZE_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,10 @@ def _utf8_len(text: str) -> int:
     return len(text.encode(errors="surrogatepass"))
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def token_count(value: Any) -> int | None:
+    """A token count or id from an engine (``usage``, ``/tokenize``): a non-negative integer (not a bool), else
+    None (unknown)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _tokenize_answer(data: dict[str, Any]) -> tuple[tuple[int, ...], int | None] | str:
@@ -83,10 +85,10 @@ def _tokenize_answer(data: dict[str, Any]) -> tuple[tuple[int, ...], int | None]
     why it cannot be used."""
     tokens = data["tokens"]
     for t in tokens:
-        if not (_is_int(t) and t >= 0):
+        if token_count(t) is None:
             return f"a token id is not a non-negative integer: {t!r}"[:200]
     mml = data.get("max_model_len")
-    if mml is not None and not (_is_int(mml) and mml > 0):
+    if mml is not None and not token_count(mml):
         return f"max_model_len is not a positive integer: {mml!r}"[:200]
     return tuple(tokens), mml
 
