@@ -232,18 +232,20 @@ def _lax_int(value: Any, name: str) -> int | None:
         raise _BadRequest(400, f"{name}: Input should be a valid integer, got {value!r}") from None
 
 
-def _stops_ok(value: Any) -> bool:
-    """Whether ``value`` is a ``stop`` vLLM accepts: a string or a list of strings."""
-    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value))
-
-
 def _stops(body: dict[str, Any]) -> list[str]:
+    """The request's non-empty stop strings.
+
+    Raises:
+        _BadRequest: 400, a ``stop`` that is neither a string nor a list of strings (vLLM refuses it too).
+    """
     st = body.get("stop")
+    if st is None:
+        return []
     if isinstance(st, str):
         return [st] if st else []
-    if isinstance(st, list):
-        return [x for x in st if isinstance(x, str) and x]
-    return []
+    if isinstance(st, list) and all(isinstance(x, str) for x in st):
+        return [x for x in st if x]
+    raise _BadRequest(400, f"stop must be a string or a list of strings, got {st!r}")
 
 
 def _piece(tok: int) -> str:
@@ -528,8 +530,7 @@ class SimWorker:
             raise _BadRequest(400, f"n must be at least 1, got {choices}.")
         if (choices or 1) != 1 or (body.get("best_of") or 1) != 1 or _lax_bool(body.get("echo"), "echo"):
             raise _BadRequest(400, "the sim-worker serves n = 1 without best_of or echo")
-        if body.get("stop") is not None and not _stops_ok(body["stop"]):
-            raise _BadRequest(400, f"stop must be a string or a list of strings, got {body['stop']!r}")
+        _stops(body)  # a bad stop is a 400 now, not once the answer has begun
         if not chat:
             lp = _lax_int(body.get("logprobs"), "logprobs")
             if lp is not None and lp < 0:
@@ -744,12 +745,9 @@ def create_sim_app(worker: SimWorker) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         return await worker.generate(request, chat=True)
 
-    async def read_json(request: web.Request) -> dict[str, Any]:
-        return _json_object(await request.read())
-
     async def tokenize(request: web.Request) -> web.Response:
         try:
-            body = await read_json(request)
+            body = _json_object(await request.read())
             ids = worker.prompt_ids(body, chat="messages" in body)
         except _BadRequest as err:
             return _error(err.status, str(err))
@@ -757,7 +755,7 @@ def create_sim_app(worker: SimWorker) -> web.Application:
 
     async def detokenize(request: web.Request) -> web.Response:
         try:
-            body = await read_json(request)
+            body = _json_object(await request.read())
         except _BadRequest as err:
             return _error(err.status, str(err))
         toks = body.get("tokens")
@@ -779,7 +777,7 @@ def create_sim_app(worker: SimWorker) -> web.Application:
 
     async def kv_pull(request: web.Request) -> web.Response:
         try:
-            body = await read_json(request)
+            body = _json_object(await request.read())
         except _BadRequest as err:
             return _error(err.status, str(err))
         rid = body.get("request_id")
