@@ -7,8 +7,11 @@ A product feature, not a test fake: it runs as the worker pods of an ``LLMServe`
 - ``POST /v1/completions`` and ``/v1/chat/completions``: streamed (SSE, ``stream_options.include_usage``) or
   whole; ``max_tokens`` (chat: also ``max_completion_tokens``), ``stop`` strings, ``ignore_eos`` (accepted; the
   emulated model never emits EOS, so every request runs to ``max_tokens`` or a stop string), ``return_token_ids``,
-  ``logprobs`` on completions (each token's string, log-probability 0.0: greedy output is certain), model-name
-  check (404 like vLLM), context check (400 with vLLM's message), ``n > 1``/``best_of``/``echo`` refused (400).
+  ``logprobs`` on completions (each token's string, log-probability 0.0: greedy output is certain), ``logprobs``/
+  ``top_logprobs`` on chat (``choices[].logprobs.content``: each token's entry with log-probability 0.0 and, when
+  ``top_logprobs`` > 0, itself as its one alternative; in every streamed token chunk too; checked with vLLM's 400s:
+  ``top_logprobs`` without ``logprobs``, below −1, or past ``max_logprobs`` = 20), model-name check (404 like
+  vLLM), context check (400 with vLLM's message), ``n > 1``/``best_of``/``echo`` refused (400).
   A client that goes away aborts its request (its KV is freed at once).
 - ``POST /tokenize`` (``prompt`` or ``messages``), ``POST /detokenize``, ``GET /v1/models``, ``GET /health``
   (200 while serving, 503 once draining), ``GET /metrics`` (vLLM's metric names, one
@@ -250,6 +253,46 @@ def _stops(body: dict[str, Any]) -> list[str]:
 
 def _piece(tok: int) -> str:
     return bytes([tok]).decode("utf-8", errors="replace")
+
+
+def _chat_top_logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives a chat request wants with each token's log-probability (``top_logprobs``, 0..20),
+    or None when it wants no log-probabilities (``logprobs`` false or absent).
+
+    Read as vLLM reads them: its ``ChatCompletionRequest.check_logprobs`` validator sees the raw JSON before
+    pydantic (a ``top_logprobs`` that is no number is refused there; ``logprobs`` is tested for truth, so
+    ``"false"`` passes it and pydantic then reads it as False), then pydantic's lax ``bool``/``int``, then the
+    engine's ``max_logprobs`` (20; ``-1`` asks for the whole vocabulary, 256 tokens). A null ``top_logprobs`` is
+    the default, 0.
+
+    Raises:
+        _BadRequest: 400 with vLLM's message.
+    """
+    raw = body.get("top_logprobs")
+    if raw is not None:
+        if not isinstance(raw, (int, float)):
+            raise _BadRequest(400, "`top_logprobs` must be an integer.")
+        if raw < 0 and raw != -1:
+            raise _BadRequest(400, "`top_logprobs` must be a positive value or -1.")
+        if (raw == -1 or raw > 0) and not body.get("logprobs"):
+            raise _BadRequest(400, "when using `top_logprobs`, `logprobs` must be set to true.")
+    wanted = _lax_bool(body.get("logprobs"), "logprobs")
+    top = _lax_int(raw, "top_logprobs") or 0
+    if not wanted:
+        return None
+    n = VOCAB_SIZE if top == -1 else top
+    if n > _MAX_LOGPROBS:
+        raise _BadRequest(400, f"Requested sample logprobs of {n}, which is greater than max allowed: {_MAX_LOGPROBS}")
+    return top
+
+
+def _chat_logprob(tok: int, top: int) -> dict[str, Any]:
+    """One token's entry of a chat answer's ``logprobs.content`` (OpenAI's shape): log-probability 0.0 (greedy
+    output is certain), so the token itself is its one alternative when ``top`` > 0 (every other token's
+    probability is 0)."""
+    piece = _piece(tok)
+    entry: dict[str, Any] = {"token": piece, "logprob": 0.0, "bytes": list(piece.encode())}
+    return {**entry, "top_logprobs": [dict(entry)] if top > 0 else []}
 
 
 class SimWorker:
@@ -538,6 +581,8 @@ class SimWorker:
             if lp is not None and lp > _MAX_LOGPROBS:
                 raise _BadRequest(400, f"Requested sample logprobs of {lp}, which is greater than max allowed: "
                                        f"{_MAX_LOGPROBS}")
+        else:
+            _chat_top_logprobs(body)
         ids = self.prompt_ids(body, chat)
         cap = self._max_tokens(body, chat, len(ids))
         stream = _lax_bool(body.get("stream"), "stream")
@@ -652,7 +697,9 @@ class SimWorker:
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)}
         choice: dict[str, Any]
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            top = _chat_top_logprobs(body)
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None if top is None else {"content": [_chat_logprob(t, top) for t in gen]},
                       "finish_reason": finish, "stop_reason": stop_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(body, gen), "finish_reason": finish,
@@ -691,6 +738,7 @@ class SimWorker:
         want_ids = body.get("return_token_ids") is True
         raw_so = body.get("stream_options")
         so: dict[str, Any] = raw_so if isinstance(raw_so, dict) else {}
+        top = _chat_top_logprobs(body) if chat else None
         first = [True]
 
         def chunk(choice: dict[str, Any]) -> bytes:
@@ -705,7 +753,9 @@ class SimWorker:
             for tok, piece in pairs:
                 c: dict[str, Any]
                 if chat:
-                    c = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
+                    c = {"index": 0, "delta": {"content": piece},
+                         "logprobs": None if top is None else {"content": [_chat_logprob(tok, top)]},
+                         "finish_reason": None}
                 else:
                     c = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
                 if want_ids:

@@ -167,6 +167,9 @@ async def test_logprobs_up_to_vllms_max_of_20_are_answered(sim) -> None:
     assert lp["tokens"] == list(expected(tokens_of("hi"), 2)) and lp["top_logprobs"] is not None
 
 
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"messages": [{"role": "user", "content": "x" * 5000}]},  # no max_tokens: the prompt alone is too long
      "This model's maximum context length is 4096 tokens. However, you requested 5022 tokens in the messages, "
@@ -177,12 +180,79 @@ async def test_logprobs_up_to_vllms_max_of_20_are_answered(sim) -> None:
     ({"messages": [{"role": 5, "content": "hi"}], "max_tokens": 2}, "messages[0].role: a string is required, got 5"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": ["x"]},
      "model: Input should be a valid string, got ['x']"),
+    # logprobs / top_logprobs: vLLM's ChatCompletionRequest.check_logprobs, then pydantic, then max_logprobs (20)
+    ({**CHAT, "top_logprobs": 3}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ({**CHAT, "top_logprobs": 3, "logprobs": False}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ({**CHAT, "top_logprobs": -1, "logprobs": 0}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ({**CHAT, "top_logprobs": -2, "logprobs": True}, "`top_logprobs` must be a positive value or -1."),
+    ({**CHAT, "top_logprobs": "3", "logprobs": True}, "`top_logprobs` must be an integer."),
+    ({**CHAT, "top_logprobs": 2.5, "logprobs": True}, "top_logprobs: Input should be a valid integer, got 2.5"),
+    ({**CHAT, "logprobs": "maybe"}, "logprobs: Input should be a valid boolean, got 'maybe'"),
+    ({**CHAT, "logprobs": 2}, "logprobs: Input should be a valid boolean, got 2"),
+    ({**CHAT, "top_logprobs": 21, "logprobs": True},
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ({**CHAT, "top_logprobs": -1, "logprobs": True},  # -1: the whole vocabulary, 256 byte tokens
+     "Requested sample logprobs of 256, which is greater than max allowed: 20"),
 ])
 async def test_bad_chat_requests_get_400_with_vllms_reason(sim, body: dict[str, Any], needle: str) -> None:
     s = await sim()
     r = await s.client.post("/v1/chat/completions", json=body)
     assert r.status == 400
     assert needle in (await r.json())["error"]["message"]
+
+
+def chat_logprob(c: str, top: int) -> dict[str, Any]:
+    """The logprobs entry of one greedy token in OpenAI's chat shape: certain (0.0), itself its only candidate."""
+    entry: dict[str, Any] = {"token": c, "logprob": 0.0, "bytes": list(c.encode())}
+    return {**entry, "top_logprobs": [entry] if top > 0 else []}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("top", [0, 3])
+async def test_chat_logprobs_are_answered_per_token_in_openais_chat_shape(sim, stream: bool, top: int) -> None:
+    s = await sim()
+    prompt = tokens_of("<|user|>hi\n<|assistant|>")
+    full = expected(prompt, 8)
+    stop = full[5:7]  # the token completing the stop string has its entry too, as in vLLM (token_ids keep it)
+    body = {**CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": top, "stop": stop, "stream": stream}
+    r = await s.client.post("/v1/chat/completions", json=body)
+    assert r.status == 200, await r.text()
+    if stream:
+        text, _, chunks, done_once = parse_stream(await r.read())
+        choices = [c["choices"][0] for c in chunks]
+        assert done_once and choices[0]["delta"].get("role") == "assistant" and choices[0]["logprobs"] is None
+        assert choices[-1]["finish_reason"] == "stop" and choices[-1]["logprobs"] is None
+        per_token = [c["logprobs"]["content"] for c in choices[1:-1]]
+        assert all(len(entries) == 1 for entries in per_token)  # one chunk per token, each with its entry
+        content = [e for entries in per_token for e in entries]
+    else:
+        data = await r.json()
+        text = answer_text(data)
+        content = data["choices"][0]["logprobs"]["content"]
+    assert text == full[:5]
+    assert content == [chat_logprob(c, top) for c in full[:7]]
+
+
+@pytest.mark.parametrize("extra,answered", [
+    ({}, False),
+    ({"top_logprobs": 0}, False),  # 0 needs no logprobs: true (vLLM tests top_logprobs > 0 or == -1)
+    ({"top_logprobs": 3, "logprobs": "false"}, False),  # vLLM's validator tests the raw value's truth: passes
+    ({"logprobs": "yes"}, True),  # pydantic's lax boolean; top_logprobs defaults to 0
+    ({"logprobs": True, "top_logprobs": 20}, True),
+    ({"logprobs": 1, "top_logprobs": 3.0}, True),
+    ({"logprobs": True, "top_logprobs": None}, True),
+])
+async def test_chat_logprobs_are_read_as_vllms_request_model_reads_them(sim, extra: dict[str, Any],
+                                                                       answered: bool) -> None:
+    s = await sim()
+    r = await s.client.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert r.status == 200, await r.text()
+    lp = (await r.json())["choices"][0]["logprobs"]
+    if not answered:
+        assert lp is None
+    else:
+        top = int(extra.get("top_logprobs") or 0)
+        assert lp == {"content": [chat_logprob(c, top) for c in expected(tokens_of("<|user|>hi\n<|assistant|>"), 2)]}
 
 
 async def test_stream_reads_a_boolean_as_vllms_request_models_do(sim) -> None:
