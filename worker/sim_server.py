@@ -577,7 +577,7 @@ class SimWorker:
         if not chat:
             lp = _lax_int(body.get("logprobs"), "logprobs")
             if lp is not None and lp < 0:
-                raise _BadRequest(400, f"logprobs must be non-negative, got {lp}.")
+                raise _BadRequest(400, "`logprobs` must be a positive value.")  # vLLM's CompletionRequest
             if lp is not None and lp > _MAX_LOGPROBS:
                 raise _BadRequest(400, f"Requested sample logprobs of {lp}, which is greater than max allowed: "
                                        f"{_MAX_LOGPROBS}")
@@ -715,12 +715,15 @@ class SimWorker:
         return web.json_response(out), finish, len(gen)
 
     @staticmethod
-    def _logprobs(body: dict[str, Any], gen: list[int]) -> dict[str, Any] | None:
+    def _logprobs(body: dict[str, Any], gen: list[int], offset: int = 0) -> dict[str, Any] | None:
+        """A completion's ``logprobs`` for the tokens ``gen`` (vLLM's ``CompletionLogProbs``), or None when the
+        request wants none; ``offset``: characters of the answer before ``gen[0]`` (a streamed chunk's
+        ``text_offset`` counts from the answer's start, as vLLM's does)."""
         lp = _lax_int(body.get("logprobs"), "logprobs")  # validated by _generate
         if lp is None or lp < 0:
             return None
         pieces = [_piece(t) for t in gen]
-        offs, o = [], 0
+        offs, o = [], offset
         for p in pieces:
             offs.append(o)
             o += len(p)
@@ -740,6 +743,7 @@ class SimWorker:
         so: dict[str, Any] = raw_so if isinstance(raw_so, dict) else {}
         top = _chat_top_logprobs(body) if chat else None
         first = [True]
+        sent = [0]  # characters of the answer streamed so far (a completion's text_offset)
 
         def chunk(choice: dict[str, Any]) -> bytes:
             return head + json.dumps(choice).encode() + b"]}\n\n"
@@ -757,7 +761,9 @@ class SimWorker:
                          "logprobs": None if top is None else {"content": [_chat_logprob(tok, top)]},
                          "finish_reason": None}
                 else:
-                    c = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+                    c = {"index": 0, "text": piece, "logprobs": self._logprobs(body, [tok], sent[0]),
+                         "finish_reason": None}
+                    sent[0] += len(piece)
                 if want_ids:
                     c["token_ids"] = [tok]
                     if first[0] and not chat:

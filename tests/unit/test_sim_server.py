@@ -146,7 +146,7 @@ async def test_token_ids_logprobs_and_stop_strings_are_answered_like_vllm(sim) -
     ({"prompt": "hi", "n": 0}, 400, "n must be at least 1, got 0."),
     ({"prompt": "hi", "n": "x"}, 400, "n: Input should be a valid integer, got 'x'"),
     ({"prompt": "hi", "logprobs": 21}, 400, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
-    ({"prompt": "hi", "logprobs": -1}, 400, "logprobs must be non-negative, got -1."),
+    ({"prompt": "hi", "logprobs": -1}, 400, "`logprobs` must be a positive value."),  # vLLM's CompletionRequest
     ({"prompt": "hi", "logprobs": "x"}, 400, "logprobs: Input should be a valid integer, got 'x'"),
     ({"prompt": "hi", "stop": 5}, 400, "stop must be a string or a list of strings, got 5"),
     ({"prompt": "hi", "stop": ["ab", None]}, 400, "stop must be a string or a list of strings, got ['ab', None]"),
@@ -199,6 +199,32 @@ async def test_bad_chat_requests_get_400_with_vllms_reason(sim, body: dict[str, 
     r = await s.client.post("/v1/chat/completions", json=body)
     assert r.status == 400
     assert needle in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("lp", [None, 0, 2])
+async def test_streamed_completion_chunks_carry_each_tokens_logprobs(sim, lp: int | None) -> None:
+    """Like vLLM's streamed ``text_completion`` chunks: each token's chunk has its ``logprobs`` (``text_offset``
+    from the answer's start), and they add up to what the whole answer gives; none when none are asked for."""
+    s = await sim()
+    prompt = tokens_of("abc")
+    full = expected(prompt, 6)
+    extra = {} if lp is None else {"logprobs": lp}
+    r = await s.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "stream": True, **extra})
+    assert r.status == 200, await r.text()
+    text, _, chunks, _ = parse_stream(await r.read())
+    per_token = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert text == full and len(per_token) == 6
+    if lp is None:
+        assert per_token == [None] * 6
+        return
+    assert [p["tokens"] for p in per_token] == [[c] for c in full]
+    assert [p["text_offset"] for p in per_token] == [[i] for i in range(6)]
+    assert all(p["token_logprobs"] == [0.0] for p in per_token)
+    assert [p["top_logprobs"] for p in per_token] == ([None] * 6 if lp == 0 else [[{c: 0.0}] for c in full])
+    whole = await s.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, **extra})
+    lps = (await whole.json())["choices"][0]["logprobs"]
+    assert lps["tokens"] == [t for p in per_token for t in p["tokens"]]
+    assert lps["text_offset"] == [o for p in per_token for o in p["text_offset"]]
 
 
 def chat_logprob(c: str, top: int) -> dict[str, Any]:
