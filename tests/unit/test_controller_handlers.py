@@ -718,11 +718,14 @@ async def test_a_failing_event_post_is_logged_and_the_interval_goes_on(
     assert "could not post event ScaledOut" in caplog.text
 
 
-# What a real API server answers for a pod template it refuses (here: a gpu.type with a space as the value of
-# placement.gpuTypeLabel's node selector, which passes the spec's own checks).
+# What a real API server answers for a pod template it refuses (here: a node-affinity key that is no label key;
+# placement.affinity passes the spec's own checks unchanged).
+_BAD_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+    {"matchExpressions": [{"key": "bad key!", "operator": "In", "values": ["x"]}]}]}}}
 _REJECTED = KubeApiError(
-    422, 'Deployment.apps "llama-prefill" is invalid: spec.template.spec.nodeSelector: Invalid value: "H100 SXM": '
-         "a valid label must be an empty string or consist of alphanumeric characters",
+    422, 'Deployment.apps "llama-prefill" is invalid: spec.template.spec.affinity.nodeAffinity.'
+         "requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].key: "
+         'Invalid value: "bad key!": name part must consist of alphanumeric characters',
     "/apis/apps/v1/namespaces/default/deployments/llama-prefill")
 
 
@@ -738,7 +741,7 @@ def _errors(c: Controller) -> float:
 
 async def test_an_apply_the_api_server_rejects_is_degraded_once_per_generation_and_not_retried(
         objs: InMemoryObjects) -> None:
-    seed(objs, llmserve(gpu={"type": "H100 SXM"}, placement={"gpuTypeLabel": "nvidia.com/gpu.product"}))
+    seed(objs, llmserve(placement={"affinity": _BAD_AFFINITY}))
     clock = Clock()
     c = make_controller(objs, FakePrometheus(rate=20.0), clock=clock)
     objs.fail["apply_all"] = _REJECTED
@@ -749,7 +752,7 @@ async def test_an_apply_the_api_server_rejects_is_degraded_once_per_generation_a
     assert "generation 1" in d["message"]
     assert live(objs)["status"]["observedGeneration"] == 1
     (event,) = objs.by_reason("ApplyRejected")
-    assert event["type"] == "Warning" and "H100 SXM" in event["message"]
+    assert event["type"] == "Warning" and "bad key!" in event["message"]
     assert _errors(c) == 1
     # the same generation again (a resume), and the daemon's interval: still reported, no second Event, no raise
     assert await c.reconcile(live(objs)) is False

@@ -204,7 +204,7 @@ def test_new_fields_have_the_types_kubernetes_needs() -> None:
     cpu = engine["resources"]["properties"]["requests"]["properties"]["cpu"]
     assert cpu["x-kubernetes-int-or-string"] is True and "type" not in cpu
     placement = props["placement"]["properties"]
-    assert placement["nodeSelector"]["additionalProperties"] == {"type": "string"}
+    assert placement["nodeSelector"]["additionalProperties"]["type"] == "string"
     assert placement["tolerations"]["type"] == "array"
     assert placement["tolerations"]["items"]["properties"]["effect"]["enum"] == ["NoSchedule", "PreferNoSchedule", "NoExecute"]
     node_affinity = placement["affinity"]["properties"]["nodeAffinity"]
@@ -481,3 +481,148 @@ def test_documents_take_the_camelcase_names_only_and_python_keeps_the_field_name
     assert parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"minGPUs": 3}}}).spec.scaling.min_gpus == 3
     assert ScalingSpec(min_gpus=3, max_gpus=8).min_gpus == 3  # Python constructs by field name
     assert LLMServeSpec.model_validate({"model": {"name": "m"}, "scaling": {"min_gpus": 2}}).scaling.min_gpus == 2
+
+
+# --- node labels: the rules Kubernetes applies to a pod's nodeSelector ---------------------------------------
+#
+# Kubernetes' label rules (k8s.io/apimachinery/pkg/util/validation: IsQualifiedName, IsValidLabelValue): a key is
+# an optional prefix (a DNS-1123 subdomain of at most 253 characters) and `/`, then a name of 1 to 63 characters
+# matching ([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]; a value is empty or such a name. placement.gpuTypeLabel is
+# a key, and makes gpu.type the value of that node label.
+
+_SUBDOMAIN_253 = ".".join(["a" * 63] * 4)[:253]  # a DNS-1123 subdomain of exactly 253 characters
+assert len(_SUBDOMAIN_253) == 253 and not _SUBDOMAIN_253.endswith(".")
+
+
+def _selector(node_selector: dict[str, str]) -> dict[str, Any]:
+    return {"placement": {"nodeSelector": node_selector}}
+
+
+def _gpu_label(gpu_type: str, label: str = "nvidia.com/gpu.product", **extra: Any) -> dict[str, Any]:
+    return {"gpu": {"type": gpu_type}, "placement": {"gpuTypeLabel": label}, **extra}
+
+
+_LABEL_CASES: list[tuple[str, dict[str, Any], bool]] = [
+    ("selector: prefixed key", _selector({"cloud.example.com/pool": "gpu"}), True),
+    ("selector: plain key, empty value", _selector({"pool": ""}), True),
+    ("selector: names with _ . - and capitals", _selector({"My_Pool.v-2": "A100_80GB.v-2"}), True),
+    ("selector: one-character key and value", _selector({"a": "b"}), True),
+    ("selector: 63-character name", _selector({"a" * 63: "x"}), True),
+    ("selector: 64-character name", _selector({"a" * 64: "x"}), False),
+    ("selector: 253-character prefix", _selector({_SUBDOMAIN_253 + "/n": "x"}), True),
+    ("selector: 254-character prefix", _selector({"b" + _SUBDOMAIN_253 + "/n": "x"}), False),
+    ("selector: key with a space and !", _selector({"bad key!": "x"}), False),
+    ("selector: empty key", _selector({"": "x"}), False),
+    ("selector: empty name after the prefix", _selector({"example.com/": "x"}), False),
+    ("selector: empty prefix", _selector({"/pool": "x"}), False),
+    ("selector: two slashes", _selector({"a/b/c": "x"}), False),
+    ("selector: capital in the prefix", _selector({"Example.com/pool": "x"}), False),
+    ("selector: prefix starting with -", _selector({"-example.com/pool": "x"}), False),
+    ("selector: prefix with an empty label", _selector({"example..com/pool": "x"}), False),
+    ("selector: underscore in the prefix", _selector({"my_example.com/pool": "x"}), False),
+    ("selector: name starting with .", _selector({".pool": "x"}), False),
+    ("selector: name ending with -", _selector({"pool-": "x"}), False),
+    ("selector: a good key, then a bad one", _selector({"pool": "x", "bad/key/": "y"}), False),
+    ("selector: value with a space", _selector({"pool": "H100 SXM"}), False),
+    ("selector: value ending with -", _selector({"pool": "gpu-"}), False),
+    ("selector: value with a slash", _selector({"pool": "a/b"}), False),
+    ("selector: 63-character value", _selector({"pool": "v" * 63}), True),
+    ("selector: 64-character value", _selector({"pool": "v" * 64}), False),
+    ("selector: 64 entries", _selector({f"k{i}": "v" for i in range(64)}), True),
+    ("selector: 65 entries", _selector({f"k{i}": "v" for i in range(65)}), False),
+    ("gpu label: set, a good gpu.type", _gpu_label("H100"), True),
+    ("gpu label: set, a product name", _gpu_label("NVIDIA-H100-80GB-HBM3"), True),
+    ("gpu label: a plain key", _gpu_label("H100", "gpu"), True),
+    ("gpu label: set, gpu.type with a space", _gpu_label("H100 SXM"), False),
+    ("gpu label: set, gpu.type ending with -", _gpu_label("H100-"), False),
+    ("gpu label: set, 63-character gpu.type", _gpu_label("g" * 63), True),
+    ("gpu label: set, 64-character gpu.type", _gpu_label("g" * 64), False),
+    ("gpu label: set, sim engine, gpu.type with a space", _gpu_label("H100 SXM", engine={"kind": "sim"}), False),
+    ("gpu label: unset, gpu.type with a space", {"gpu": {"type": "H100 SXM"}}, True),
+    ("gpu label: empty, gpu.type with a space", _gpu_label("H100 SXM", ""), True),
+    ("gpu label: unset, 64-character gpu.type", {"gpu": {"type": "g" * 64}}, True),
+    ("gpu.type of 254 characters", {"gpu": {"type": "g" * 254}}, False),
+    ("gpu label: with a space", _gpu_label("H100", "gpu product"), False),
+    ("gpu label: 254-character prefix", _gpu_label("H100", "b" + _SUBDOMAIN_253 + "/n"), False),
+    ("gpu label: 253-character prefix", _gpu_label("H100", _SUBDOMAIN_253 + "/n"), True),
+    ("gpu label: empty name", _gpu_label("H100", "nvidia.com/"), False),
+]
+
+
+def _crd_accepts(spec: dict[str, Any]) -> bool:
+    """Whether the API server would take ``spec``: the OpenAPI schema (types, bounds, patterns) after defaulting,
+    then every CEL rule."""
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (pip install jsonschema)")
+    celpy = pytest.importorskip("celpy", reason="cel-python is not installed (pip install cel-python)")
+    schema = spec_schema()
+    defaulted = _apply_defaults(schema, spec)
+    if list(jsonschema.Draft4Validator(_openapi_to_jsonschema(schema)).iter_errors(defaulted)):
+        return False
+    env = celpy.Environment()
+    for rule, self_value in _cel_rules(schema, _drop_nulls(defaulted)):
+        result = env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(self_value)})
+        assert isinstance(result, celpy.celtypes.BoolType), f"{rule} -> {result!r}"
+        if not result:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(("case", "overrides", "ok"), _LABEL_CASES, ids=[c for c, _, _ in _LABEL_CASES])
+def test_node_selector_and_gpu_type_label_are_checked_as_kubernetes_checks_node_labels(
+        case: str, overrides: dict[str, Any], ok: bool) -> None:
+    """The model and the CRD take exactly the node-selector keys and values Kubernetes takes on a pod template, so
+    that a bad one is refused at ``kubectl apply`` instead of by the operator's apply of the worker Deployments."""
+    spec = {"model": {"name": "m"}, **overrides}
+    try:
+        parse_llmserve({"spec": spec})
+        model_ok = True
+    except SpecError:
+        model_ok = False
+    assert (model_ok, _crd_accepts(spec)) == (ok, ok), f"{case}: model {model_ok}, CRD {_crd_accepts(spec)}"
+
+
+def test_a_bad_node_selector_is_refused_naming_the_field_and_the_rule() -> None:
+    def check(node_selector: dict[str, str], message: str) -> None:
+        with pytest.raises(SpecError, match=message):
+            parse_llmserve({"spec": {"model": {"name": "m"}, **_selector(node_selector)}})
+
+    check({"bad key!": "x"}, r"spec\.placement\.nodeSelector: .*'bad key!'.*name part must consist of alphanumeric "
+                              r"characters, '-', '_' or '\.', and must start and end with an alphanumeric character")
+    check({"Example.com/pool": "x"}, r"spec\.placement\.nodeSelector: .*'Example\.com/pool'.*prefix part .*DNS-1123 "
+                                      r"subdomain")
+    check({"a" * 64: "x"}, r"spec\.placement\.nodeSelector: .*name part must be no more than 63 characters")
+    check({"b" + _SUBDOMAIN_253 + "/n": "x"}, r"spec\.placement\.nodeSelector: .*prefix part must be no more than "
+                                              r"253 characters")
+    check({"pool": "H100 SXM"}, r"spec\.placement\.nodeSelector\.pool: 'H100 SXM' is not a valid label value: .*"
+                                r"empty string or consist of alphanumeric characters")
+    check({"pool": "v" * 64}, r"spec\.placement\.nodeSelector\.pool: .*must be no more than 63 characters")
+    check({f"k{i}": "v" for i in range(65)}, r"spec\.placement\.nodeSelector: .*at most 64")
+
+
+def test_gpu_type_must_be_a_label_value_when_gpu_type_label_makes_it_one() -> None:
+    with pytest.raises(SpecError, match=r"spec: .*gpu\.type 'H100 SXM' is not a valid label value, which "
+                                        r"placement\.gpuTypeLabel \(nvidia\.com/gpu\.product\) requires: "):
+        parse_llmserve({"spec": {"model": {"name": "m"}, **_gpu_label("H100 SXM")}})
+    with pytest.raises(SpecError, match=r"spec\.placement\.gpuTypeLabel: 'gpu product' is not a valid label key: "
+                                        r"name part must consist of"):
+        parse_llmserve({"spec": {"model": {"name": "m"}, **_gpu_label("H100", "gpu product")}})
+    rules = spec_schema()["x-kubernetes-validations"]
+    (rule,) = [r for r in rules if r.get("fieldPath") == ".gpu.type"]
+    assert "placement.gpuTypeLabel" in rule["message"] and "label value" in rule["message"]
+
+
+def test_the_crd_bounds_what_its_label_rules_read() -> None:
+    """The API server refuses a CRD whose CEL rules could cost too much (the cost of a rule is estimated from the
+    largest map and string it may see): the node selector has at most 64 entries, gpu.type at most 253
+    characters, and values and gpuTypeLabel are checked by plain patterns, which cost nothing."""
+    from fulcrum.api.llmserve import LABEL_KEY_PATTERN, LABEL_VALUE_PATTERN
+
+    props = spec_schema()["properties"]
+    placement = props["placement"]["properties"]
+    selector = placement["nodeSelector"]
+    assert selector["maxProperties"] == 64
+    assert selector["additionalProperties"] == {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE_PATTERN}
+    assert all(LABEL_KEY_PATTERN in r["rule"] for r in selector["x-kubernetes-validations"])
+    label = placement["gpuTypeLabel"]
+    assert label["maxLength"] == 253 + 1 + 63 and label["pattern"] == f"^({LABEL_KEY_PATTERN[1:-1]})?$"
+    assert props["gpu"]["properties"]["type"]["maxLength"] == 253

@@ -32,10 +32,14 @@ non-empty source on ``spec.profile``; on ``spec``: each fixed TP at most ``gpu.g
 ``scaling.maxGPUs``, ``scaling.replicas × gpu.gpusPerNode >= scaling.minGPUs`` (an instance uses 1 to
 gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``; on each
 ``spec.placement.tolerations[]`` item the rules Kubernetes applies to a pod's tolerations (operator ``Exists``
-when ``key`` is empty, no ``value`` with ``Exists``, ``tolerationSeconds`` only with effect ``NoExecute``), so
-that such a spec is refused at ``kubectl apply`` instead of when the operator applies its Deployments. The rules rely on the object
-defaults above (defaulting runs before validation, so ``spec.scaling``, ``spec.gpu``, ``spec.connectors`` and
-their members are always present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use
+when ``key`` is empty, no ``value`` with ``Exists``, ``tolerationSeconds`` only with effect ``NoExecute``); and
+Kubernetes' label rules where the worker pods' ``nodeSelector`` comes from: every ``spec.placement.nodeSelector``
+key a label key (at most 64 keys, which bounds the rule's cost), ``spec.placement.gpuTypeLabel``'s prefix at most
+253 characters, and ``spec.gpu.type`` a label value when ``gpuTypeLabel`` is set (the values and the rest of
+``gpuTypeLabel`` are plain ``pattern``/``maxLength``) — so that such a spec is refused at ``kubectl apply`` instead
+of when the operator applies its Deployments. The rules rely on the object defaults above (defaulting runs before
+validation, so ``spec.scaling``, ``spec.gpu``, ``spec.placement``, ``spec.connectors`` and their members are always
+present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use
 ``fieldPath``, so the CRD needs Kubernetes 1.28 or newer (CEL validation itself is on by default since 1.25).
 
 ``status`` is an open object (``x-kubernetes-preserve-unknown-fields``) written by the operator.
@@ -60,7 +64,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
-from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe
+from fulcrum.api.llmserve import (API_VERSION, KIND, LABEL_KEY_PATTERN, LABEL_PREFIX_LENGTH_PATTERN,
+                                  LABEL_VALUE_MAX_LENGTH, LABEL_VALUE_PATTERN, LLMServe)
 
 __all__ = [
     "GROUP",
@@ -145,7 +150,7 @@ SCALE_SUBRESOURCE: dict[str, str] = {
 _KEPT_KEYS = frozenset(
     {
         "type", "description", "default", "enum", "format", "pattern", "minLength", "maxLength",
-        "minimum", "maximum", "minItems", "maxItems", "properties", "required", "items",
+        "minimum", "maximum", "minItems", "maxItems", "maxProperties", "properties", "required", "items",
     }
 )
 _DROPPED_KEYS = frozenset({"title", "additionalProperties"})
@@ -160,6 +165,14 @@ def _tp_rule(field: str) -> dict[str, str]:
     }
 
 
+def _cel_literal(text: str) -> str:
+    """``text`` as a CEL string literal; the label patterns hold no quote and no backslash, which keeps the CRD
+    readable (no escaping) and this function trivial."""
+    if "'" in text or "\\" in text:
+        raise ValueError(f"not a plain CEL string literal: {text!r}")
+    return f"'{text}'"
+
+
 def _given(field: str) -> str:
     """CEL: 1 if ``field`` is a non-empty string, else 0 ("" counts as unset, as in pydantic; Kubernetes
     treats null-valued fields as absent in CEL, so ``has`` is false for them)."""
@@ -167,10 +180,14 @@ def _given(field: str) -> str:
 
 
 # CEL rules by the property path of the spec node they are attached to (() = spec itself; "[]" = the items of
-# the list before it). They mirror the model validators ScalingSpec._min_le_max, ProfileRef._exactly_one,
-# LLMServeSpec._tp_fits, LLMServeSpec._replicas_and_connectors (router.policy against mode too) and
-# Toleration._as_kubernetes_validates. Rules on list items are costed by the API server per possible item (a
-# list without maxItems: about a million): keep them to a few has()/size()/== terms.
+# the list before it, "{}" = the values of the map before it). They mirror the model validators
+# ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits, LLMServeSpec._replicas_and_connectors
+# (router.policy against mode too) and Toleration._as_kubernetes_validates, and the label rules of PlacementSpec's nodeSelector keys and gpuTypeLabel
+# and LLMServeSpec._gpu_type_is_a_label_value (node-selector values are plain patterns, which cost nothing). Rules
+# on list items are costed by the API server per possible item (a list without maxItems: about a million): keep
+# them to a few has()/size()/== terms. A rule's cost is estimated from the largest map and string it may see:
+# the node selector has maxProperties and gpu.type a maxLength, without which kube-apiserver refuses the CRD
+# ("estimated rule cost exceeds budget").
 _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         _tp_rule("tpPrefill"),
@@ -185,6 +202,14 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "rule": "self.mode == 'Unified' || !(self.router.policy in ['round_robin', 'least_loaded'])",
             "message": "router.policy round_robin and least_loaded never use a prefill instance: they need mode Unified",
             "fieldPath": ".router.policy",
+        },
+        {
+            "rule": f"size(self.placement.gpuTypeLabel) == 0 || (size(self.gpu.type) <= {LABEL_VALUE_MAX_LENGTH} && "
+                    f"self.gpu.type.matches({_cel_literal(LABEL_VALUE_PATTERN)}))",
+            "message": "gpu.type must be a valid label value when placement.gpuTypeLabel is set (it becomes that node "
+                       "label's value): at most 63 alphanumeric characters, '-', '_' or '.', starting and ending with an "
+                       "alphanumeric character",
+            "fieldPath": ".gpu.type",
         },
         {
             "rule": "self.router.prefillQueue != 'nats' || size(self.connectors.nats) > 0",
@@ -210,6 +235,21 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "rule": "!has(self.replicas) || self.replicas <= self.maxGPUs",
             "message": "replicas must be <= maxGPUs (an instance uses at least one GPU)",
             "fieldPath": ".replicas",
+        },
+    ],
+    ("placement", "nodeSelector"): [
+        {
+            "rule": f"self.all(k, k.matches({_cel_literal(LABEL_KEY_PATTERN)}) && "
+                    f"k.matches({_cel_literal(LABEL_PREFIX_LENGTH_PATTERN)}))",
+            "message": "every key must be a valid label key: an optional prefix (a lowercase DNS-1123 subdomain of at "
+                       "most 253 characters) and '/', then a name of 1 to 63 alphanumeric characters, '-', '_' or '.', "
+                       "starting and ending with an alphanumeric character",
+        },
+    ],
+    ("placement", "gpuTypeLabel"): [
+        {
+            "rule": f"self.matches({_cel_literal(LABEL_PREFIX_LENGTH_PATTERN)})",
+            "message": "the prefix part of the label key (before '/') must be no more than 253 characters",
         },
     ],
     ("placement", "tolerations", "[]"): [
@@ -279,7 +319,7 @@ def _unwrap_nullable(node: dict[str, Any], path: str) -> tuple[dict[str, Any], b
 
 def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
     """Convert one pydantic JSON-schema node (and its children) to a structural OpenAPI v3.0 node."""
-    where = "spec" + "".join(p if p == "[]" else f".{p}" for p in path)
+    where = "spec" + "".join(p if p in ("[]", "{}") else f".{p}" for p in path)
     node = _resolve(node, defs)
     node, nullable = _unwrap_nullable(node, where)
     node = _resolve(node, defs)  # a nullable $ref: anyOf [{$ref}, null]
@@ -320,7 +360,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...
     if kind == "object" and isinstance(extra, dict):  # a map: dict[str, X]
         if node.get("properties"):
             raise ValueError(f"{where}: an object cannot have both properties and additionalProperties")
-        out["additionalProperties"] = _structural(extra, defs, path)
+        out["additionalProperties"] = _structural(extra, defs, (*path, "{}"))  # "{}": the map's values
     elif kind == "object" and extra is True:  # an open object: dict[str, Any]
         if node.get("properties"):
             raise ValueError(f"{where}: an open object cannot have properties")

@@ -47,6 +47,12 @@ __all__ = [
     "ForecasterMethod",
     "RouterPolicy",
     "Quantity",
+    "LABEL_KEY_PATTERN",
+    "LABEL_KEY_MAX_LENGTH",
+    "LABEL_PREFIX_LENGTH_PATTERN",
+    "LABEL_VALUE_PATTERN",
+    "LABEL_VALUE_MAX_LENGTH",
+    "LabelValue",
     "ModelSpec",
     "ResourceQuantities",
     "ResourcesSpec",
@@ -238,6 +244,100 @@ NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_number_only)]
 """An integer >= 0 (the bound before the validator, so that it reaches the JSON schema as ``minimum: 0``)."""
 
 
+# Kubernetes' rules for node labels (k8s.io/apimachinery/pkg/util/validation: IsQualifiedName, IsDNS1123Subdomain,
+# IsValidLabelValue), which the API server applies to a pod's nodeSelector: a worker Deployment whose selector breaks
+# them is refused (422) when the operator applies it, so the spec is checked up front, here and in the CRD.
+_LABEL_NAME_RE = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")  # Kubernetes' qualifiedNameFmt
+_DNS1123_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_DNS1123_SUBDOMAIN_RE = re.compile(_DNS1123_SUBDOMAIN)
+_NAME_RULE = "must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character"
+
+LABEL_VALUE_MAX_LENGTH = 63
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+"""A label value: empty, or a name (with :data:`LABEL_VALUE_MAX_LENGTH`, at most 63 characters)."""
+
+LABEL_KEY_MAX_LENGTH = 253 + 1 + 63
+"""A label key: a prefix of at most 253 characters, ``/``, a name of at most 63."""
+LABEL_KEY_PATTERN = rf"^({_DNS1123_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
+"""A label key, all but the length of its prefix: an optional DNS-1123 subdomain and ``/``, then a name of 1 to 63
+characters (the bounded repetition bounds the name; RE2, which the API server runs, has no look-ahead to bound the
+prefix as well: see :data:`LABEL_PREFIX_LENGTH_PATTERN`). No backslash and no quote, so that it can sit in a CEL
+string literal."""
+LABEL_PREFIX_LENGTH_PATTERN = r"^[^/]{0,253}(/|$)"
+"""Matches a label key whose prefix (the part before ``/``, if any) has at most 253 characters."""
+
+
+def _label_key_problems(key: str) -> list[str]:
+    """What Kubernetes' IsQualifiedName says of ``key`` (empty = a valid label key), in its words."""
+    parts = key.split("/")
+    if len(parts) > 2:
+        return ["a label key is a name with an optional DNS subdomain prefix and one '/' (e.g. example.com/MyName)"]
+    problems = []
+    if len(parts) == 2:
+        prefix = parts[0]
+        if not prefix:
+            problems.append("prefix part must be non-empty")
+        else:
+            if len(prefix) > 253:
+                problems.append("prefix part must be no more than 253 characters")
+            if not _DNS1123_SUBDOMAIN_RE.fullmatch(prefix):
+                problems.append("prefix part must be a lowercase DNS-1123 subdomain: lower case alphanumeric characters, "
+                                "'-' or '.', starting and ending with an alphanumeric character (e.g. example.com)")
+    name = parts[-1]
+    if not name:
+        problems.append("name part must be non-empty")
+    else:
+        if len(name) > 63:
+            problems.append("name part must be no more than 63 characters")
+        if not _LABEL_NAME_RE.fullmatch(name):
+            problems.append(f"name part {_NAME_RULE}")
+    return problems
+
+
+def _label_value_problems(value: str) -> list[str]:
+    """What Kubernetes' IsValidLabelValue says of ``value`` (empty = a valid label value), in its words."""
+    problems = []
+    if len(value) > LABEL_VALUE_MAX_LENGTH:
+        problems.append(f"it must be no more than {LABEL_VALUE_MAX_LENGTH} characters")
+    if value and not _LABEL_NAME_RE.fullmatch(value):
+        problems.append(f"it must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
+                        f"start and end with an alphanumeric character")
+    return problems
+
+
+def _check_label_value(value: str) -> str:
+    problems = _label_value_problems(value)
+    if problems:
+        raise PydanticCustomError("label_value", "{value} is not a valid label value: {problems}",
+                                  {"value": repr(value), "problems": "; ".join(problems)})
+    return value
+
+
+def _check_optional_label_key(key: str) -> str:
+    problems = _label_key_problems(key) if key else []
+    if problems:
+        raise PydanticCustomError("label_key", "{key} is not a valid label key: {problems}",
+                                  {"key": repr(key), "problems": "; ".join(problems)})
+    return key
+
+
+def _check_label_keys(labels: dict[str, str]) -> dict[str, str]:
+    bad = [f"{key!r} is not a valid label key: {'; '.join(problems)}"
+           for key in labels if (problems := _label_key_problems(key))]
+    if bad:
+        raise PydanticCustomError("label_key", "{bad}", {"bad": "; ".join(bad)})
+    return labels
+
+
+LabelValue = Annotated[
+    str,
+    AfterValidator(_check_label_value),
+    WithJsonSchema({"type": "string", "maxLength": LABEL_VALUE_MAX_LENGTH, "pattern": LABEL_VALUE_PATTERN}),
+]
+"""A Kubernetes label value: empty, or at most 63 alphanumeric characters, ``-``, ``_`` or ``.`` that start and end
+with an alphanumeric character."""
+
+
 class ModelSpec(_Model):
     """The served model."""
 
@@ -281,7 +381,11 @@ class EngineSpec(_Model):
 class GPUSpec(_Model):
     """The accelerator type of the pools. Defaults describe an NVIDIA H100 SXM 80 GB."""
 
-    type: str = Field(default="H100", min_length=1, description="GPU type; the node-selector value of placement.gpuTypeLabel when that is set.")
+    type: str = Field(
+        default="H100", min_length=1, max_length=253,
+        description="GPU type; the node-selector value of placement.gpuTypeLabel when that is set, and then a label "
+        "value (at most 63 alphanumeric characters, '-', '_' or '.', starting and ending with an alphanumeric one).",
+    )
     memory_gib: Float = Field(default=80.0, gt=0, le=4096, alias="memoryGiB", description="Memory per GPU in GiB.")
     hbm_bandwidth_gbps: Float = Field(default=3350.0, gt=0, alias="hbmBandwidthGBps", description="HBM bandwidth per GPU in GB/s.")
     gpus_per_node: Int = Field(default=8, ge=1, le=64, alias="gpusPerNode", description="GPUs per node; bounds TP.")
@@ -424,13 +528,24 @@ class Affinity(_Model):
 class PlacementSpec(_Model):
     """Where worker pods may run. The router pods get none of it (they need no GPU)."""
 
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every worker pod requires.")
+    node_selector: Annotated[dict[str, LabelValue], AfterValidator(_check_label_keys)] = Field(
+        default_factory=dict, max_length=64,
+        description="Node labels every worker pod requires: at most 64, each key a label key (an optional DNS-1123 "
+        "subdomain prefix of at most 253 characters and `/`, then a name of 1 to 63 alphanumeric characters, '-', '_' "
+        "or '.', starting and ending with an alphanumeric one), each value empty or such a name, as Kubernetes requires "
+        "of a pod's nodeSelector.",
+    )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Taints the worker pods tolerate (e.g. nvidia.com/gpu:NoSchedule); at most 64, which bounds the cost of the CRD's CEL rules on each.")
     affinity: Affinity = Field(default_factory=Affinity, description="Node and pod affinity of the worker pods.")
-    gpu_type_label: str = Field(
+    gpu_type_label: Annotated[
+        str,
+        AfterValidator(_check_optional_label_key),
+        WithJsonSchema({"type": "string", "maxLength": LABEL_KEY_MAX_LENGTH, "pattern": f"^({LABEL_KEY_PATTERN[1:-1]})?$"}),
+    ] = Field(
         default="",
-        description="Node label whose value must equal gpu.type (e.g. nvidia.com/gpu.product, or your own); "
-        "\"\" = no automatic GPU-type selector. Ignored for engine kind `sim`.",
+        description="Node label whose value must equal gpu.type (e.g. nvidia.com/gpu.product, or your own): a label "
+        "key, and gpu.type must then be a label value; \"\" = no automatic GPU-type selector. Ignored for engine kind "
+        "`sim` (the label rules still apply).",
     )
 
 
@@ -487,6 +602,18 @@ class LLMServeSpec(_Model):
                 f"router.policy {self.router.policy.value} runs every request on one instance and never on a prefill "
                 f"instance, so mode {self.mode.value} would leave its prefill pool idle: use disaggregated, split or "
                 f"load_aware, or mode Unified"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_type_is_a_label_value(self) -> "LLMServeSpec":
+        # placement.gpuTypeLabel puts gpu.type into the worker pods' nodeSelector (operator/controller/resources.py)
+        label = self.placement.gpu_type_label
+        problems = _label_value_problems(self.gpu.type) if label else []
+        if problems:
+            raise ValueError(
+                f"gpu.type {self.gpu.type!r} is not a valid label value, which placement.gpuTypeLabel ({label}) "
+                f"requires: {'; '.join(problems)}"
             )
         return self
 
