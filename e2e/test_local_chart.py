@@ -233,6 +233,21 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     ("toleration-seconds", lambda d: d["spec"].update(
         placement={"tolerations": [{"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}]}),
      ["spec.placement.tolerations[0].effect", "effect must be NoExecute when tolerationSeconds is set"]),
+    # ValidateTolerations' label rules: a non-empty key is a label key, a value (with Equal) a label value
+    ("toleration-key", lambda d: d["spec"].update(placement={"tolerations": [{"key": "bad key!", "operator": "Exists"}]}),
+     ["spec.placement.tolerations[0].key", "should match"]),
+    ("toleration-key-prefix", lambda d: d["spec"].update(
+        placement={"tolerations": [{"key": "Example.com/x", "operator": "Exists"}]}),
+     ["spec.placement.tolerations[0].key", "should match"]),
+    ("toleration-key-prefix-too-long", lambda d: d["spec"].update(
+        placement={"tolerations": [{"key": "p" * 254 + "/x", "operator": "Exists"}]}),
+     ["spec.placement.tolerations[0].key", "prefix part of the key (before '/') must be no more than 253 characters"]),
+    ("toleration-value", lambda d: d["spec"].update(
+        placement={"tolerations": [{"key": "a", "operator": "Equal", "value": "a b"}]}),
+     ["spec.placement.tolerations[0].value", "should match"]),
+    ("toleration-value-too-long", lambda d: d["spec"].update(
+        placement={"tolerations": [{"key": "a", "operator": "Equal", "value": "v" * 64}]}),
+     ["spec.placement.tolerations[0].value", "may not be longer than 63"]),
     # Kubernetes' label rules on what becomes the worker pods' nodeSelector (else the operator's apply gets a 422)
     ("selector-value", lambda d: d["spec"].update(placement={"nodeSelector": {"pool": "H100 SXM"}}),
      ["spec.placement.nodeSelector.pool", "should match"]),
@@ -272,6 +287,24 @@ def test_invalid_llmserves_are_rejected_by_the_api_server_naming_the_field(
     print(f"{len(messages)} invalid LLMServes rejected:")
     for name, msg in messages.items():
         print(f"  {name[:24]:24} {msg[:300]}")
+
+
+def test_tolerations_kubernetes_takes_are_taken_by_the_api_server(
+        local_cluster: Any, chart: Installed, namespaces: tuple[str, str]) -> None:
+    # the other side of BAD's toleration rows: the patterns and the prefix rule (RE2, null-valued fields) refuse
+    # nothing Kubernetes takes on a pod
+    tolerations = [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "p" * 253 + "/" + "n" * 63, "operator": "Equal", "value": "v" * 63},
+        {"key": "My_Taint.v-2", "value": "A100_80GB.v-2"},
+        {"key": "a", "operator": "Equal", "value": ""},
+        {"key": "", "operator": "Exists"},
+        {"key": None, "operator": "Exists", "value": None},
+    ]
+    doc = _sim_llmserve(namespaces[1], "good-tolerations", placement={"tolerations": tolerations})
+    argv = ["kubectl", "--kubeconfig", str(local_cluster.kubeconfig), "apply", "--dry-run=server", "-f", "-"]
+    proc = subprocess.run(argv, input=yaml.safe_dump(doc), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_missing_profile_configmap_sets_a_condition_and_an_event_and_creates_nothing(

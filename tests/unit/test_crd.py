@@ -397,7 +397,7 @@ def test_toleration_rules_are_those_kubernetes_enforces_on_a_pod() -> None:
     check({"key": "a", "operator": "Exists", "value": "v"}, "value must be empty when operator is Exists")
     check({"key": "a", "tolerationSeconds": 5}, "effect must be NoExecute when tolerationSeconds is set")
     rules = spec_schema()["properties"]["placement"]["properties"]["tolerations"]["items"]["x-kubernetes-validations"]
-    assert [r["fieldPath"] for r in rules] == [".operator", ".value", ".effect"]
+    assert [r["fieldPath"] for r in rules] == [".operator", ".value", ".effect", ".key"]
 
 
 # --- values the API server refuses by type or bound --------------------------------------------------
@@ -626,3 +626,95 @@ def test_the_crd_bounds_what_its_label_rules_read() -> None:
     label = placement["gpuTypeLabel"]
     assert label["maxLength"] == 253 + 1 + 63 and label["pattern"] == f"^({LABEL_KEY_PATTERN[1:-1]})?$"
     assert props["gpu"]["properties"]["type"]["maxLength"] == 253
+
+
+# --- tolerations: the label rules of Kubernetes' ValidateTolerations --------------------------------------
+#
+# k8s.io/kubernetes/pkg/apis/core/validation ValidateTolerations: a non-empty key must be a label key
+# (ValidateLabelName, i.e. IsQualifiedName); with operator Equal (or none) the value must be a label value
+# (IsValidLabelValue); with Exists the value must be empty. A label value is empty or a name, so requiring it
+# whatever the operator takes exactly what Kubernetes takes.
+
+
+def _toleration(**toleration: Any) -> dict[str, Any]:
+    return {"placement": {"tolerations": [toleration]}}
+
+
+_TOLERATION_CASES: list[tuple[str, dict[str, Any], bool]] = [
+    ("key with a prefix", _toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule"), True),
+    ("key with a prefix, Equal and a value", _toleration(key="nvidia.com/gpu", operator="Equal", value="present"), True),
+    ("empty key, Exists", _toleration(key="", operator="Exists"), True),
+    ("no key, Exists", _toleration(operator="Exists"), True),
+    ("null key, Exists", _toleration(key=None, operator="Exists"), True),
+    ("names with _ . - and capitals", _toleration(key="My_Taint.v-2", value="A100_80GB.v-2"), True),
+    ("key with a space and !", _toleration(key="bad key!", operator="Exists"), False),
+    ("capital in the key's prefix", _toleration(key="Example.com/x", operator="Exists"), False),
+    ("key with two slashes", _toleration(key="a/b/c", operator="Exists"), False),
+    ("key with an empty prefix", _toleration(key="/x", operator="Exists"), False),
+    ("key with an empty name", _toleration(key="example.com/", operator="Exists"), False),
+    ("key name ending with -", _toleration(key="taint-", operator="Exists"), False),
+    ("key with a 63-character name", _toleration(key="a" * 63, operator="Exists"), True),
+    ("key with a 64-character name", _toleration(key="a" * 64, operator="Exists"), False),
+    ("key with a 253-character prefix", _toleration(key=_SUBDOMAIN_253 + "/n", operator="Exists"), True),
+    ("key with a 254-character prefix", _toleration(key="b" + _SUBDOMAIN_253 + "/n", operator="Exists"), False),
+    ("Equal, value with a space", _toleration(key="a", operator="Equal", value="a b"), False),
+    ("no operator, value with a space", _toleration(key="a", value="a b"), False),
+    ("Equal, value ending with -", _toleration(key="a", operator="Equal", value="v-"), False),
+    ("Equal, value with a slash", _toleration(key="a", operator="Equal", value="a/b"), False),
+    ("Equal, empty value", _toleration(key="a", operator="Equal", value=""), True),
+    ("Equal, 63-character value", _toleration(key="a", operator="Equal", value="v" * 63), True),
+    ("Equal, 64-character value", _toleration(key="a", operator="Equal", value="v" * 64), False),
+    ("Exists, value with a space", _toleration(key="a", operator="Exists", value="a b"), False),
+    ("a good toleration, then a bad key",
+     {"placement": {"tolerations": [{"operator": "Exists"}, {"key": "bad key!", "operator": "Exists"}]}}, False),
+]
+
+
+@pytest.mark.parametrize(("case", "overrides", "ok"), _TOLERATION_CASES, ids=[c for c, _, _ in _TOLERATION_CASES])
+def test_toleration_keys_and_values_are_checked_as_kubernetes_checks_them(
+        case: str, overrides: dict[str, Any], ok: bool) -> None:
+    """The model and the CRD take exactly the toleration keys and values Kubernetes takes on a pod template, so
+    that a bad one is refused at ``kubectl apply`` instead of by the operator's apply of the worker Deployments."""
+    spec = {"model": {"name": "m"}, **overrides}
+    try:
+        parse_llmserve({"spec": spec})
+        model_ok = True
+    except SpecError:
+        model_ok = False
+    assert (model_ok, _crd_accepts(spec)) == (ok, ok), f"{case}: model {model_ok}, CRD {_crd_accepts(spec)}"
+
+
+def test_a_bad_toleration_key_or_value_is_refused_naming_the_field_and_the_rule() -> None:
+    def check(toleration: dict[str, Any], message: str) -> None:
+        with pytest.raises(SpecError, match=message):
+            parse_llmserve({"spec": {"model": {"name": "m"}, **_toleration(**toleration)}})
+
+    check({"key": "bad key!", "operator": "Exists"},
+          r"spec\.placement\.tolerations\.0\.key: 'bad key!' is not a valid label key: name part must consist of "
+          r"alphanumeric characters, '-', '_' or '\.', and must start and end with an alphanumeric character")
+    check({"key": "Example.com/x", "operator": "Exists"},
+          r"spec\.placement\.tolerations\.0\.key: 'Example\.com/x' is not a valid label key: prefix part .*DNS-1123 "
+          r"subdomain")
+    check({"key": "b" + _SUBDOMAIN_253 + "/n", "operator": "Exists"},
+          r"spec\.placement\.tolerations\.0\.key: .*prefix part must be no more than 253 characters")
+    check({"key": "a", "operator": "Equal", "value": "a b"},
+          r"spec\.placement\.tolerations\.0\.value: 'a b' is not a valid label value: it must be an empty string or "
+          r"consist of alphanumeric characters")
+    check({"key": "a", "value": "v" * 64},
+          r"spec\.placement\.tolerations\.0\.value: .*must be no more than 63 characters")
+
+
+def test_the_crd_checks_toleration_keys_and_values_by_pattern_and_bounds_its_one_rule_on_the_key() -> None:
+    """Key and value are plain ``pattern``/``maxLength`` (no CEL cost); only the 253-character bound of the key's
+    prefix, which RE2 cannot express with the rest of the key, is a CEL rule, on a key of at most 317 characters in
+    a list of at most 64 tolerations."""
+    from fulcrum.api.llmserve import LABEL_KEY_PATTERN, LABEL_PREFIX_LENGTH_PATTERN, LABEL_VALUE_PATTERN
+
+    tolerations = spec_schema()["properties"]["placement"]["properties"]["tolerations"]
+    assert tolerations["maxItems"] == 64
+    item = tolerations["items"]
+    key, value = item["properties"]["key"], item["properties"]["value"]
+    assert (key["maxLength"], key["pattern"], key["nullable"]) == (253 + 1 + 63, f"^({LABEL_KEY_PATTERN[1:-1]})?$", True)
+    assert (value["maxLength"], value["pattern"], value["nullable"]) == (63, LABEL_VALUE_PATTERN, True)
+    (rule,) = [r for r in item["x-kubernetes-validations"] if r["fieldPath"] == ".key"]
+    assert LABEL_PREFIX_LENGTH_PATTERN in rule["rule"] and "253" in rule["message"] and "key" in rule["message"]

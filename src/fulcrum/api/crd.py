@@ -31,13 +31,14 @@ Cross-field rules of the model become CEL ``x-kubernetes-validations``: ``minGPU
 non-empty source on ``spec.profile``; on ``spec``: each fixed TP at most ``gpu.gpusPerNode`` and
 ``scaling.maxGPUs``, ``scaling.replicas × gpu.gpusPerNode >= scaling.minGPUs`` (an instance uses 1 to
 gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``; on each
-``spec.placement.tolerations[]`` item the rules Kubernetes applies to a pod's tolerations (operator ``Exists``
-when ``key`` is empty, no ``value`` with ``Exists``, ``tolerationSeconds`` only with effect ``NoExecute``); and
-Kubernetes' label rules where the worker pods' ``nodeSelector`` comes from: every ``spec.placement.nodeSelector``
-key a label key (at most 64 keys, which bounds the rule's cost), ``spec.placement.gpuTypeLabel``'s prefix at most
-253 characters, and ``spec.gpu.type`` a label value when ``gpuTypeLabel`` is set (the values and the rest of
-``gpuTypeLabel`` are plain ``pattern``/``maxLength``) — so that such a spec is refused at ``kubectl apply`` instead
-of when the operator applies its Deployments. The rules rely on the object defaults above (defaulting runs before
+``spec.placement.tolerations[]`` item (at most 64) the rules Kubernetes applies to a pod's tolerations (operator
+``Exists`` when ``key`` is empty, no ``value`` with ``Exists``, ``tolerationSeconds`` only with effect
+``NoExecute``, the prefix of ``key`` at most 253 characters; the rest of ``key`` a label key and ``value`` a label
+value are plain ``pattern``/``maxLength``); and Kubernetes' label rules where the worker pods' ``nodeSelector``
+comes from: every ``spec.placement.nodeSelector`` key a label key (at most 64 keys, which bounds the rule's cost),
+``spec.placement.gpuTypeLabel``'s prefix at most 253 characters, and ``spec.gpu.type`` a label value when
+``gpuTypeLabel`` is set (the values and the rest of ``gpuTypeLabel`` are plain ``pattern``/``maxLength``) — so that
+such a spec is refused at ``kubectl apply`` instead of when the operator applies its Deployments. The rules rely on the object defaults above (defaulting runs before
 validation, so ``spec.scaling``, ``spec.gpu``, ``spec.placement``, ``spec.connectors`` and their members are always
 present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use
 ``fieldPath``, so the CRD needs Kubernetes 1.28 or newer (CEL validation itself is on by default since 1.25).
@@ -182,12 +183,13 @@ def _given(field: str) -> str:
 # CEL rules by the property path of the spec node they are attached to (() = spec itself; "[]" = the items of
 # the list before it, "{}" = the values of the map before it). They mirror the model validators
 # ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits, LLMServeSpec._replicas_and_connectors
-# (router.policy against mode too) and Toleration._as_kubernetes_validates, and the label rules of PlacementSpec's nodeSelector keys and gpuTypeLabel
-# and LLMServeSpec._gpu_type_is_a_label_value (node-selector values are plain patterns, which cost nothing). Rules
-# on list items are costed by the API server per possible item (a list without maxItems: about a million): keep
-# them to a few has()/size()/== terms. A rule's cost is estimated from the largest map and string it may see:
-# the node selector has maxProperties and gpu.type a maxLength, without which kube-apiserver refuses the CRD
-# ("estimated rule cost exceeds budget").
+# (router.policy against mode too) and Toleration._as_kubernetes_validates, and the label rules of PlacementSpec's
+# nodeSelector keys, gpuTypeLabel and toleration keys (the prefix length; the rest is a pattern) and
+# LLMServeSpec._gpu_type_is_a_label_value (node-selector and toleration values are plain patterns, which cost
+# nothing). Rules on list items are costed by the API server per possible item (a list without maxItems: about a
+# million): keep them to a few has()/size()/== terms. A rule's cost is estimated from the largest map, list and
+# string it may see: the node selector has maxProperties, the tolerations maxItems, gpu.type and a toleration's key
+# a maxLength, without which kube-apiserver refuses the CRD ("estimated rule cost exceeds budget").
 _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         _tp_rule("tpPrefill"),
@@ -267,6 +269,13 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
             "message": "effect must be NoExecute when tolerationSeconds is set",
             "fieldPath": ".effect",
+        },
+        {
+            # the rest of the label rules are key's and value's patterns; RE2 cannot bound the prefix in the pattern
+            "rule": f"!has(self.key) || self.key.matches({_cel_literal(LABEL_PREFIX_LENGTH_PATTERN)})",
+            "message": "key must be a valid label key: the prefix part of the key (before '/') must be no more than 253 "
+                       "characters",
+            "fieldPath": ".key",
         },
     ],
     ("profile",): [

@@ -53,6 +53,7 @@ __all__ = [
     "LABEL_VALUE_PATTERN",
     "LABEL_VALUE_MAX_LENGTH",
     "LabelValue",
+    "OptionalLabelKey",
     "ModelSpec",
     "ResourceQuantities",
     "ResourcesSpec",
@@ -337,6 +338,14 @@ LabelValue = Annotated[
 """A Kubernetes label value: empty, or at most 63 alphanumeric characters, ``-``, ``_`` or ``.`` that start and end
 with an alphanumeric character."""
 
+OptionalLabelKey = Annotated[
+    str,
+    AfterValidator(_check_optional_label_key),
+    WithJsonSchema({"type": "string", "maxLength": LABEL_KEY_MAX_LENGTH, "pattern": f"^({LABEL_KEY_PATTERN[1:-1]})?$"}),
+]
+"""A Kubernetes label key, or ``""`` (= none). The JSON schema's pattern checks all but the length of the prefix,
+which the CRD checks with a CEL rule (:data:`LABEL_PREFIX_LENGTH_PATTERN`)."""
+
 
 class ModelSpec(_Model):
     """The served model."""
@@ -498,15 +507,26 @@ class RouterSpec(_Model):
 class Toleration(_Model):
     """A Kubernetes pod toleration (core/v1 Toleration), copied onto every worker pod."""
 
-    key: str | None = Field(default=None, max_length=317, description="Taint key the toleration applies to (a label key: prefix of up to 253 characters, `/`, name of up to 63); unset with operator Exists = every taint.")
+    key: OptionalLabelKey | None = Field(
+        default=None,
+        description="Taint key the toleration applies to: a label key (an optional DNS-1123 subdomain prefix of at most "
+        "253 characters and `/`, then a name of 1 to 63 alphanumeric characters, '-', '_' or '.', starting and ending "
+        "with an alphanumeric one); unset or empty with operator Exists = every taint.",
+    )
     operator: Literal["Exists", "Equal"] | None = Field(default=None, description="`Exists` or `Equal` (the Kubernetes default).")
-    value: str | None = Field(default=None, max_length=63, description="Taint value to match with operator Equal (a label value, up to 63 characters).")
+    value: LabelValue | None = Field(
+        default=None,
+        description="Taint value to match with operator Equal: a label value (empty, or at most 63 alphanumeric "
+        "characters, '-', '_' or '.', starting and ending with an alphanumeric one); empty with operator Exists.",
+    )
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(default=None, description="Taint effect to match; unset = all.")
     toleration_seconds: Int | None = Field(default=None, description="How long a NoExecute taint is tolerated, seconds; unset = forever. Only with effect NoExecute.")
 
     @model_validator(mode="after")
     def _as_kubernetes_validates(self) -> "Toleration":
-        # the rules of Kubernetes' ValidateTolerations (the API server rejects the pod template otherwise)
+        # the rules of Kubernetes' ValidateTolerations (the API server rejects the pod template otherwise); its label
+        # rules (a non-empty key a label key, with Equal the value a label value) are the types of key and value: a
+        # label value is empty or a name, so asking it whatever the operator adds nothing for Exists, which wants ""
         if not self.key and self.operator != "Exists":
             raise ValueError("operator must be Exists when key is empty (a toleration of every taint)")
         if self.operator == "Exists" and self.value:
@@ -537,11 +557,7 @@ class PlacementSpec(_Model):
     )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Taints the worker pods tolerate (e.g. nvidia.com/gpu:NoSchedule); at most 64, which bounds the cost of the CRD's CEL rules on each.")
     affinity: Affinity = Field(default_factory=Affinity, description="Node and pod affinity of the worker pods.")
-    gpu_type_label: Annotated[
-        str,
-        AfterValidator(_check_optional_label_key),
-        WithJsonSchema({"type": "string", "maxLength": LABEL_KEY_MAX_LENGTH, "pattern": f"^({LABEL_KEY_PATTERN[1:-1]})?$"}),
-    ] = Field(
+    gpu_type_label: OptionalLabelKey = Field(
         default="",
         description="Node label whose value must equal gpu.type (e.g. nvidia.com/gpu.product, or your own): a label "
         "key, and gpu.type must then be a label value; \"\" = no automatic GPU-type selector. Ignored for engine kind "
