@@ -354,15 +354,20 @@ def _cel_rules(schema: dict[str, Any], obj: Any) -> Iterator[tuple[str, Any]]:
             yield from _cel_rules(schema["items"], item)
 
 
+def _model_accepts(spec: dict[str, Any]) -> bool:
+    """Whether the pydantic model takes ``spec`` (a SpecError is a refusal)."""
+    try:
+        parse_llmserve({"spec": spec})
+    except SpecError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize(("case", "overrides"), _CEL_CASES, ids=[c for c, _ in _CEL_CASES])
 def test_cel_rules_accept_exactly_the_specs_the_model_accepts(case: str, overrides: dict[str, Any]) -> None:
     celpy = pytest.importorskip("celpy", reason="cel-python is not installed (pip install cel-python)")
     spec = {"model": {"name": "m"}, **overrides}
-    try:
-        parse_llmserve({"spec": spec})
-        model_ok = True
-    except SpecError:
-        model_ok = False
+    model_ok = _model_accepts(spec)
     schema = spec_schema()
     obj = _drop_nulls(_apply_defaults(schema, spec))
     env = celpy.Environment()
@@ -453,11 +458,7 @@ _VALUE_CASES: list[tuple[str, dict[str, Any], bool]] = [
 def test_the_crd_schema_and_the_model_refuse_the_same_values(case: str, overrides: dict[str, Any], ok: bool) -> None:
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (pip install jsonschema)")
     spec = {"model": {"name": "m"}, **overrides}
-    try:
-        parse_llmserve({"spec": spec})
-        model_ok = True
-    except SpecError:
-        model_ok = False
+    model_ok = _model_accepts(spec)
     schema = spec_schema()
     errors = list(jsonschema.Draft4Validator(_openapi_to_jsonschema(schema)).iter_errors(_apply_defaults(schema, spec)))
     assert (model_ok, not errors) == (ok, ok), f"{case}: model {model_ok}, CRD {errors or 'accepts'}"
@@ -567,20 +568,6 @@ def _crd_accepts(spec: dict[str, Any]) -> bool:
     return True
 
 
-@pytest.mark.parametrize(("case", "overrides", "ok"), _LABEL_CASES, ids=[c for c, _, _ in _LABEL_CASES])
-def test_node_selector_and_gpu_type_label_are_checked_as_kubernetes_checks_node_labels(
-        case: str, overrides: dict[str, Any], ok: bool) -> None:
-    """The model and the CRD take exactly the node-selector keys and values Kubernetes takes on a pod template, so
-    that a bad one is refused at ``kubectl apply`` instead of by the operator's apply of the worker Deployments."""
-    spec = {"model": {"name": "m"}, **overrides}
-    try:
-        parse_llmserve({"spec": spec})
-        model_ok = True
-    except SpecError:
-        model_ok = False
-    assert (model_ok, _crd_accepts(spec)) == (ok, ok), f"{case}: model {model_ok}, CRD {_crd_accepts(spec)}"
-
-
 def test_a_bad_node_selector_is_refused_naming_the_field_and_the_rule() -> None:
     def check(node_selector: dict[str, str], message: str) -> None:
         with pytest.raises(SpecError, match=message):
@@ -670,17 +657,15 @@ _TOLERATION_CASES: list[tuple[str, dict[str, Any], bool]] = [
 ]
 
 
-@pytest.mark.parametrize(("case", "overrides", "ok"), _TOLERATION_CASES, ids=[c for c, _, _ in _TOLERATION_CASES])
-def test_toleration_keys_and_values_are_checked_as_kubernetes_checks_them(
+@pytest.mark.parametrize(("case", "overrides", "ok"), _LABEL_CASES + _TOLERATION_CASES,
+                         ids=[c for c, _, _ in _LABEL_CASES + _TOLERATION_CASES])
+def test_node_labels_and_tolerations_are_checked_as_kubernetes_checks_them(
         case: str, overrides: dict[str, Any], ok: bool) -> None:
-    """The model and the CRD take exactly the toleration keys and values Kubernetes takes on a pod template, so
-    that a bad one is refused at ``kubectl apply`` instead of by the operator's apply of the worker Deployments."""
+    """The model and the CRD take exactly the node-selector keys and values, the gpuTypeLabel and the toleration keys
+    and values Kubernetes takes on a pod template, so that a bad one is refused at ``kubectl apply`` instead of by
+    the operator's apply of the worker Deployments."""
     spec = {"model": {"name": "m"}, **overrides}
-    try:
-        parse_llmserve({"spec": spec})
-        model_ok = True
-    except SpecError:
-        model_ok = False
+    model_ok = _model_accepts(spec)
     assert (model_ok, _crd_accepts(spec)) == (ok, ok), f"{case}: model {model_ok}, CRD {_crd_accepts(spec)}"
 
 
