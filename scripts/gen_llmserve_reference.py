@@ -102,6 +102,14 @@ def _constraints(node: Mapping[str, Any], required: bool) -> str:
         parts.append(f"{lo or 0}–{hi} items")
     elif lo is not None:
         parts.append(f"≥ {lo} items")
+    lo, hi = node.get("minProperties"), node.get("maxProperties")
+    if hi is not None:
+        parts.append(f"{lo or 0}–{hi} entries")
+    elif lo is not None:
+        parts.append(f"≥ {lo} entries")
+    values = node.get("additionalProperties")
+    if isinstance(values, Mapping) and (each := _constraints(values, False)):
+        parts.append(f"each value: {each}")
     if node.get("nullable"):
         parts.append("may be null (= unset)")
     return "; ".join(parts)
