@@ -113,11 +113,34 @@ class StepEntry:
     samples: int
 
 
+def _float(value: Any) -> float:
+    """``float(value)``, with an integer beyond float range as ±inf (for the range checks to refuse) instead of
+    OverflowError. Raises TypeError or ValueError for what is no number."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _shown(value: Any, keep: int = 40) -> str:
+    """``repr(value)`` cut to ``keep`` characters, for a message quoting a 400-digit number."""
+    text = repr(value)
+    return text if len(text) <= keep else f"{text[:keep]}…"
+
+
 def _finite_non_negative(name: str, value: float) -> float:
-    v = float(value)
+    v = _float(value)
     if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number >= 0, got {_shown(value)}")
     return v
+
+
+def _count(name: str, value: Any) -> int:
+    """A whole number >= 0 (a sample count, a token floor) from a table file."""
+    v = _float(value)
+    if not (v >= 0 and v.is_integer()):  # not inf, not nan
+        raise ValueError(f"{name} must be a whole number >= 0, got {_shown(value)}")
+    return int(v)
 
 
 class StepLatencyTable:
@@ -380,7 +403,8 @@ class StepLatencyTable:
         if data.get("version", _FORMAT_VERSION) != _FORMAT_VERSION:
             raise ProfileError(f"{origin}: unknown version {data.get('version')!r} (expected {_FORMAT_VERSION})")
         try:
-            table = cls(alpha=float(data.get("alpha", 0.25)), min_prefill_tokens=int(data.get("minPrefillTokens", 16)))
+            table = cls(alpha=_float(data.get("alpha", 0.25)),
+                        min_prefill_tokens=_count("minPrefillTokens", data.get("minPrefillTokens", 16)))
         except (TypeError, ValueError) as err:
             raise ProfileError(f"{origin}: {err}") from err
         entries = data.get("entries", [])
@@ -405,13 +429,11 @@ class StepLatencyTable:
                                    _finite_non_negative("decodes", raw["decodes"]))
                 seconds = _finite_non_negative("seconds", raw["seconds"])
                 mean_p = _finite_non_negative("meanPrefillTokens", raw.get("meanPrefillTokens", p))
-                samples = int(raw.get("samples", 1))
+                samples = _count("samples", raw.get("samples", 1))
             except KeyError as err:
                 raise ProfileError(f"{where}: missing field {err.args[0]!r}") from None
             except (TypeError, ValueError) as err:
                 raise ProfileError(f"{where}: {err}") from None
-            if samples < 0:
-                raise ProfileError(f"{where}: samples must be >= 0, got {samples}")
             self._entries[key] = StepEntry(key, seconds, mean_p, samples)
         self._slices = None
 
@@ -438,6 +460,9 @@ class StepLatencyTable:
             data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
         except OSError as err:
             raise ProfileError(f"step table {path}: cannot read: {err.strerror or err}") from err
+        except RecursionError as err:
+            kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+            raise ProfileError(f"step table {path}: not valid {kind}: nested too deeply") from err
         except (ValueError, yaml.YAMLError) as err:
             raise ProfileError(f"step table {path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {err}") from err
         return cls.from_dict(data, origin=f"step table {path}")

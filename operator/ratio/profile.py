@@ -50,8 +50,13 @@ GiB = float(1 << 30)
 
 
 def _check_increasing(name: str, xs: Sequence[float]) -> None:
+    """An axis (ISL, batch or context): at least one point, every point > 0 (no prompt, batch or context of 0 or
+    fewer tokens or requests), strictly increasing."""
     if len(xs) == 0:
         raise ProfileError(f"{name}: no points")
+    for x in xs:
+        if not x > 0:
+            raise ProfileError(f"{name}: every point must be > 0, got {x:g}")
     for a, b in zip(xs, xs[1:]):
         if not b > a:
             raise ProfileError(f"{name}: axis must be strictly increasing, got {a} then {b}")
@@ -326,20 +331,69 @@ class PerformanceProfile:
         }
 
 
+_MAX_TP = 64
+"""The largest tensor-parallel size a profile table may have: the bound of an ``LLMServe``'s ``scaling.tpPrefill``,
+``tpDecode`` and ``tpUnified`` (``fulcrum.api.llmserve.ScalingSpec``)."""
+
+
 def _req(d: dict[str, Any], key: str, where: str) -> Any:
     if key not in d:
         raise ProfileError(f"{where}: missing field {key!r}")
     return d[key]
 
 
+def _short(v: Any, keep: int = 40) -> str:
+    """``repr(v)`` cut to ``keep`` characters, for a message quoting a 400-digit number."""
+    text = repr(v)
+    return text if len(text) <= keep else f"{text[:keep]}…"
+
+
 def _num(v: Any, where: str) -> float:
+    if isinstance(v, bool):  # YAML's true/yes: float(True) would read 1
+        raise ProfileError(f"{where}: expected a number, got {v!r}")
     try:
         f = float(v)
     except (TypeError, ValueError):
-        raise ProfileError(f"{where}: expected a number, got {v!r}") from None
+        raise ProfileError(f"{where}: expected a number, got {_short(v)}") from None
+    except OverflowError:  # an integer beyond float range
+        raise ProfileError(f"{where}: expected a finite number, got {_short(v)}") from None
     if not math.isfinite(f):
-        raise ProfileError(f"{where}: expected a finite number, got {v!r}")
+        raise ProfileError(f"{where}: expected a finite number, got {_short(v)}")
     return f
+
+
+def _whole(v: Any, where: str) -> int:
+    """A count (TP, a batch cap): a finite number with no fraction, as an int."""
+    f = _num(v, where)
+    if not f.is_integer():
+        raise ProfileError(f"{where}: expected a whole number, got {_short(v)}")
+    return int(f)
+
+
+def _tp(v: Any, where: str) -> int:
+    tp = _whole(v, where)
+    if not 1 <= tp <= _MAX_TP:
+        raise ProfileError(f"{where}: a TP must be from 1 to {_MAX_TP}, got {tp}")
+    return tp
+
+
+def _tables(d: dict[str, Any], key: str, origin: str) -> list[tuple[str, dict[str, Any], int]]:
+    """The ``prefill`` or ``decode`` list: (where, entry, TP) per table, each entry a mapping, each TP once."""
+    entries = _req(d, key, origin) or []
+    if not isinstance(entries, list):
+        raise ProfileError(f"{origin}: {key}: expected a list of tables, got {type(entries).__name__}")
+    out: list[tuple[str, dict[str, Any], int]] = []
+    seen: dict[int, str] = {}
+    for i, entry in enumerate(entries):
+        where = f"{origin}: {key}[{i}]"
+        if not isinstance(entry, dict):
+            raise ProfileError(f"{where}: expected a mapping, got {type(entry).__name__}")
+        tp = _tp(_req(entry, "tp", where), f"{where}.tp")
+        if tp in seen:
+            raise ProfileError(f"{where}: a second table for TP={tp} (the first is {seen[tp]})")
+        seen[tp] = f"{key}[{i}]"
+        out.append((where, entry, tp))
+    return out
 
 
 def _nums(vs: Any, where: str) -> tuple[float, ...]:
@@ -360,7 +414,9 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
         decode:  [{tp: int, batch: [n...], context: [tokens...], tpotMs: [[ms per context] per batch]}]
 
     Raises:
-        ProfileError: a field is missing or of the wrong type, or a table is empty, non-monotone or ragged.
+        ProfileError: a field is missing or of the wrong type (a count with a fraction, a boolean for a number), a
+            TP is outside 1..:data:`_MAX_TP` or has two tables, or a table is empty, non-monotone, ragged or has an
+            axis point <= 0.
     """
     if not isinstance(d, dict):
         raise ProfileError(f"{origin}: expected a mapping at the top level, got {type(d).__name__}")
@@ -368,9 +424,7 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
     if not isinstance(gpu, dict):
         raise ProfileError(f"{origin}: gpu must be a mapping")
     prefill: dict[int, PrefillTable] = {}
-    for i, entry in enumerate(_req(d, "prefill", origin) or []):
-        where = f"{origin}: prefill[{i}]"
-        tp = int(_num(_req(entry, "tp", where), f"{where}.tp"))
+    for where, entry, tp in _tables(d, "prefill", origin):
         isl = _nums(_req(entry, "isl", where), f"{where}.isl")
         ms = _nums(_req(entry, "ttftMs", where), f"{where}.ttftMs")
         try:
@@ -378,9 +432,7 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
         except ProfileError as err:
             raise ProfileError(f"{where} (TP={tp}): {err}") from None
     decode: dict[int, DecodeTable] = {}
-    for i, entry in enumerate(_req(d, "decode", origin) or []):
-        where = f"{origin}: decode[{i}]"
-        tp = int(_num(_req(entry, "tp", where), f"{where}.tp"))
+    for where, entry, tp in _tables(d, "decode", origin):
         batch = _nums(_req(entry, "batch", where), f"{where}.batch")
         context = _nums(_req(entry, "context", where), f"{where}.context")
         rows = _req(entry, "tpotMs", where)
@@ -400,38 +452,48 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
         weight_bytes=_num(_req(d, "weightBytes", origin), f"{origin}: weightBytes"),
         kv_bytes_per_token=_num(_req(d, "kvBytesPerToken", origin), f"{origin}: kvBytesPerToken"),
         activation_reserve_gib=_num(d.get("activationReserveGiB", 4.0), f"{origin}: activationReserveGiB"),
-        cuda_graph_max_batch=int(_num(d.get("cudaGraphMaxBatch", 512), f"{origin}: cudaGraphMaxBatch")),
+        cuda_graph_max_batch=_whole(d.get("cudaGraphMaxBatch", 512), f"{origin}: cudaGraphMaxBatch"),
         prefill=prefill,
         decode=decode,
         source=str(d.get("source", "")),
     )
 
 
-def _from_csv(path: Path, meta: dict[str, Any]) -> PerformanceProfile:
+def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
     """CSV rows ``kind,tp,isl,batch,context,ms`` (kind = prefill|decode); metadata from a sibling YAML.
 
-    The CSV holds the tables; ``<name>.meta.yaml`` beside it (or ``meta``) holds the scalar fields.
+    The CSV holds the tables (a UTF-8 byte-order mark is allowed); ``meta``, the mapping read from ``meta_path``
+    (``<name>.meta.yaml`` beside it), holds the scalar fields. A point given twice is an error, not the later one.
     """
-    pre: dict[int, dict[float, float]] = {}
-    dec: dict[int, dict[tuple[float, float], float]] = {}
-    with path.open(newline="", encoding="utf-8") as f:
+    if not isinstance(meta, dict):
+        raise ProfileError(f"{meta_path}: expected a mapping of the profile's scalar fields, got {type(meta).__name__}")
+    pre: dict[int, dict[float, tuple[float, int]]] = {}  # TP → ISL → (ms, line)
+    dec: dict[int, dict[tuple[float, float], tuple[float, int]]] = {}  # TP → (batch, context) → (ms, line)
+    with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
-        need = {"kind", "tp", "isl", "batch", "context", "ms"}
-        if reader.fieldnames is None or not need <= set(reader.fieldnames):
-            raise ProfileError(f"{path}: CSV needs columns {sorted(need)}, got {reader.fieldnames}")
-        for n, row in enumerate(reader, start=2):
-            where = f"{path}:{n}"
-            tp = int(_num(row["tp"], f"{where} tp"))
-            ms = _num(row["ms"], f"{where} ms")
-            if row["kind"] == "prefill":
-                pre.setdefault(tp, {})[_num(row["isl"], f"{where} isl")] = ms
-            elif row["kind"] == "decode":
-                key = (_num(row["batch"], f"{where} batch"), _num(row["context"], f"{where} context"))
-                dec.setdefault(tp, {})[key] = ms
-            else:
-                raise ProfileError(f"{where}: kind must be prefill or decode, got {row['kind']!r}")
+        try:
+            need = {"kind", "tp", "isl", "batch", "context", "ms"}
+            if reader.fieldnames is None or not need <= set(reader.fieldnames):
+                raise ProfileError(f"{path}: CSV needs columns {sorted(need)}, got {reader.fieldnames}")
+            for row in reader:
+                n = reader.line_num
+                where = f"{path}:{n}"
+                tp = _tp(row["tp"], f"{where} tp")
+                ms = _num(row["ms"], f"{where} ms")
+                if row["kind"] == "prefill":
+                    isl = _num(row["isl"], f"{where} isl")
+                    _add_point(pre.setdefault(tp, {}), isl, (ms, n), f"{where}: prefill point TP={tp}, isl {isl:g}")
+                elif row["kind"] == "decode":
+                    key = (_num(row["batch"], f"{where} batch"), _num(row["context"], f"{where} context"))
+                    what = f"{where}: decode point TP={tp}, batch {key[0]:g}, context {key[1]:g}"
+                    _add_point(dec.setdefault(tp, {}), key, (ms, n), what)
+                else:
+                    raise ProfileError(f"{where}: kind must be prefill or decode, got {row['kind']!r}")
+        except csv.Error as err:  # e.g. a field over the csv module's 128 KiB limit
+            raise ProfileError(f"{path}:{reader.reader.line_num}: malformed CSV: {err}") from err
     d = dict(meta)
-    d["prefill"] = [{"tp": tp, "isl": sorted(p), "ttftMs": [p[k] for k in sorted(p)]} for tp, p in sorted(pre.items())]
+    d["prefill"] = [{"tp": tp, "isl": sorted(p), "ttftMs": [p[k][0] for k in sorted(p)]}
+                    for tp, p in sorted(pre.items())]
     d["decode"] = []
     for tp, cells in sorted(dec.items()):
         batches = sorted({b for b, _ in cells})
@@ -440,9 +502,17 @@ def _from_csv(path: Path, meta: dict[str, Any]) -> PerformanceProfile:
         if missing:
             raise ProfileError(f"{path}: decode grid for TP={tp} is missing points (batch, context) {missing[:5]}")
         d["decode"].append(
-            {"tp": tp, "batch": batches, "context": contexts, "tpotMs": [[cells[(b, c)] for c in contexts] for b in batches]}
+            {"tp": tp, "batch": batches, "context": contexts,
+             "tpotMs": [[cells[(b, c)][0] for c in contexts] for b in batches]}
         )
     return profile_from_dict(d, origin=str(path))
+
+
+def _add_point(points: dict[Any, tuple[float, int]], key: Any, value: tuple[float, int], what: str) -> None:
+    """Add a CSV point ``key`` → (ms, line); a key already there is an error naming both lines."""
+    if key in points:
+        raise ProfileError(f"{what} is given twice (first on line {points[key][1]})")
+    points[key] = value
 
 
 def load_profile(path: str | Path) -> PerformanceProfile:
@@ -462,18 +532,24 @@ def load_profile(path: str | Path) -> PerformanceProfile:
         if suffix in (".yaml", ".yml"):
             return profile_from_dict(yaml.safe_load(p.read_text(encoding="utf-8")), origin=str(p))
         if suffix == ".json":
-            return profile_from_dict(json.loads(p.read_text(encoding="utf-8")), origin=str(p))
+            try:
+                data = json.loads(p.read_text(encoding="utf-8"))
+            except ValueError as err:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+                raise ProfileError(f"{p}: cannot parse: {' '.join(str(err).split())}") from err
+            return profile_from_dict(data, origin=str(p))
         if suffix == ".csv":
             meta_path = p.with_name(p.stem + ".meta.yaml")
             if not meta_path.is_file():
                 raise ProfileError(f"{p}: CSV profiles need their scalar fields in {meta_path.name} beside them")
             yaml_file = meta_path
-            return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")) or {})
+            return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")) or {}, meta_path)
     except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
         mark = err.problem_mark
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         raise ProfileError(f"{yaml_file}{where}: not valid YAML: {err.problem or err.context}") from err
-    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
+    except RecursionError as err:  # YAML or JSON nested deeper than Python's parsers go
+        raise ProfileError(f"{yaml_file}: cannot parse: nested too deeply") from err
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ProfileError(f"{p}: cannot parse: {' '.join(str(err).split())}") from err
     raise ProfileError(f"{p}: unknown profile format {suffix!r} (use .yaml, .json or .csv)")
 

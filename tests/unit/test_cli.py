@@ -7,6 +7,7 @@ stderr naming the problem — never a traceback.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -679,6 +680,18 @@ def test_a_folder_given_as_a_trace_or_a_profile_is_named_as_a_folder(
     assert line == f"fulcrum replay: error: {folder} is a directory, not a profile file"
     line = run_error(capsys, ["plan", "--profile", str(folder), "--isl", "1000", "--osl", "150", "--rate", "5"])
     assert line == f"fulcrum plan: error: {folder} is a directory, not a profile file"
+
+
+@pytest.mark.parametrize("data", [
+    pytest.param(b"\x1f\x8bnot gzip after the magic bytes", id="not-gzip"),
+    pytest.param(gzip.compress(b"window_start_s,total_rate_rps\n0,1\n" * 100)[:12], id="truncated-in-the-header"),
+])
+def test_forecast_on_a_broken_gzip_names_the_file_not_a_traceback(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "rates.csv.gz"
+    path.write_bytes(data)
+    line = run_error(capsys, ["forecast", "--trace", str(path), "--interval", "600"])
+    assert line.startswith(f"fulcrum forecast: error: {path}: corrupt or truncated gzip data: ")
 
 
 def test_an_interval_too_short_for_the_default_season_names_the_interval(capsys: pytest.CaptureFixture[str]) -> None:

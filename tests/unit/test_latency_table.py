@@ -157,6 +157,29 @@ def test_a_malformed_table_file_is_a_profile_error_naming_the_file(tmp_path) -> 
         StepLatencyTable.load(tmp_path / "missing.json")
 
 
+
+ENTRY = '{"prefillTokens": 16, "contextTokens": 64, "decodes": 1, "seconds": 0.01'  # the closing brace left off
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    pytest.param('{"version": 1, "alpha": ' + "9" * 400 + "}", r"t\.json: alpha must be in \(0, 1\]",
+                 id="alpha-beyond-float"),
+    pytest.param('{"version": 1, "minPrefillTokens": 1e400}',
+                 r"t\.json: minPrefillTokens must be a whole number >= 0, got inf", id="floor-infinite"),
+    pytest.param('{"version": 1, "entries": [' + ENTRY + ', "samples": 1e400}]}',
+                 r"entries\[0\]: samples must be a whole number >= 0, got inf", id="samples-infinite"),
+    pytest.param('{"version": 1, "entries": [' + ENTRY.replace("0.01", "9" * 400) + "}]}",
+                 r"entries\[0\]: seconds must be a finite number", id="seconds-beyond-float"),
+    pytest.param("[" * 100_000 + "]" * 100_000, r"t\.json: not valid JSON: nested too deeply", id="nested-too-deeply"),
+])
+def test_numbers_and_nesting_past_what_python_holds_are_a_profile_error_naming_the_file(
+        tmp_path, text, message) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=message):
+        StepLatencyTable.load(path)
+
+
 # ---------------------------------------------------------------------------------------------- seeding
 def test_seeding_from_a_profile_fills_priors_that_measurements_replace(splitwise) -> None:
     table = StepLatencyTable()

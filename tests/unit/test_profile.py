@@ -160,3 +160,109 @@ def test_a_folder_or_invalid_yaml_is_one_line_naming_the_file_line_and_column(tm
     (tmp_path / "c.meta.yaml").write_text("name: [x\n")
     with pytest.raises(ProfileError, match=r"c\.meta\.yaml:2:1: not valid YAML: "):
         load_profile(tmp_path / "c.csv")
+
+
+# --- malformed profile files: one ProfileError naming the file and the key or line, never a traceback or a guess ---
+
+HUGE = 10**400  # an integer no float holds
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        pytest.param(lambda d: d["prefill"][0].update(tp=1.5), r"prefill\[0\]\.tp: expected a whole number, got 1\.5",
+                     id="tp-not-whole"),
+        pytest.param(lambda d: d["prefill"][0].update(tp=True), r"prefill\[0\]\.tp: expected a number, got True",
+                     id="tp-bool"),
+        pytest.param(lambda d: d["decode"][0].update(tp=0), r"decode\[0\]\.tp: a TP must be from 1 to 64, got 0",
+                     id="tp-zero"),
+        pytest.param(lambda d: d["decode"][0].update(tp=-2), r"decode\[0\]\.tp: a TP must be from 1 to 64, got -2",
+                     id="tp-negative"),
+        pytest.param(lambda d: d["prefill"][0].update(tp=HUGE), r"prefill\[0\]\.tp: expected a finite number",
+                     id="tp-beyond-float"),
+        pytest.param(lambda d: d["prefill"].append({"tp": 1, "isl": [100], "ttftMs": [5]}),
+                     r"prefill\[1\]: a second table for TP=1 \(the first is prefill\[0\]\)", id="tp-twice"),
+        pytest.param(lambda d: d["prefill"][0].update(ttftMs=[20, HUGE, 250]),
+                     r"prefill\[0\]\.ttftMs\[1\]: expected a finite number", id="latency-beyond-float"),
+        pytest.param(lambda d: d.update(weightBytes=HUGE), r"weightBytes: expected a finite number",
+                     id="weights-beyond-float"),
+        pytest.param(lambda d: d.update(cudaGraphMaxBatch=HUGE), r"cudaGraphMaxBatch: expected a finite number",
+                     id="graph-batch-beyond-float"),
+        pytest.param(lambda d: d.update(cudaGraphMaxBatch=128.5),
+                     r"cudaGraphMaxBatch: expected a whole number, got 128\.5", id="graph-batch-not-whole"),
+        pytest.param(lambda d: d["gpu"].update(memoryGiB=True), r"gpu\.memoryGiB: expected a number, got True",
+                     id="memory-bool"),
+        pytest.param(lambda d: d.update(prefill=[None]), r"prefill\[0\]: expected a mapping, got NoneType",
+                     id="entry-null"),
+        pytest.param(lambda d: d.update(decode=[5]), r"decode\[0\]: expected a mapping, got int", id="entry-scalar"),
+        pytest.param(lambda d: d.update(prefill={"tp": 1}), r"prefill: expected a list of tables, got dict",
+                     id="tables-a-mapping"),
+        pytest.param(lambda d: d["prefill"][0].update(isl=[-100, 1000, 2000]),
+                     r"prefill\[0\] \(TP=1\): prefill table ISL: every point must be > 0, got -100", id="isl-negative"),
+        pytest.param(lambda d: d["prefill"][0].update(isl=[0], ttftMs=[5]),
+                     r"prefill table ISL: every point must be > 0, got 0", id="isl-zero"),
+        pytest.param(lambda d: d["decode"][0].update(batch=[0, 64]),
+                     r"decode\[0\] \(TP=1\): decode table batch: every point must be > 0, got 0", id="batch-zero"),
+        pytest.param(lambda d: d["decode"][0].update(context=[-100, 2000]),
+                     r"decode table context: every point must be > 0, got -100", id="context-negative"),
+    ],
+)
+def test_malformed_profile_values_are_rejected_naming_the_key(mutate, message):
+    d = small_profile_dict()
+    mutate(d)
+    with pytest.raises(ProfileError, match=message):
+        profile_from_dict(d)
+
+
+def test_a_profile_nested_or_numbered_past_the_parsers_limits_is_one_line_naming_the_file(tmp_path):
+    for name in ("deep.json", "deep.yaml"):
+        (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
+        with pytest.raises(ProfileError, match=rf"{name}: cannot parse: nested too deeply"):
+            load_profile(tmp_path / name)
+    digits = tmp_path / "digits.json"
+    digits.write_text(json.dumps(small_profile_dict()).replace('"kvBytesPerToken": 100000',
+                                                                '"kvBytesPerToken": ' + "9" * 5000))
+    with pytest.raises(ProfileError, match=r"digits\.json: cannot parse: .*digits"):
+        load_profile(digits)
+
+
+def _csv_profile(tmp_path, rows, meta=None):
+    """Write ``p.csv`` (header + rows) and ``p.meta.yaml`` (the small profile's scalars, or the text ``meta``)."""
+    d = small_profile_dict()
+    scalars = {k: v for k, v in d.items() if k not in ("prefill", "decode")}
+    (tmp_path / "p.meta.yaml").write_text(yaml.safe_dump(scalars) if meta is None else meta)
+    (tmp_path / "p.csv").write_text("\n".join(["kind,tp,isl,batch,context,ms", *rows]) + "\n", encoding="utf-8")
+    return tmp_path / "p.csv"
+
+
+CSV_ROWS = ["prefill,1,100,,,20", "prefill,1,1000,,,110", "decode,1,,1,100,10", "decode,1,,1,2000,12",
+            "decode,1,,64,100,20", "decode,1,,64,2000,40"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "meta", "message"),
+    [
+        pytest.param(CSV_ROWS + ["prefill,1,100,,,25"], None,
+                     r"p\.csv:8: prefill point TP=1, isl 100 is given twice \(first on line 2\)", id="point-twice"),
+        pytest.param(CSV_ROWS + ["decode,1,,64,100,30"], None,
+                     r"p\.csv:8: decode point TP=1, batch 64, context 100 is given twice \(first on line 6\)",
+                     id="decode-point-twice"),
+        pytest.param([r.replace("prefill,1,", "prefill,1.5,") for r in CSV_ROWS], None,
+                     r"p\.csv:2 tp: expected a whole number, got '1\.5'", id="tp-not-whole"),
+        pytest.param(CSV_ROWS + ["prefill,1," + "1" * 200_000 + ",,,5"], None,
+                     r"p\.csv:8: malformed CSV: field larger than field limit", id="field-over-csv-limit"),
+        pytest.param(CSV_ROWS, "- 1\n- 2\n",
+                     r"p\.meta\.yaml: expected a mapping of the profile's scalar fields, got list", id="meta-a-list"),
+        pytest.param(CSV_ROWS, "hello\n", r"p\.meta\.yaml: expected a mapping of the profile's scalar fields, got str",
+                     id="meta-a-string"),
+    ],
+)
+def test_malformed_csv_profiles_are_one_line_naming_the_file_and_line(tmp_path, rows, meta, message):
+    with pytest.raises(ProfileError, match=message):
+        load_profile(_csv_profile(tmp_path, rows, meta))
+
+
+def test_a_csv_profile_saved_with_a_byte_order_mark_loads(tmp_path):
+    path = _csv_profile(tmp_path, CSV_ROWS)
+    path.write_text(path.read_text(), encoding="utf-8-sig")  # Excel's "CSV UTF-8"
+    assert load_profile(path).ttft(100, 1) == pytest.approx(0.02)

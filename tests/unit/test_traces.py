@@ -306,6 +306,72 @@ def test_invalid_window_arguments_are_rejected(kwargs: dict[str, Any]) -> None:
         load_trace("azure-code-2023", **kwargs)
 
 
+# --- malformed contents: one TraceError naming file and line, never a traceback, hang or silent guess ----------
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # nested past Python's recursion limit
+HUGE = "9" * 400  # an integer no float holds (1e400 is inf)
+ROW = "2023-11-16 18:00:00"  # an Azure TIMESTAMP
+ONE = {"timestamp": 0, "input_length": 1, "output_length": 1}  # a Mooncake line
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        pytest.param("big.csv", AZURE_HEADER + f"{ROW},{HUGE},1\n",
+                     r"big.csv:2: ContextTokens must be at most 2147483647 tokens", id="csv-tokens-beyond-float"),
+        pytest.param("big.csv", AZURE_HEADER + f"{ROW},1,1e30\n",
+                     r"big.csv:2: GeneratedTokens must be at most 2147483647 tokens", id="csv-tokens-1e30"),
+        pytest.param("big.csv", AZURE_HEADER + f"{ROW},1,inf\n",
+                     r"big.csv:2: GeneratedTokens must be at most 2147483647 tokens, got inf", id="csv-tokens-inf"),
+        pytest.param("big.jsonl", _jsonl({**ONE, "input_length": int(HUGE)}),
+                     r"big.jsonl:1: input_length must be at most 2147483647 tokens", id="jsonl-tokens-beyond-float"),
+        pytest.param("big.jsonl", _jsonl({**ONE, "timestamp": int(HUGE)}),
+                     r"big.jsonl:1: timestamp must be finite, got 9{40}…$", id="jsonl-timestamp-beyond-float"),
+        pytest.param("big.jsonl", json.dumps(ONE).replace('"input_length": 1', '"input_length": ' + "9" * 5000) + "\n",
+                     r"big.jsonl:1: broken JSON line: .*digits", id="jsonl-5000-digit-int"),
+        pytest.param("deep.jsonl", _jsonl(ONE) + DEEP_JSON + "\n",
+                     r"deep.jsonl:2: broken JSON line: nested too deeply", id="jsonl-nested-past-recursion-limit"),
+        pytest.param("deep.jsonl", json.dumps(ONE)[:-1] + ', "x": ' + DEEP_JSON + "}\n",
+                     r"deep.jsonl:1: broken JSON line: nested too deeply", id="first-line-nested-past-recursion-limit"),
+        pytest.param("wide.txt", DEEP_JSON + "\n",
+                     r"wide.txt: unknown trace format", id="first-line-over-csv-field-limit"),
+        pytest.param("wide.csv", AZURE_HEADER + f"{ROW},1,1\n{ROW},1," + "1" * 200_000 + "\n",
+                     r"wide.csv:3: malformed CSV: field larger than field limit", id="csv-field-over-csv-limit"),
+        pytest.param("tz.csv", AZURE_HEADER + f"{ROW}+99:99,1,1\n",
+                     r"tz.csv:2: invalid TIMESTAMP .*UTC offset", id="csv-utc-offset-out-of-range"),
+        pytest.param("twice.csv", "TIMESTAMP,ContextTokens,GeneratedTokens,ContextTokens\n" + f"{ROW},1,1,5\n",
+                     r"twice.csv:1: column ContextTokens appears 2 times", id="csv-required-column-twice"),
+    ],
+)
+def test_malformed_contents_raise_one_trace_error_naming_file_and_line(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    with pytest.raises(TraceError, match=message):
+        load_trace(_write(tmp_path, name, text))
+
+
+def test_a_timestamp_fraction_of_thousands_of_digits_is_read_not_refused_by_the_int_digit_limit(
+    tmp_path: Path,
+) -> None:
+    path = _write(tmp_path, "frac.csv", AZURE_HEADER + f"{ROW}." + "5" * 5000 + ",1,1\n2023-11-16 18:00:02,1,1\n")
+    assert [r.arrival_s for r in load_trace(path).requests] == pytest.approx([0.0, 1.444444])
+
+
+def test_a_trace_spanning_more_than_a_year_is_refused_as_a_timestamp_unit_error(tmp_path: Path) -> None:
+    # ns where ms belong: one hour becomes 114 years, a replay that never ends and a forecast of 10^10 intervals
+    ns = _jsonl({"timestamp": 0, "input_length": 1, "output_length": 1},
+                {"timestamp": 3_600 * 10**9, "input_length": 1, "output_length": 1})
+    with pytest.raises(TraceError, match=r"ns.jsonl: arrivals span 3\.6e\+09 s \(114 years\) from line 1 to line 2, "
+                       r"more than a year"):
+        load_trace(_write(tmp_path, "ns.jsonl", ns))
+    years = AZURE_HEADER + "2023-11-16 18:00:00,1,1\n1999-01-01 00:00:00,1,1\n"
+    with pytest.raises(TraceError, match=r"years.csv: arrivals span .* from line 3 to line 2"):
+        load_trace(_write(tmp_path, "years.csv", years))
+    week = _jsonl({"timestamp": 0, "input_length": 1, "output_length": 1},
+                  {"timestamp": 7 * 86_400_000, "input_length": 1, "output_length": 1})
+    assert load_trace(_write(tmp_path, "week.jsonl", week)).span_s == 7 * 86_400.0
+
+
 # --- ServeGen rate series ------------------------------------------------------------------------
 
 
@@ -342,6 +408,10 @@ def test_the_real_servegen_m_mid_series_has_two_weeks_of_ten_minute_windows_and_
         ("window_start_s,total_rate_rps\n0,1\n", r"at least 2 windows"),
         ("window_start_s,rate\n0,1\n", r"missing column\(s\) total_rate_rps"),
         ("", r"empty file"),
+        pytest.param("window_start_s,total_rate_rps\n0,0\n600,0\n1200,0\n",
+                     r"rates.csv: every window's total_rate_rps is 0", id="every-window-a-gap"),
+        pytest.param("window_start_s,total_rate_rps\n0,1\n600," + "1" * 200_000 + "\n", r"rates.csv:3: malformed CSV",
+                     id="field-over-csv-limit"),
     ],
 )
 def test_malformed_rate_series_raise_trace_error(tmp_path: Path, text: str, message: str) -> None:

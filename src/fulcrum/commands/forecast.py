@@ -17,6 +17,7 @@ import argparse
 import gzip
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,18 @@ def add_parser(sub: Any) -> None:
 
 
 def _is_rate_series(path: Path) -> bool:
+    """Whether ``path`` is a ServeGen rate file (its first line names ``total_rate_rps``). A file that cannot be
+    read or decompressed is not one: :func:`load_trace` then reports it, naming the file."""
     if not path.is_file():
         return False
-    with path.open("rb") as fb:
-        magic = fb.read(2)
-    opener: Any = gzip.open if magic == b"\x1f\x8b" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        head = f.readline()
+    try:
+        with path.open("rb") as fb:
+            magic = fb.read(2)
+        opener: Any = gzip.open if magic == b"\x1f\x8b" else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            head = f.readline()
+    except (OSError, EOFError, zlib.error):  # gzip.BadGzipFile is an OSError
+        return False
     return "total_rate_rps" in head
 
 

@@ -19,7 +19,13 @@ Formats:
 Zero-length requests: a row whose input or output length is 0 is kept (its arrival is real load)
 and its length is clamped to 1 token, because a request has at least one prompt and one output token
 (``Request`` invariants). The number of such rows in the returned trace is ``Trace.clamped`` and is
-stated in ``Trace.source``. Negative or non-integer lengths are errors.
+stated in ``Trace.source``. Negative, non-integer or non-finite lengths are errors, and so are lengths above
+``2**31 - 1`` tokens (no engine takes such a request; beyond float range they would also break the per-interval
+means of :mod:`fulcrum.traces.series`).
+
+Span: a file whose arrivals span more than a year (366 days) is refused. Every published LLM trace spans hours to
+a few months; a longer span is a timestamp unit error (Mooncake ns or µs where ms belong, a stray date in an Azure
+file), and replaying it would simulate for hours or years of empty intervals.
 
 Every malformed input raises :class:`fulcrum.errors.TraceError` naming the file and, for a bad row,
 its line number (1-based, the header being line 1 of a CSV).
@@ -54,6 +60,10 @@ _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 _SERVEGEN_COLUMNS = ("window_start_s", "total_rate_rps")
 _GZIP_MAGIC = b"\x1f\x8b"
+_MAX_TOKENS = 2**31 - 1
+"""The most tokens a trace row may give a prompt or an output (module doc)."""
+_MAX_SPAN_S = 366 * 86_400.0
+"""The longest span of arrivals a trace file may have, seconds (module doc)."""
 _TIMESTAMP_RE = re.compile(
     r"^(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})(?:[.,](\d+))?\s*(Z|[+-]\d{2}:?\d{2})?$"
 )
@@ -112,12 +122,14 @@ class RateSeries:
 
 @dataclass(frozen=True, slots=True)
 class _Row:
-    """One parsed row before windowing: arrival in seconds relative to the file's first row."""
+    """One parsed row before windowing: arrival in seconds relative to the file's first row; ``line``: its line in
+    the file (1-based; 0 for a generated trace)."""
 
     arrival_s: float
     isl: int
     osl: int
     prefix_ids: tuple[int, ...]
+    line: int = 0
 
 
 def load_trace(
@@ -150,7 +162,7 @@ def load_trace(
         TraceError: the file is missing, unreadable, empty, has no requests, or a row is malformed
             (the message names the file and line); the format is unknown or cannot be detected; the
             window arguments are invalid or the window holds no request; a ``seed`` is given for a trace that is
-            not synthetic.
+            not synthetic; the file's arrivals span more than a year (a timestamp unit error, module doc).
     """
     if start_s < 0 or not math.isfinite(start_s):
         raise TraceError(f"start_s must be a finite number >= 0, got {start_s}")
@@ -177,6 +189,7 @@ def load_trace(
     total = len(rows)
     rows.sort(key=lambda r: r.arrival_s)
     t0 = rows[0].arrival_s
+    _check_span(rows, file)
     end_s = math.inf if duration_s is None else start_s + duration_s
     window = [r for r in rows if start_s <= r.arrival_s - t0 < end_s]
     if limit is not None:
@@ -203,11 +216,24 @@ def load_trace(
     return Trace(name=name, requests=requests, fmt=fmt, source="; ".join(notes), clamped=clamped)
 
 
+def _check_span(rows: list[_Row], file: Path) -> None:
+    """Refuse arrival-sorted ``rows`` spanning more than :data:`_MAX_SPAN_S` (module doc), naming both lines."""
+    first, last = rows[0], rows[-1]
+    span = last.arrival_s - first.arrival_s
+    if span > _MAX_SPAN_S:
+        raise TraceError(
+            f"{file}: arrivals span {span:.3g} s ({span / (365.25 * 86_400):.3g} years) from line {first.line} to line "
+            f"{last.line}, more than a year: check the timestamp unit (mooncake: ms from the trace start; azure: "
+            "a date-time)"
+        )
+
+
 def detect_format(path: str | Path) -> str:
     """Detect a trace file's format from its first non-blank line.
 
-    A JSON object with ``timestamp``, ``input_length`` and ``output_length`` is ``mooncake``; a CSV
-    header holding ``TIMESTAMP``, ``ContextTokens`` and ``GeneratedTokens`` is ``azure``.
+    A JSON object with ``timestamp``, ``input_length`` and ``output_length`` is ``mooncake`` (so is a line that
+    names the three keys but does not parse: reading it then says why); a CSV header holding ``TIMESTAMP``,
+    ``ContextTokens`` and ``GeneratedTokens`` is ``azure``.
 
     Raises:
         TraceError: the file is unreadable or empty, or its first line matches neither format (the
@@ -222,12 +248,17 @@ def detect_format(path: str | Path) -> str:
     if line.startswith("{"):
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, a too-long integer, nesting too deep
             obj = None
         if isinstance(obj, dict) and all(k in obj for k in _MOONCAKE_KEYS):
             return "mooncake"
+        if obj is None and all(f'"{k}"' in line for k in _MOONCAKE_KEYS):
+            return "mooncake"  # a Mooncake line that does not parse: the reader says why, naming the line
     else:
-        header = {c.strip() for c in next(csv.reader([line]))}
+        try:
+            header = {c.strip() for c in next(csv.reader([line]))}
+        except csv.Error:  # e.g. a field over the csv module's limit: not a header
+            header = set()
         if all(c in header for c in _AZURE_COLUMNS):
             return "azure"
     raise TraceError(
@@ -246,8 +277,8 @@ def load_rate_series(path: str | Path) -> RateSeries:
 
     Raises:
         TraceError: the file is missing, unreadable or empty; a column is missing; a value is
-            non-numeric or negative; there are fewer than 2 windows; or the windows are not evenly
-            spaced (the message names file and line).
+            non-numeric or negative; there are fewer than 2 windows; every window is a gap (no rate to forecast);
+            or the windows are not evenly spaced (the message names file and line).
     """
     file = Path(path)
     if not file.is_file():
@@ -255,7 +286,7 @@ def load_rate_series(path: str | Path) -> RateSeries:
     starts: list[float] = []
     values: list[float] = []
     with _open_text(file) as fh:
-        reader = csv.reader(_guard(fh, file))
+        reader = _CsvReader(_guard(fh, file), file)
         index = _csv_header(reader, file, _SERVEGEN_COLUMNS)
         for record in reader:
             if not record or all(not c.strip() for c in record):
@@ -269,6 +300,9 @@ def load_rate_series(path: str | Path) -> RateSeries:
             values.append(rate if rate > 0 else math.nan)
     if len(values) < 2:
         raise TraceError(f"{file}: a rate series needs at least 2 windows, found {len(values)}")
+    if all(math.isnan(v) for v in values):
+        raise TraceError(f"{file}: every window's total_rate_rps is 0: all {len(values)} windows are collection gaps, "
+                         "no rate to forecast")
     interval = starts[1] - starts[0]
     if not interval > 0:
         raise TraceError(f"{file}: window_start_s must increase, got {starts[0]:g} then {starts[1]:g}")
@@ -329,6 +363,29 @@ def _guard(lines: IO[str], file: Path) -> Iterator[str]:
         raise TraceError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start})") from err
 
 
+class _CsvReader:
+    """``csv.reader`` over a file's lines whose ``csv.Error`` (e.g. a field over the module's 128 KiB limit) is a
+    TraceError naming the file and line."""
+
+    def __init__(self, lines: Iterator[str], file: Path) -> None:
+        self._reader = csv.reader(lines)
+        self._file = file
+
+    @property
+    def line_num(self) -> int:
+        """Lines read so far: the line of the record last returned (1-based)."""
+        return self._reader.line_num
+
+    def __iter__(self) -> _CsvReader:
+        return self
+
+    def __next__(self) -> list[str]:
+        try:
+            return next(self._reader)
+        except csv.Error as err:
+            raise TraceError(f"{self._file}:{self._reader.line_num}: malformed CSV: {err}") from err
+
+
 # ---------------------------------------------------------------------------------------------------
 # Azure CSV
 
@@ -337,7 +394,7 @@ def _read_azure(file: Path) -> list[_Row]:
     rows: list[_Row] = []
     first_time: datetime | None = None
     with _open_text(file) as fh:
-        reader = csv.reader(_guard(fh, file))
+        reader = _CsvReader(_guard(fh, file), file)
         index = _csv_header(reader, file, _AZURE_COLUMNS)
         for record in reader:
             if not record or all(not c.strip() for c in record):
@@ -348,12 +405,12 @@ def _read_azure(file: Path) -> list[_Row]:
                 first_time = when
             isl = _token_field(record, index["ContextTokens"], "ContextTokens", file, line)
             osl = _token_field(record, index["GeneratedTokens"], "GeneratedTokens", file, line)
-            rows.append(_Row((when - first_time) / timedelta(seconds=1), isl, osl, ()))
+            rows.append(_Row((when - first_time) / timedelta(seconds=1), isl, osl, (), line))
     return rows
 
 
-def _csv_header(reader: Any, file: Path, required: tuple[str, ...]) -> dict[str, int]:
-    """Read the header row; return column name → index for the required columns."""
+def _csv_header(reader: _CsvReader, file: Path, required: tuple[str, ...]) -> dict[str, int]:
+    """Read the header row; return column name → index for the required columns, each present exactly once."""
     header = next((r for r in reader if r and any(c.strip() for c in r)), None)
     if header is None:
         raise TraceError(f"{file}: empty file")
@@ -364,6 +421,9 @@ def _csv_header(reader: Any, file: Path, required: tuple[str, ...]) -> dict[str,
             f"{file}:{reader.line_num}: missing column(s) {', '.join(missing)} "
             f"(header has {', '.join(names)})"
         )
+    for c in required:
+        if names.count(c) > 1:
+            raise TraceError(f"{file}:{reader.line_num}: column {c} appears {names.count(c)} times: which is meant?")
     return {c: names.index(c) for c in required}
 
 
@@ -376,18 +436,28 @@ def _field(record: list[str], i: int, column: str, file: Path, line: int) -> str
 def _token_field(record: list[str], i: int, column: str, file: Path, line: int) -> int:
     text = _field(record, i, column, file, line)
     try:
-        value = int(text)
+        number = float(text)  # "12", "12.0" and "1e3" alike; never the int-digit limit of int(text)
     except ValueError:
-        try:
-            number = float(text)
-        except ValueError:
-            raise TraceError(f"{file}:{line}: {column} is not a number: {text!r}") from None
-        if not number.is_integer():
-            raise TraceError(f"{file}:{line}: {column} must be a whole number of tokens, got {text!r}") from None
-        value = int(number)
-    if value < 0:
-        raise TraceError(f"{file}:{line}: {column} must be >= 0 tokens, got {value}")
-    return value
+        raise TraceError(f"{file}:{line}: {column} is not a number: {_short(text)!r}") from None
+    return _tokens(number, column, file, line, text)
+
+
+def _tokens(number: float, column: str, file: Path, line: int, raw: Any) -> int:
+    """``number`` as a token count in [0, :data:`_MAX_TOKENS`], else a TraceError quoting ``raw``, the value as the
+    file gives it (``inf`` stands for any number too large for a float, and is too many tokens like them)."""
+    if 0 <= number <= _MAX_TOKENS and number.is_integer():  # not nan
+        return int(number)
+    shown = _short(raw if isinstance(raw, str) else repr(raw))
+    if number < 0:
+        raise TraceError(f"{file}:{line}: {column} must be >= 0 tokens, got {shown}")
+    if number > _MAX_TOKENS:
+        raise TraceError(f"{file}:{line}: {column} must be at most {_MAX_TOKENS} tokens, got {shown}")
+    raise TraceError(f"{file}:{line}: {column} must be a whole number of tokens, got {shown}")
+
+
+def _short(text: str, keep: int = 40) -> str:
+    """``text`` cut to ``keep`` characters with an ellipsis, for a message quoting a 400-digit number."""
+    return text if len(text) <= keep else f"{text[:keep]}…"
 
 
 def _float_field(record: list[str], i: int, column: str, file: Path, line: int) -> float:
@@ -395,9 +465,9 @@ def _float_field(record: list[str], i: int, column: str, file: Path, line: int) 
     try:
         value = float(text)
     except ValueError:
-        raise TraceError(f"{file}:{line}: {column} is not a number: {text!r}") from None
+        raise TraceError(f"{file}:{line}: {column} is not a number: {_short(text)!r}") from None
     if not math.isfinite(value):
-        raise TraceError(f"{file}:{line}: {column} must be finite, got {text!r}")
+        raise TraceError(f"{file}:{line}: {column} must be finite, got {_short(text)!r}")
     return value
 
 
@@ -412,14 +482,20 @@ def _parse_timestamp(text: str, file: Path, line: int) -> datetime:
     if offset and offset != "Z":
         sign = 1 if offset[0] == "+" else -1
         digits = offset[1:].replace(":", "")
-        tz = timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:])))
+        try:
+            tz = timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:])))
+        except ValueError:
+            raise TraceError(
+                f"{file}:{line}: invalid TIMESTAMP {_short(text)!r}: UTC offset {offset} is not within ±24:00"
+            ) from None
     try:
         when = datetime(year, month, day, hour, minute, second, tzinfo=tz)
     except ValueError as err:
-        raise TraceError(f"{file}:{line}: invalid TIMESTAMP {text!r}: {err}") from None
+        raise TraceError(f"{file}:{line}: invalid TIMESTAMP {_short(text)!r}: {err}") from None
     if fraction:
-        # Microseconds hold 6 digits; keep the 7th (100 ns) as a rounded microsecond.
-        when += timedelta(microseconds=round(int(fraction) / 10 ** (len(fraction) - 6)))
+        # Microseconds hold 6 digits; keep the 7th (100 ns) as a rounded microsecond. float(), not int(): a
+        # fraction of thousands of digits is still a fraction, not Python's int-digit limit.
+        when += timedelta(microseconds=round(float(f"0.{fraction}") * 1e6))
     return when
 
 
@@ -433,35 +509,51 @@ def _read_mooncake(file: Path) -> list[_Row]:
         for line, text in enumerate(_guard(fh, file), start=1):
             if not text.strip():
                 continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise TraceError(f"{file}:{line}: broken JSON line: {err.msg} (column {err.colno})") from None
+            obj = _json_line(text, file, line)
             if not isinstance(obj, dict):
                 raise TraceError(f"{file}:{line}: expected a JSON object, got {type(obj).__name__}")
             missing = [k for k in _MOONCAKE_KEYS if k not in obj]
             if missing:
                 raise TraceError(f"{file}:{line}: missing key(s) {', '.join(missing)}")
-            stamp = obj["timestamp"]
-            if not _is_number(stamp) or not math.isfinite(stamp) or stamp < 0:
-                raise TraceError(f"{file}:{line}: timestamp must be a number of ms >= 0, got {stamp!r}")
+            stamp = _json_number(obj["timestamp"])
+            if stamp is None or not 0 <= stamp < math.inf:  # nan too; inf: Infinity or an int beyond float range
+                what = "finite" if stamp == math.inf else "a number of ms >= 0"
+                raise TraceError(f"{file}:{line}: timestamp must be {what}, got {_short(repr(obj['timestamp']))}")
             isl = _json_tokens(obj, "input_length", file, line)
             osl = _json_tokens(obj, "output_length", file, line)
-            rows.append(_Row(float(stamp) / 1000.0, isl, osl, _json_hash_ids(obj, file, line)))
+            rows.append(_Row(stamp / 1000.0, isl, osl, _json_hash_ids(obj, file, line), line))
     return rows
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _json_line(text: str, file: Path, line: int) -> Any:
+    """One JSON line parsed; a TraceError naming file and line when it is not JSON (or nests or counts past what
+    Python's parser takes)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TraceError(f"{file}:{line}: broken JSON line: {err.msg} (column {err.colno})") from None
+    except RecursionError:
+        raise TraceError(f"{file}:{line}: broken JSON line: nested too deeply") from None
+    except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise TraceError(f"{file}:{line}: broken JSON line: {err}") from None
+
+
+def _json_number(value: Any) -> float | None:
+    """A JSON number as a float (``inf`` for an integer beyond float range); None for anything else (bool too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _json_tokens(obj: dict[str, Any], key: str, file: Path, line: int) -> int:
     value = obj[key]
-    if not _is_number(value) or not math.isfinite(value) or not float(value).is_integer():
-        raise TraceError(f"{file}:{line}: {key} must be a whole number of tokens, got {value!r}")
-    if value < 0:
-        raise TraceError(f"{file}:{line}: {key} must be >= 0 tokens, got {value!r}")
-    return int(value)
+    number = _json_number(value)
+    if number is None:
+        raise TraceError(f"{file}:{line}: {key} must be a whole number of tokens, got {_short(repr(value))}")
+    return _tokens(number, key, file, line, value)
 
 
 def _json_hash_ids(obj: dict[str, Any], file: Path, line: int) -> tuple[int, ...]:
