@@ -33,7 +33,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fulcrum.errors import FulcrumError
+from fulcrum.errors import FulcrumError, yaml_problem
 from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
 from fulcrum.router.registry import InstanceRecord
 
@@ -392,12 +392,9 @@ def load_config(path: str | Path) -> RouterConfig:
         raise RouterConfigError(f"router config {path} is not valid UTF-8: {err}") from err
     try:
         data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
-        mark = err.problem_mark
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-        raise RouterConfigError(f"router config {path}{where} is not valid YAML: {err.problem or err.context}") from err
-    except yaml.YAMLError as err:
-        raise RouterConfigError(f"router config {path} is not valid YAML: {' '.join(str(err).split())}") from err
+    except yaml.YAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
+        where, what = yaml_problem(err)
+        raise RouterConfigError(f"router config {path}{where} is not valid YAML: {what}") from err
     except RecursionError as err:
         raise RouterConfigError(f"router config {path} is nested too deeply") from err
     try:

@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from fulcrum.errors import ProfileError
+from fulcrum.errors import ProfileError, yaml_problem
 from fulcrum.target import ClusterTarget
 
 __all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict",
@@ -544,9 +544,8 @@ def load_profile(path: str | Path) -> PerformanceProfile:
             yaml_file = meta_path
             return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")) or {}, meta_path)
     except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
-        mark = err.problem_mark
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-        raise ProfileError(f"{yaml_file}{where}: not valid YAML: {err.problem or err.context}") from err
+        where, what = yaml_problem(err)
+        raise ProfileError(f"{yaml_file}{where}: not valid YAML: {what}") from err
     except RecursionError as err:  # YAML or JSON nested deeper than Python's parsers go
         raise ProfileError(f"{yaml_file}: cannot parse: nested too deeply") from err
     except (yaml.YAMLError, UnicodeDecodeError) as err:

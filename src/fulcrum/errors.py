@@ -13,7 +13,9 @@ Foreign errors (pydantic, yaml, json, csv, OS) are translated at the boundary wi
 
 from __future__ import annotations
 
-__all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError"]
+from typing import Any
+
+__all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "yaml_problem"]
 
 
 class FulcrumError(Exception):
@@ -34,3 +36,13 @@ class TraceError(FulcrumError, ValueError):
 
 class PlanningError(FulcrumError, ValueError):
     """No deployment satisfies the constraints (memory, GPU budget, TP limits)."""
+
+
+def yaml_problem(err: Any) -> tuple[str, str]:
+    """A PyYAML error as one line: (``":LINE:COLUMN"`` of the problem, 1-based, or ``""`` without a mark; what is
+    wrong, PyYAML's context and problem joined, e.g. ``"expected a single document in the stream, but found another
+    document"``), for a message ``f"{path}{where}: not valid YAML: {what}"`` instead of PyYAML's caret diagram."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    parts = [str(p) for p in (getattr(err, "context", None), getattr(err, "problem", None)) if p]
+    return where, ", ".join(parts) if parts else " ".join(str(err).split())

@@ -650,7 +650,7 @@ def test_server_ports_and_timeouts_out_of_range_are_one_line_errors_naming_the_f
 
 
 BAD_YAML = "a: [1, 2\nb: : x\n"  # line 2, column 2: the ':' a flow sequence cannot hold
-YAML_PROBLEM = "2:2: not valid YAML: expected ',' or ']', but got ':'"
+YAML_PROBLEM = "2:2: not valid YAML: while parsing a flow sequence, expected ',' or ']', but got ':'"
 
 
 def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(
@@ -663,7 +663,7 @@ def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(
         assert run_error(capsys, argv) == f"fulcrum {argv[0]}: error: {bad}:{YAML_PROBLEM}"
     pytest.importorskip("aiohttp")
     line = run_error(capsys, ["router", "--config", str(bad)])
-    assert line == f"fulcrum router: error: router config {bad}:2:2 is not valid YAML: expected ',' or ']', but got ':'"
+    assert line == f"fulcrum router: error: router config {bad}:2:2 is not valid YAML: while parsing a flow sequence, expected ',' or ']', but got ':'"
     pytest.importorskip("kopf")
     monkeypatch.setenv("KUBECONFIG", "unset")  # the operator exports --kubeconfig; the test's environment comes back
     line = run_error(capsys, ["operator", "--kubeconfig", str(bad)])
@@ -709,8 +709,32 @@ def test_several_llmserve_errors_are_joined_without_a_stray_dot(
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump(doc))
     line = run_error(capsys, ["plan", "--llmserve", str(path), "--isl", "1000", "--osl", "150", "--rate", "5"])
-    assert line == ("fulcrum plan: error: invalid LLMServe: spec.slo.ttftMs: Input should be greater than 0; "
+    assert line == (f"fulcrum plan: error: {path}: invalid LLMServe: spec.slo.ttftMs: Input should be greater than 0; "
                     "spec.slo.percentile: Input should be less than or equal to 100")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"\xff\xfe spec", "not UTF-8 text (invalid start byte at byte 0)"),
+    (b"a: " + b"[" * 5000, "not valid YAML: nested too deeply"),
+    (b"", "empty file: no LLMServe in it"),
+    (b"# only a comment\n", "empty file: no LLMServe in it"),
+    (b"- 1\n", "invalid LLMServe: expected a mapping, got list"),
+    (b"spec: {model: {name: m}}\n---\nspec: {model: {name: m}}\n", "2 YAML documents: give one LLMServe per file"),
+    (b"spec: {model: {name: m}}\nbad: [1, 2\n", "not valid YAML: while parsing a flow sequence, expected ',' or ']'"),
+    (b"kind: Foo\nspec: {model: {name: m}}\n", "invalid LLMServe: kind: Input should be 'LLMServe'"),
+])
+def test_a_malformed_llmserve_file_is_one_line_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         content: bytes, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    line = run_error(capsys, ["plan", "--llmserve", str(path), "--isl", "1000", "--osl", "150", "--rate", "5"])
+    assert line.startswith(f"fulcrum plan: error: {path}") and message in line, line
+
+
+def test_one_llmserve_between_document_markers_is_read(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "marked.yaml"
+    path.write_text("---\n" + DISAGG_SPEC.read_text() + "\n---\n")
+    assert main(["plan", "--llmserve", str(path), "--isl", "1000", "--osl", "150", "--rate", "5"]) == 0
 
 
 @pytest.mark.parametrize(

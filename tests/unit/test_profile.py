@@ -154,7 +154,7 @@ def test_a_folder_or_invalid_yaml_is_one_line_naming_the_file_line_and_column(tm
     bad.write_text("a: [1, 2\nb: : x\n")
     with pytest.raises(ProfileError) as err:
         load_profile(bad)
-    assert str(err.value) == f"{bad}:2:2: not valid YAML: expected ',' or ']', but got ':'"
+    assert str(err.value) == f"{bad}:2:2: not valid YAML: while parsing a flow sequence, expected ',' or ']', but got ':'"
     # a CSV profile's scalars come from its .meta.yaml: that is the file named
     (tmp_path / "c.csv").write_text("kind,tp,isl,batch,context,ms\n")
     (tmp_path / "c.meta.yaml").write_text("name: [x\n")

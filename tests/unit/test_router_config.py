@@ -75,7 +75,7 @@ def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(tmp_path):
     p.write_text("a: [1, 2\nb: : x\n")
     with pytest.raises(RouterConfigError) as err:
         load_config(p)
-    assert str(err.value) == f"router config {p}:2:2 is not valid YAML: expected ',' or ']', but got ':'"
+    assert str(err.value) == f"router config {p}:2:2 is not valid YAML: while parsing a flow sequence, expected ',' or ']', but got ':'"
 
 
 def test_the_watcher_reloads_on_change_and_keeps_the_last_good_config(tmp_path):

@@ -35,7 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from pydantic.alias_generators import to_camel
 
-from fulcrum.errors import SpecError
+from fulcrum.errors import SpecError, yaml_problem
 
 __all__ = [
     "API_VERSION",
@@ -734,22 +734,34 @@ def parse_llmserve(data: Any) -> LLMServe:
 
 
 def load_llmserve(path: str | Path) -> LLMServe:
-    """Read and validate an ``LLMServe`` YAML or JSON file.
+    """Read and validate an ``LLMServe`` YAML or JSON file: one document (``---`` around it allowed).
 
     Raises:
-        SpecError: the file is missing, is not YAML/JSON, or the resource is invalid.
+        SpecError: the file is missing, unreadable, not UTF-8, empty, not one YAML/JSON document (or nested deeper
+            than the parser goes), or the resource is invalid; every message starts with the file's path.
     """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as err:
         raise SpecError(f"cannot read LLMServe file {p}: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start})") from err
     try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
-        mark = err.problem_mark
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-        raise SpecError(f"{p}{where}: not valid YAML: {err.problem or err.context}") from err
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]  # a stray `---` adds an empty one
     except yaml.YAMLError as err:
-        raise SpecError(f"{p}: not valid YAML: {' '.join(str(err).split())}") from err
-    return parse_llmserve(data)
+        where, what = yaml_problem(err)
+        raise SpecError(f"{p}{where}: not valid YAML: {what}") from err
+    except RecursionError as err:
+        raise SpecError(f"{p}: not valid YAML: nested too deeply") from err
+    if not documents:
+        raise SpecError(f"{p}: empty file: no LLMServe in it")
+    if len(documents) > 1:
+        raise SpecError(f"{p}: {len(documents)} YAML documents: give one LLMServe per file")
+    data = documents[0]
+    try:
+        return parse_llmserve(data)
+    except SpecError as err:
+        raise SpecError(f"{p}: {err}") from err
+    except RecursionError as err:
+        raise SpecError(f"{p}: invalid LLMServe: nested too deeply") from err

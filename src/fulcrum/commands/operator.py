@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from fulcrum.commands import bind_host
+from fulcrum.errors import yaml_problem
 
 __all__ = ["add_parser", "run"]
 
@@ -98,11 +99,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         api_client = _api_client(args.kubeconfig)
     except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
-        mark = err.problem_mark
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        where, what = yaml_problem(err)
         source = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        raise ValueError(f"no Kubernetes credentials: {source}{where}: not valid YAML: "
-                         f"{err.problem or err.context}") from err
+        raise ValueError(f"no Kubernetes credentials: {source}{where}: not valid YAML: {what}") from err
     except Exception as err:  # kubernetes.config.ConfigException, a missing or malformed file
         raise ValueError(f"no Kubernetes credentials: {' '.join(str(err).split())}") from err
     # Only once the command line and the credentials are good: kopf.configure adds a handler to the root logger
