@@ -695,9 +695,13 @@ def test_forecast_on_a_broken_gzip_names_the_file_not_a_traceback(
 
 
 def test_an_interval_too_short_for_the_default_season_names_the_interval(capsys: pytest.CaptureFixture[str]) -> None:
-    line = run_error(capsys, ["forecast", "--trace", "azure-conv-2023", "--interval", "0.001"])
-    assert line == ("fulcrum forecast: error: --interval 0.001 s makes the default season (one day) 86400000 "
+    line = run_error(capsys, ["forecast", "--trace", "azure-conv-2023", "--interval", "0.5"])
+    assert line == ("fulcrum forecast: error: --interval 0.5 s makes the default season (one day) 172800 "
                     "intervals, more than 100000: pass --season or a longer --interval")
+    # a season given, the trace itself cut into millions of intervals: refused before they are allocated
+    line = run_error(capsys, ["forecast", "--trace", "azure-conv-2023", "--interval", "0.001", "--season", "24"])
+    assert line == ("fulcrum forecast: error: --interval 0.001 s cuts azure-conv-2023's 3501.72 s of arrivals into "
+                    "3501722 intervals, more than 100000: pass a longer --interval")
     line = run_error(capsys, ["forecast", "--trace", "azure-conv-2023", "--interval", "60", "--warmup", "-3"])
     assert line == "fulcrum forecast: error: --warmup must be >= 0 intervals, got -3"
 

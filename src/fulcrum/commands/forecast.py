@@ -62,6 +62,15 @@ def _is_rate_series(path: Path) -> bool:
     return "total_rate_rps" in head
 
 
+#: The most intervals a season may have (ForecasterSpec.season_length's upper bound).
+_SEASON_MAX = next(int(m.le) for m in ForecasterSpec.model_fields["season_length"].metadata
+                   if getattr(m, "le", None) is not None)
+
+#: The most intervals a backtest may cut a trace into (as many as a season may have): more is a --interval meant in
+#: minutes or hours, and would allocate and walk millions of forecasts.
+_MAX_INTERVALS = _SEASON_MAX
+
+
 def load_series(trace: str, interval_s: float, seed: int | None = None) -> tuple[str, dict[str, list[float]], float]:
     """(name, series by name, interval in seconds) for a request trace or a ServeGen rate file; ``seed`` draws a
     synthetic trace at that seed (:func:`fulcrum.traces.load_trace`).
@@ -69,6 +78,7 @@ def load_series(trace: str, interval_s: float, seed: int | None = None) -> tuple
     Raises:
         TraceError: unreadable trace, or an interval that is not a multiple of a rate file's resolution; a seed
             for a trace that is not synthetic.
+        ValueError: an interval that cuts a request trace into more than :data:`_MAX_INTERVALS` intervals.
     """
     path = Path(trace)
     if _is_rate_series(path):
@@ -86,12 +96,12 @@ def load_series(trace: str, interval_s: float, seed: int | None = None) -> tuple
             rate.append(sum(chunk) / len(chunk) if chunk else math.nan)
         return rs.name, {"rate": rate}, interval_s
     tr = load_trace(trace, seed=seed)
+    span = max((r.arrival_s for r in tr.requests), default=0.0)
+    if span / interval_s + 1 > _MAX_INTERVALS:  # before interval_series allocates them
+        raise ValueError(f"--interval {interval_s:g} s cuts {tr.name}'s {span:g} s of arrivals into "
+                         f"{int(span // interval_s) + 1} intervals, more than {_MAX_INTERVALS}: pass a longer --interval")
     return tr.name, interval_series(tr.requests, interval_s), interval_s
 
-
-#: The most intervals a season may have (ForecasterSpec.season_length's upper bound).
-_SEASON_MAX = next(int(m.le) for m in ForecasterSpec.model_fields["season_length"].metadata
-                   if getattr(m, "le", None) is not None)
 
 #: ForecasterSpec field → the flag that sets it, for one-line errors.
 _FLAGS = {"order": "--order", "window": "--window", "season_length": "--season"}
