@@ -335,7 +335,7 @@ class PrometheusObserver:
                 router series; arrivals NaN, infinite or without a value; arrivals but no usable mean prompt or
                 output length (series missing, 0 or NaN: planning them as 1-token requests would empty the
                 prefill pool); a mean prompt that is not finite or longer than ``max_model_len``; a prefill
-                queue that is not finite.
+                queue series answering a value that is not finite (NaN included; an absent series is no queue).
         """
 
         def scalar(template: str, default: float = 0.0) -> float:
@@ -388,10 +388,13 @@ class PrometheusObserver:
                 raise ObservationError(
                     f"{arrivals} arrivals but no usable mean output length (output tokens sum {osl_sum:g} over "
                     f"count {osl_n:g}; are the fulcrum_router_output_tokens series scraped?)")
-        queues = [_value(res[0]) if res else math.nan for res in (fetch(Q_PREFILL_QUEUE), fetch(Q_PREFILL_QUEUE_NATS))]
-        if any(math.isinf(q) for q in queues):
-            raise ObservationError(f"Prometheus answered a prefill queue of {max(queues):g} requests: no usable backlog")
-        prefill_queue = sum(q for q in queues if math.isfinite(q))  # NaN / absent: no queue, as before
+        # an absent series is no queue (no engine waiting, or no NATS queue); a series answering NaN or ±inf is a
+        # backlog nobody knows, as arrivals answering NaN are a load nobody knows
+        queues = [_value(res[0]) for res in (fetch(Q_PREFILL_QUEUE), fetch(Q_PREFILL_QUEUE_NATS)) if res]
+        for q in queues:
+            if not math.isfinite(q):
+                raise ObservationError(f"Prometheus answered a prefill queue of {q:g} requests: no usable backlog")
+        prefill_queue = sum(queues)
         if not math.isfinite(prefill_queue):  # two finite gauges overflowing together (1e308 + 1e308)
             raise ObservationError("Prometheus answered a prefill queue that is not finite: no usable backlog")
         decode_queue = scalar(Q_DECODE_QUEUE)

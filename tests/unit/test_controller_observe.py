@@ -238,10 +238,20 @@ def test_no_arrivals_need_no_lengths() -> None:
 @pytest.mark.parametrize("over", [
     {"prefill_queue": [vec(1e308)], "prefill_queue_nats": [vec(1e308)]},
     {"prefill_queue": [{"metric": {}, "value": [1700000000.0, "+Inf"]}]},
-], ids=["overflowing-sum", "+Inf"])
+    {"prefill_queue": [{"metric": {}, "value": [1700000000.0, "NaN"]}]},
+    {"prefill_queue_nats": [{"metric": {}, "value": [1700000000.0, "NaN"]}]},
+], ids=["overflowing-sum", "+Inf", "NaN", "nats-NaN"])
 def test_a_prefill_queue_that_is_not_finite_is_an_observation_error_not_an_overflow(over) -> None:
+    # NaN too: a backlog nobody knows is no backlog of 0 (the loop holds, as on NaN arrivals)
     with pytest.raises(ObservationError, match="prefill queue"):
         _observe(**over)
+
+
+def test_an_absent_prefill_queue_series_is_no_queue() -> None:
+    o = _observe(prefill_queue=[], prefill_queue_nats=[])
+    assert o.prefill_queue == 0
+    o = _observe(prefill_queue_nats=[])
+    assert o.prefill_queue == 4
 
 
 def test_a_bucket_whose_le_is_no_number_is_skipped() -> None:
