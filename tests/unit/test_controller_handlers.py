@@ -860,3 +860,14 @@ async def test_a_planning_error_holds_the_pools_and_reports_degraded_instead_of_
     assert "no KV memory for one request" in d["message"]
     events = objs.by_reason("PlanningFailed")
     assert len(events) == 1 and events[0]["type"] == "Warning"
+
+
+async def test_extra_args_that_override_the_planners_tp_are_an_invalid_spec_naming_the_flag(objs: InMemoryObjects) -> None:
+    seed(objs, llmserve(engine={"kind": "vllm", "extraArgs": ["--tensor-parallel-size", "8"]}))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is False
+    assert objs.writes == 0 and names(objs, "Deployment") == set()
+    d = cond(live(objs), "Degraded")
+    assert d["reason"] == "InvalidSpec" and "spec.engine.extraArgs" in d["message"]
+    assert "--tensor-parallel-size" in d["message"] and "planner's TP" in d["message"]
+    assert len(objs.by_reason("InvalidSpec")) == 1

@@ -9,6 +9,7 @@ import pytest
 from fulcrum.cli import main
 from fulcrum.errors import SpecError
 from fulcrum.worker.vllm_args import (
+    MANAGED_FLAGS,
     SLO_SCHEDULER_CLS,
     WorkerConfig,
     instance_record,
@@ -183,3 +184,58 @@ def test_the_scheduler_metrics_port_reaches_the_engine_core_only_with_fulcrums_s
         WorkerConfig(model="m", scheduler_metrics_port=8000)
     with pytest.raises(SpecError, match="--scheduler-metrics-port must be in 1..65535"):
         WorkerConfig(model="m", scheduler_metrics_port=0)
+
+
+@pytest.mark.parametrize("extra", [("--tensor_parallel_size", "4"), ("--tensor-parallel=4",), ("--max_model_len=9",),
+                                   ("--kv-transfer-config.kv_role=kv_both",), ("--served-model", "x")])
+def test_an_extra_argument_is_read_as_vllm_reads_it_underscores_abbreviations_and_dotted_fields(
+        extra: tuple[str, ...]) -> None:
+    with pytest.raises(SpecError, match=r"is set by fulcrum worker: use --"):
+        WorkerConfig(model="m", extra_args=extra)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (("--dtype half",), "whitespace in the flag: write the flag and its value as two items"),
+    (("--port 9",), "whitespace in the flag"),
+    (("",), "item 0 is empty"),
+    (("--dtype=half", " "), "item 1 is empty"),
+])
+def test_a_malformed_extra_argument_is_refused_saying_what_to_write(extra: tuple[str, ...], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        WorkerConfig(model="m", extra_args=extra)
+
+
+def test_an_empty_value_after_a_flag_and_values_with_spaces_are_passed() -> None:
+    extra = ("--chat-template", "", "--override-generation-config", '{"temperature": 0.5}', "--port-x=1")
+    assert tuple(vllm_argv(WorkerConfig(model="m", extra_args=extra), PY)[-len(extra):]) == extra
+
+
+def test_the_worker_and_the_llmserve_model_refuse_the_same_vllm_flags() -> None:
+    from fulcrum.api.llmserve import VLLM_MANAGED_FLAGS
+    assert set(MANAGED_FLAGS) == set(VLLM_MANAGED_FLAGS)
+
+
+@pytest.mark.parametrize(("kind", "extra", "message"), [
+    ("vllm", ["--tensor-parallel-size", "8"], r"'--tensor-parallel-size' sets --tensor-parallel-size, which Fulcrum "
+                                               r"sets itself from the planner's TP"),
+    ("vllm", ["--port=9"], r"'--port=9' sets --port"),
+    ("vllm", ["--max_model_len", "9"], r"sets --max-model-len, which Fulcrum sets itself from spec\.engine\.maxModelLen"),
+    ("vllm", ["--dtype half"], "whitespace in the flag"),
+    ("vllm", [""], "item 0 is empty"),
+    ("sim", ["--port", "9"], r"'--port' sets --port"),
+])
+def test_the_llmserve_model_refuses_extra_args_that_override_fulcrums_flags(
+        kind: str, extra: list[str], message: str) -> None:
+    from fulcrum.api import parse_llmserve
+    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*" + message):
+        parse_llmserve({"spec": {"model": {"name": "m"}, "engine": {"kind": kind, "extraArgs": extra}}})
+
+
+@pytest.mark.parametrize(("kind", "extra"), [
+    ("vllm", ["--enforce-eager", "--dtype", "float32", "--chat-template", ""]),
+    ("sim", ["--time-scale", "0.1", "--max-model-len", "4096", "--max-num-seqs", "8"]),
+])
+def test_the_llmserve_model_passes_extra_args_fulcrum_does_not_set(kind: str, extra: list[str]) -> None:
+    from fulcrum.api import parse_llmserve
+    spec = parse_llmserve({"spec": {"model": {"name": "m"}, "engine": {"kind": kind, "extraArgs": extra}}}).spec
+    assert spec.engine.extra_args == extra

@@ -14,6 +14,7 @@ path (e.g. ``spec.scaling.maxGPUs``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from enum import Enum
 import functools
 from pathlib import Path
@@ -29,7 +30,9 @@ from pydantic import (
     Field,
     StrictBool,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -58,6 +61,10 @@ __all__ = [
     "ResourceQuantities",
     "ResourcesSpec",
     "EngineSpec",
+    "SIM_WORKER_MANAGED_FLAGS",
+    "VLLM_MANAGED_FLAGS",
+    "extra_arg_flag",
+    "malformed_extra_arg",
     "GPUSpec",
     "SLOSpec",
     "ForecasterSpec",
@@ -368,6 +375,71 @@ class ResourcesSpec(_Model):
     limits: ResourceQuantities = Field(default_factory=ResourceQuantities, description="The most a worker pod may use.")
 
 
+VLLM_MANAGED_FLAGS: dict[str, str] = {
+    "--model": "spec.model.name",
+    "--served-model-name": "spec.model.servedName",
+    "--tensor-parallel-size": "the planner's TP per pool",
+    "-tp": "the planner's TP per pool",
+    "--host": "the operator (0.0.0.0)",
+    "--port": "the operator (the pod's http port)",
+    "--max-model-len": "spec.engine.maxModelLen",
+    "--block-size": "spec.engine.blockSize",
+    "--max-num-seqs": "fulcrum worker (256)",
+    "--max-num-batched-tokens": "fulcrum worker (8192)",
+    "--kv-transfer-config": "the operator (NIXL, the pool's KV role)",
+    "--scheduler-cls": "the operator (the SLO-aware scheduler)",
+}
+"""vLLM flags that ``fulcrum worker`` always sets → what decides their value. ``engine.extraArgs`` of kind ``vllm``
+may not repeat them: vLLM's argument parser keeps the last value, so a repeat would silently override, e.g., the
+planner's TP while the registration still advertises the planned one."""
+
+SIM_WORKER_MANAGED_FLAGS: dict[str, str] = {
+    flag: "the operator"
+    for flag in ("--profile", "--tp", "--model", "--host", "--port", "--role", "--pool", "--block-size", "--etcd",
+                 "--nats", "--namespace", "--llmserve", "--drain-timeout-s")
+}
+"""``fulcrum sim-worker`` flags that the operator sets; ``engine.extraArgs`` of kind ``sim`` may not repeat them."""
+
+
+def extra_arg_flag(arg: str, managed: Mapping[str, str]) -> str | None:
+    """The flag of ``managed`` that the extra argument ``arg`` sets, read as vLLM's ``FlexibleArgumentParser`` reads
+    it, or None.
+
+    ``--flag=value`` names ``--flag``; ``--flag.key=value`` sets a field of ``--flag``; ``_`` in a long flag's name
+    counts as ``-``; and argparse takes a prefix of a long flag (``--tensor-parallel``) for the flag. A value (an
+    item that does not start with ``-``) names no flag.
+    """
+    if not arg.startswith("-"):
+        return None
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+    if name in managed:
+        return name
+    if name.startswith("--") and len(name) > 3:
+        prefixed = [flag for flag in managed if flag.startswith("--") and flag.startswith(name)]
+        if prefixed:
+            return min(prefixed)
+    return None
+
+
+def malformed_extra_arg(args: Sequence[str], i: int) -> str | None:
+    """Why item ``i`` of an extra-argument list cannot be passed as one argv item, or None.
+
+    Refused: a flag with whitespace in its name (``"--max-num-seqs 4"`` reaches the engine as one unknown argument:
+    write the flag and its value as two items) and an empty or blank item that is not the value of the flag
+    before it (the engine would refuse an invisible positional argument).
+    """
+    arg = args[i]
+    if arg.startswith("-") and any(ch.isspace() for ch in arg.split("=", 1)[0]):
+        return f"{arg!r} has whitespace in the flag: write the flag and its value as two items"
+    if not arg.strip():
+        previous = args[i - 1] if i > 0 else ""
+        if not (previous.startswith("-") and "=" not in previous):
+            return f"item {i} is empty (or blank) and follows no flag it could be the value of"
+    return None
+
+
 class EngineSpec(_Model):
     """The inference engine of every worker."""
 
@@ -385,6 +457,26 @@ class EngineSpec(_Model):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="CPU and memory requests/limits of each worker container.")
     max_model_len: Int = Field(default=8192, ge=16, le=2_097_152, description="Maximum context length in tokens (prompt + output).")
     block_size: Int = Field(default=16, ge=1, le=1024, description="KV cache block size in tokens.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_leave_fulcrums_flags_alone(cls, extra_args: list[str], info: ValidationInfo) -> list[str]:
+        """Refuse an item that repeats a flag Fulcrum sets (:data:`VLLM_MANAGED_FLAGS`, or
+        :data:`SIM_WORKER_MANAGED_FLAGS` for kind ``sim``) or is malformed (:func:`malformed_extra_arg`)."""
+        sim = info.data.get("kind") is EngineKind.SIM
+        managed = SIM_WORKER_MANAGED_FLAGS if sim else VLLM_MANAGED_FLAGS
+        problems: list[str] = []
+        for i, arg in enumerate(extra_args):
+            bad = malformed_extra_arg(extra_args, i)
+            flag = None if bad else extra_arg_flag(arg, managed)
+            if flag is not None:
+                bad = (f"{arg!r} sets {flag}, which Fulcrum sets itself from {managed[flag]} (the engine would "
+                       "silently keep the last value)")
+            if bad:
+                problems.append(bad)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return extra_args
 
 
 class GPUSpec(_Model):
