@@ -733,7 +733,9 @@ class _Client:
 
         Raises:
             _Unmeasurable: a 400 about the context length.
-            _Failed: any other HTTP status, a broken stream, a timeout, or fewer tokens than asked for.
+            _Failed: any other HTTP status, a broken stream, a timeout, fewer tokens than asked for, a chunk that
+                is not a completion object, or a ``usage.completion_tokens`` above ``max_tokens`` (a count that
+                would shrink the measured time per token).
         """
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "temperature": 0, "ignore_eos": True,
@@ -755,12 +757,18 @@ class _Client:
                     if data == "[DONE]":
                         break
                     event = json.loads(data)
+                    if not isinstance(event, dict):
+                        raise _Failed(f"stream chunk is not a JSON object: {data[:200]}")
                     choices = event.get("choices") or []
                     if not choices:
                         continue
+                    if not isinstance(choices[0], dict):
+                        raise _Failed(f"stream chunk's choices[0] is not a JSON object: {data[:200]}")
                     usage = event.get("usage") or {}
                     got = usage.get("completion_tokens") if isinstance(usage, dict) else None
                     text_piece = choices[0].get("text")
+                    if isinstance(got, int) and got > max_tokens:
+                        raise _Failed(f"usage.completion_tokens {got} exceeds max_tokens {max_tokens}")
                     if isinstance(got, int) and got > n:
                         n = got
                     elif text_piece or choices[0].get("token_ids"):
@@ -781,19 +789,27 @@ async def probe_endpoint(session: aiohttp.ClientSession, url: str, model: str, t
     """Read ``/v1/models`` (required) and ``/metrics`` (optional) of the endpoint.
 
     Raises:
-        ProfileError: the endpoint cannot be reached, answers ``/v1/models`` with an error, or does not serve
-            ``model``.
+        ProfileError: the endpoint cannot be reached, does not answer ``/v1/models`` within ``timeout_s``
+            (seconds), answers it with an error or non-JSON, or does not serve ``model``.
     """
     _need_aiohttp()
     base = url.rstrip("/")
     t = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with session.get(base + "/v1/models", timeout=t) as resp:
-            if resp.status != 200:
-                raise ProfileError(f"{base}/v1/models answered HTTP {resp.status}")
-            models = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+            status = resp.status
+            body = await resp.text()
+    except asyncio.TimeoutError as err:
+        raise ProfileError(f"{base}/v1/models did not answer within {timeout_s:g} s") from err
+    except aiohttp.ClientError as err:
         raise ProfileError(f"cannot reach {base}: {type(err).__name__}: {err}") from err
+    if status != 200:
+        raise ProfileError(f"{base}/v1/models answered HTTP {status}: {body[:200]}")
+    try:
+        models = json.loads(body)
+    except ValueError as err:
+        raise ProfileError(f"{base}/v1/models answered non-JSON (is this an OpenAI-compatible engine?): "
+                           f"{body[:200]!r}") from err
     labels: dict[str, str] = {}
     try:
         async with session.get(base + "/metrics", timeout=t) as resp:
@@ -854,7 +870,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
     own = session is None
     sess = session or aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     try:
-        endpoint = await probe_endpoint(sess, url, model)
+        endpoint = await probe_endpoint(sess, url, model, min(30.0, grid.request_timeout_s))
         client = _Client(sess, url, model, grid.request_timeout_s)
         limit = endpoint.max_model_len
         for attempt in range(grid.retries + 1):
@@ -945,9 +961,12 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
             after = await client.itl_totals()
             # the engine's own inter-token histogram: engine-side timestamps, immune to bursty delivery; its steady
             # window when the window saw at least one step of the whole batch, else the whole run
+            # (a sum that did not grow, or is not finite, is a broken or reset histogram: the client's timing is used)
             for lo, hi in ((steady_from, steady_to), (before, after)):
                 if lo is not None and hi is not None and hi[1] - lo[1] >= batch:
-                    return max((hi[0] - lo[0]) / (hi[1] - lo[1]), 1e-9)
+                    per_token = (hi[0] - lo[0]) / (hi[1] - lo[1])
+                    if math.isfinite(per_token) and per_token > 0:
+                        return per_token
             return steady_tpot([r for r in results if not isinstance(r, BaseException)])
 
         prefill: list[PointResult] = []

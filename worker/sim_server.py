@@ -873,6 +873,9 @@ async def serve(worker: SimWorker, host: str, port: int, *, registration: EtcdRe
         registration: the etcd registration to start once serving and stop at SIGTERM (None: none).
         drain_timeout_s: longest wait for in-flight requests after SIGTERM, seconds.
         ready: called with the bound port once serving.
+
+    Raises:
+        OSError: the address cannot be bound (the port is in use, the host is not local); the app is cleaned up.
     """
     import signal
 
@@ -880,7 +883,11 @@ async def serve(worker: SimWorker, host: str, port: int, *, registration: EtcdRe
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as err:  # the port is taken or the address is not local: one line, and the worker closed
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
     bound = int(runner.addresses[0][1]) if runner.addresses else port
     log.info("sim-worker %s serving %s on %s:%d (profile %s, TP %d)", worker.settings.engine_id,
              worker.settings.model, host, bound, worker.profile.name, worker.engine.config.tp)

@@ -108,6 +108,8 @@ async def fetch_table(session: aiohttp.ClientSession, metrics_url: str, *, allow
             text = await resp.text()
             if resp.status != 200:
                 raise FulcrumError(f"{metrics_url} answered HTTP {resp.status}")
+    except asyncio.TimeoutError as err:
+        raise FulcrumError(f"the scheduler metrics at {metrics_url} did not answer in time") from err
     except aiohttp.ClientError as err:
         raise FulcrumError(f"cannot read the scheduler metrics at {metrics_url}: {err}") from err
     return table_from_metrics_text(text, allow_empty=allow_empty)
@@ -142,8 +144,11 @@ async def stream_completion(
     ``first_token`` is set when the first token arrives. Pass ``timing`` (a fresh :class:`StreamTiming`) to
     watch ``timing.chunks`` grow while the stream runs. ``stream_interval`` (tokens, vLLM's per-request
     extension) makes the server send one chunk per that many tokens after the first (the first and last chunks
-    go at once): the API server then does a fraction of the per-token work. Raises :class:`FulcrumError` on a
-    non-200 answer.
+    go at once): the API server then does a fraction of the per-token work.
+
+    Raises:
+        FulcrumError: a non-200 answer, a stream that breaks, times out or carries a chunk that is not a JSON
+            object.
     """
     body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -151,27 +156,34 @@ async def stream_completion(
         body["stream_interval"] = int(stream_interval)
     timing = timing if timing is not None else StreamTiming(len(prompt))
     start = last = time.monotonic()
-    async with session.post(f"{base_url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise FulcrumError(f"{base_url} answered HTTP {resp.status}: {(await resp.text())[:200]}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if event.get("usage"):
-                timing.tokens = int(event["usage"].get("completion_tokens", 0))
-            if not event.get("choices"):  # a usage-only chunk
-                continue
-            now = time.monotonic()
-            if timing.chunks == 0:
-                timing.ttft_s = now - start
-                if first_token is not None:
-                    first_token.set()
-            else:
-                timing.itl_s.append(now - last)
-            last = now
-            timing.chunks += 1
+    try:
+        async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise FulcrumError(f"{base_url} answered HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if not isinstance(event, dict):
+                    raise FulcrumError(f"{base_url}: a stream chunk is not a JSON object: {line[:200]}")
+                if isinstance(event.get("usage"), dict):
+                    timing.tokens = int(event["usage"].get("completion_tokens", 0))
+                if not event.get("choices"):  # a usage-only chunk
+                    continue
+                now = time.monotonic()
+                if timing.chunks == 0:
+                    timing.ttft_s = now - start
+                    if first_token is not None:
+                        first_token.set()
+                else:
+                    timing.itl_s.append(now - last)
+                last = now
+                timing.chunks += 1
+    except asyncio.TimeoutError as err:
+        raise FulcrumError(f"{base_url}: the streamed completion did not finish within the session's timeout") from err
+    except (aiohttp.ClientError, ValueError, TypeError) as err:
+        raise FulcrumError(f"{base_url}: broken stream: {type(err).__name__}: {err}") from err
     return timing
 
 

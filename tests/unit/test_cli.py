@@ -864,3 +864,18 @@ def test_a_missing_module_of_no_extra_is_not_disguised_as_a_missing_extra() -> N
     assert missing_extra_message("router", ModuleNotFoundError("no", name="numpy")) is None
     assert missing_extra_message("operator", ModuleNotFoundError("no", name="kubernetes.client")) == (
         "`fulcrum operator` needs the 'operator' extra (no module 'kubernetes'): pip install 'fulcrum[operator]'")
+
+
+def test_sim_worker_on_a_port_in_use_says_so_in_one_line_and_leaves_nothing_open(capsys: Any) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        rc = main(["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--tp", "1", "--host", "127.0.0.1",
+                   "--port", str(port), "--log-level", "error"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [f"fulcrum sim-worker: error: cannot listen on 127.0.0.1:{port}: "
+                   f"error while attempting to bind on address ('127.0.0.1', {port}): address already in use"]

@@ -336,3 +336,156 @@ def test_the_step_table_mode_needs_the_scheduler_metrics_url_and_a_json_file(tmp
     assert "--scheduler-metrics" in capsys.readouterr().err
     assert main([*base, "--step-table", str(tmp_path / "t.yaml"), "--scheduler-metrics", "http://127.0.0.1:9/metrics"]) == 2
     assert ".json" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ broken engines
+def _replace(eng: FakeEngine, path: str, answer: Any) -> None:
+    """Make ``eng`` answer ``path`` with ``await answer(request)`` instead (an aiohttp middleware on its app)."""
+
+    @web.middleware
+    async def swap(request: web.Request, handler: Any) -> web.StreamResponse:
+        return await answer(request) if request.path == path else await handler(request)
+
+    eng.app.middlewares.append(swap)
+
+
+async def _profile_cli(eng: FakeEngine, out: Path, *extra: str) -> int:
+    url = await eng.start()
+    try:
+        return await asyncio.to_thread(main, ["profile", "--url", url, *FLAGS, "--retries", "0", "--out", str(out),
+                                              *extra])
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("chunk", ['[1, 2]', '{"choices": ["text"]}', "null"])
+async def test_stream_chunks_that_are_not_completion_objects_fail_the_point_with_a_message_not_a_traceback(
+        tmp_path: Path, capsys: Any, chunk: str) -> None:
+    eng = await _engine()
+
+    async def odd_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(f"data: {chunk}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    _replace(eng, "/v1/completions", odd_stream)
+    rc = await _profile_cli(eng, tmp_path / "p.yaml")
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    assert "not a JSON object" in err and not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.asyncio
+async def test_a_usage_count_above_max_tokens_fails_the_point_instead_of_shrinking_its_tpot(
+        tmp_path: Path, capsys: Any) -> None:
+    eng = await _engine()
+
+    async def inflated(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):  # claims 1000 tokens per chunk
+            event = {"choices": [{"text": "a"}], "usage": {"completion_tokens": 1000 * (i + 1)}}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    _replace(eng, "/v1/completions", inflated)
+    rc = await _profile_cli(eng, tmp_path / "p.yaml")
+    err = capsys.readouterr().err
+    assert rc == 1 and "exceeds max_tokens" in err
+
+
+@pytest.mark.asyncio
+async def test_an_inter_token_histogram_whose_sum_does_not_grow_is_ignored_not_written_as_a_zero_tpot(
+        tmp_path: Path, capsys: Any) -> None:
+    eng = await _engine()
+    scrapes = {"n": 0}
+
+    async def broken_metrics(_: web.Request) -> web.Response:
+        scrapes["n"] += 1  # the count grows, the sum falls: a broken exporter
+        n = scrapes["n"]
+        return web.Response(text=f"vllm:inter_token_latency_seconds_sum {-100.0 * n}\n"
+                                 f"vllm:inter_token_latency_seconds_count {1000 * n}\n")
+
+    _replace(eng, "/metrics", broken_metrics)
+    out = tmp_path / "p.yaml"
+    rc = await _profile_cli(eng, out)
+    assert rc == 0, capsys.readouterr().err
+    assert scrapes["n"] > 0
+    doc = yaml.safe_load(out.read_text())
+    assert min(v for row in doc["decode"][0]["tpotMs"] for v in row) >= 0.5  # the fake sleeps 1 ms a token
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("status", "body", "needle"), [
+    (500, "boom", "/v1/models answered HTTP 500: boom"),
+    (200, "<html>hello</html>", "/v1/models answered non-JSON"),
+])
+async def test_a_models_endpoint_that_answers_badly_is_named_as_such_not_as_unreachable(
+        tmp_path: Path, capsys: Any, status: int, body: str, needle: str) -> None:
+    eng = await _engine()
+
+    async def bad(_: web.Request) -> web.Response:
+        return web.Response(status=status, text=body)
+
+    _replace(eng, "/v1/models", bad)
+    rc = await _profile_cli(eng, tmp_path / "p.yaml")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert needle in err[0] and "cannot reach" not in err[0]
+
+
+@pytest.mark.asyncio
+async def test_a_models_endpoint_that_never_answers_times_out_with_the_request_timeout(
+        tmp_path: Path, capsys: Any) -> None:
+    eng = await _engine()
+
+    async def silent(_: web.Request) -> web.Response:
+        await asyncio.sleep(60)
+        return web.Response(text="{}")
+
+    _replace(eng, "/v1/models", silent)
+    rc = await _profile_cli(eng, tmp_path / "p.yaml", "--request-timeout-s", "0.5")
+    err = capsys.readouterr().err
+    assert rc == 2 and "did not answer within 0.5 s" in err
+
+
+@pytest.mark.asyncio
+async def test_an_output_folder_that_vanishes_mid_run_loses_nothing_the_profile_is_saved_elsewhere(
+        tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    import shutil
+
+    eng = await _engine()
+    folder = tmp_path / "out"
+    folder.mkdir()
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spare))
+    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
+
+    @web.middleware
+    async def remove_folder(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/v1/completions":
+            shutil.rmtree(folder, ignore_errors=True)
+        return await handler(request)
+
+    eng.app.middlewares.append(remove_folder)
+    rc = await _profile_cli(eng, folder / "p.yaml")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("fulcrum profile: error: --out ")
+    saved = list(spare.glob("fulcrum-profile-*.yaml"))
+    assert len(saved) == 1 and str(saved[0]) in err[-1]
+    assert load_profile(saved[0]).prefill[1].isl == (16.0, 64.0, 200.0)
+
+
+@pytest.mark.asyncio
+async def test_an_older_profile_is_replaced_whole_never_half_written(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "p.yaml"
+    out.write_text("old: profile\n")
+    rc = await _profile_cli(await _engine(), out)
+    assert rc == 0, capsys.readouterr().err
+    assert load_profile(out).prefill[1].isl == (16.0, 64.0, 200.0)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]  # no temporary file left behind

@@ -12,12 +12,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from fulcrum.errors import FulcrumError, ProfileError
 from fulcrum.worker.latency_table import StepLatencyTable
-from fulcrum.worker.step_profiler import _mixed_steps, profile_steps, table_from_metrics_text
+from fulcrum.worker.step_profiler import _mixed_steps, profile_steps, stream_completion, table_from_metrics_text
 
 
 @dataclass
@@ -140,3 +141,29 @@ def test_an_engine_that_has_not_stepped_yet_reads_as_an_empty_table_only_when_al
     assert len(table_from_metrics_text("# nothing yet\n", allow_empty=True)) == 0
     with pytest.raises(FulcrumError, match="no fulcrum_scheduler_step_table"):
         table_from_metrics_text("# nothing yet\n")
+
+
+@pytest.mark.parametrize("chunk", ["[1, 2]", "not json", "null"])
+def test_a_stream_chunk_that_is_not_a_json_object_is_a_fulcrum_error_not_a_traceback(chunk: str) -> None:
+    async def odd_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(f"data: {chunk}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def run() -> None:
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", odd_stream)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                await stream_completion(session, url, model="tiny", prompt=[1, 2, 3], max_tokens=4)
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(FulcrumError, match="not a JSON object|broken stream"):
+        asyncio.run(run())

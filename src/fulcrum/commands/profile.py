@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import math
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +113,14 @@ def _run_step_table(args: argparse.Namespace) -> int:
         decode_counts=_ints("step-decodes", args.step_decodes), contexts=_ints("step-contexts", args.step_contexts),
         timeout_s=args.request_timeout_s,
     ))
-    table.save(args.step_table)
+    try:
+        table.save(args.step_table)
+    except OSError as err:  # the folder vanished or became read-only after the up-front check: keep the table
+        fd, saved = tempfile.mkstemp(prefix="fulcrum-step-table-", suffix=".json")
+        os.close(fd)
+        table.save(saved)
+        raise OSError(f"--step-table {args.step_table}: cannot write ({err.strerror or err}); "
+                      f"saved to {saved} instead") from err
     print(f"wrote {args.step_table}: {len(table.to_dict().get('entries', []))} step buckets measured", file=sys.stderr)
     return 0
 
@@ -159,12 +169,31 @@ def _default_name(model: str, tp: int) -> str:
     return f"{base}-tp{tp}"
 
 
-def _write(path: str, text: str) -> None:
+def _write(path: str, text: str, flag: str) -> None:
+    """Write ``text`` to ``path`` (``-``: standard output) through a sibling temporary file and a rename, so a
+    failed write never leaves half a file nor spoils an older one.
+
+    Raises:
+        OSError: the file cannot be written (its folder vanished or became read-only after the up-front check);
+            the measured text is then saved to a file in the temporary folder, which the message names, so an
+            hour of measuring is not lost.
+    """
     if path == "-":
         sys.stdout.write(text)
-    else:
-        Path(path).write_text(text, encoding="utf-8")
-        print(f"wrote {path}", file=sys.stderr)
+        return
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(target)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        fd, saved = tempfile.mkstemp(prefix="fulcrum-profile-", suffix=target.suffix or ".yaml")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        raise OSError(f"{flag} {path}: cannot write ({err.strerror or err}); saved to {saved} instead") from err
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,10 +256,10 @@ def run(args: argparse.Namespace) -> int:
     for note in assembled.notes:
         warn(note)
     text = render_profile_yaml(profile_document(assembled, measured, memory, args.url))
-    _write(args.out, text)
+    _write(args.out, text, "--out")
     if args.configmap:
         cm = render_configmap(text, args.configmap, args.namespace)
-        _write(args.configmap_out or "-", dump_yaml(cm))
+        _write(args.configmap_out or "-", dump_yaml(cm), "--configmap-out")
     p = assembled.profile
     ok_pre = sum(1 for x in measured.prefill if x.ok)
     ok_dec = sum(1 for x in measured.decode if x.ok)
