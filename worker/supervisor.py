@@ -299,6 +299,17 @@ class Supervisor:
 
     @staticmethod
     def _engine_died(code: int, when: str) -> int:
+        """Log how the engine ended and return the worker's exit code: the engine's own when > 0; 128 + N when
+        signal N killed it (a shell's convention: SIGKILL, often the kernel's OOM killer, is 137); 1 for a clean
+        exit (an engine should serve until told to stop)."""
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = " (the kernel's OOM killer sends it when memory runs out)" if -code == signal.SIGKILL else ""
+            log.error("worker: the engine was killed %s by %s%s; exiting with %d", when, name, hint, 128 - code)
+            return 128 - code
         log.error("worker: the engine exited on its own %s with code %s; exiting non-zero", when, code)
         return code if code > 0 else 1
 

@@ -403,6 +403,8 @@ def _worker_pod_spec(serve: LLMServe, pool: str, tp: int) -> dict[str, Any]:
         },
         "livenessProbe": {**liveness, "periodSeconds": 20, "failureThreshold": 3},
         "securityContext": {"allowPrivilegeEscalation": False},
+        # an engine that dies (OOM, a bad flag) shows its last log lines in `kubectl describe pod`
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []

@@ -4,8 +4,9 @@ child process instead of vLLM.
 The fake engine (``FAKE_ENGINE`` below, written to a temporary file) speaks the part of vLLM's HTTP surface the
 supervisor uses: ``/health`` (503 until ``FAKE_READY_AFTER_S``), ``/v1/models``, ``/metrics`` (vLLM's gauge names,
 counting its in-flight requests) and ``POST /v1/completions`` (answers after ``FAKE_REQUEST_S``). It can exit on
-its own (``FAKE_EXIT_AFTER_S``, code ``FAKE_EXIT_CODE``) or ignore SIGTERM (``FAKE_IGNORE_TERM``). It is a test
-fake, not an engine: the real engine is exercised in tests/integration/test_worker_vllm.py.
+its own (``FAKE_EXIT_AFTER_S``, code ``FAKE_EXIT_CODE``, or killed by signal ``FAKE_EXIT_SIGNAL``) or ignore
+SIGTERM (``FAKE_IGNORE_TERM``). It is a test fake, not an engine: the real engine is exercised in
+tests/integration/test_worker_vllm.py.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ exit_after = os.environ.get("FAKE_EXIT_AFTER_S")
 if exit_after:
     def die():
         time.sleep(float(exit_after))
+        if os.environ.get("FAKE_EXIT_SIGNAL"):
+            os.kill(os.getpid(), int(os.environ["FAKE_EXIT_SIGNAL"]))
         os._exit(int(os.environ.get("FAKE_EXIT_CODE", "3")))
     threading.Thread(target=die, daemon=True).start()
 note("argv " + json.dumps(sys.argv[1:]))
@@ -267,6 +270,19 @@ def test_an_engine_that_exits_on_its_own_makes_the_worker_exit_non_zero_and_dere
         assert [e for e, _ in fake.registrations] == ["start", "stop"]
 
     run(scenario())
+
+
+def test_an_engine_killed_by_a_signal_is_named_and_the_worker_exits_128_plus_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fake = Fake(tmp_path, FAKE_EXIT_AFTER_S="0.8", FAKE_EXIT_SIGNAL=str(int(signal.SIGKILL)))
+
+    async def scenario() -> None:
+        assert await fake.supervisor().run() == 137  # 128 + SIGKILL, as a shell reports it
+        assert [e for e, _ in fake.registrations] == ["start", "stop"]
+
+    with caplog.at_level(logging.ERROR, logger="fulcrum.worker.supervisor"):
+        run(scenario())
+    assert "killed while serving by SIGKILL" in caplog.text and "OOM killer" in caplog.text
 
 
 def test_an_engine_that_dies_during_start_up_fails_the_worker(tmp_path: Path) -> None:
