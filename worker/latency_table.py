@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fulcrum.errors import ProfileError
+from fulcrum.errors import ProfileError, clipped
 from fulcrum.ratio.step_cost import StepCost
 
 if TYPE_CHECKING:  # only for the annotation: the engine's environment need not import scipy
@@ -122,16 +122,10 @@ def _float(value: Any) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-def _shown(value: Any, keep: int = 40) -> str:
-    """``repr(value)`` cut to ``keep`` characters, for a message quoting a 400-digit number."""
-    text = repr(value)
-    return text if len(text) <= keep else f"{text[:keep]}…"
-
-
 def _finite_non_negative(name: str, value: float) -> float:
     v = _float(value)
     if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {_shown(value)}")
+        raise ValueError(f"{name} must be a finite number >= 0, got {clipped(repr(value))}")
     return v
 
 
@@ -139,7 +133,7 @@ def _count(name: str, value: Any) -> int:
     """A whole number >= 0 (a sample count, a token floor) from a table file."""
     v = _float(value)
     if not (v >= 0 and v.is_integer()):  # not inf, not nan
-        raise ValueError(f"{name} must be a whole number >= 0, got {_shown(value)}")
+        raise ValueError(f"{name} must be a whole number >= 0, got {clipped(repr(value))}")
     return int(v)
 
 
@@ -455,14 +449,14 @@ class StepLatencyTable:
             ProfileError: the file is missing, unreadable or malformed.
         """
         path = Path(path)
+        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
         try:
             text = path.read_text()
-            data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+            data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
         except OSError as err:
             raise ProfileError(f"step table {path}: cannot read: {err.strerror or err}") from err
         except RecursionError as err:
-            kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
             raise ProfileError(f"step table {path}: not valid {kind}: nested too deeply") from err
         except (ValueError, yaml.YAMLError) as err:
-            raise ProfileError(f"step table {path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {err}") from err
+            raise ProfileError(f"step table {path}: not valid {kind}: {err}") from err
         return cls.from_dict(data, origin=f"step table {path}")

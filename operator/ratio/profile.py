@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from fulcrum.errors import ProfileError, yaml_problem
+from fulcrum.errors import ProfileError, clipped, yaml_problem
 from fulcrum.target import ClusterTarget
 
 __all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict",
@@ -342,23 +342,17 @@ def _req(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def _short(v: Any, keep: int = 40) -> str:
-    """``repr(v)`` cut to ``keep`` characters, for a message quoting a 400-digit number."""
-    text = repr(v)
-    return text if len(text) <= keep else f"{text[:keep]}…"
-
-
 def _num(v: Any, where: str) -> float:
     if isinstance(v, bool):  # YAML's true/yes: float(True) would read 1
         raise ProfileError(f"{where}: expected a number, got {v!r}")
     try:
         f = float(v)
     except (TypeError, ValueError):
-        raise ProfileError(f"{where}: expected a number, got {_short(v)}") from None
+        raise ProfileError(f"{where}: expected a number, got {clipped(repr(v))}") from None
     except OverflowError:  # an integer beyond float range
-        raise ProfileError(f"{where}: expected a finite number, got {_short(v)}") from None
+        raise ProfileError(f"{where}: expected a finite number, got {clipped(repr(v))}") from None
     if not math.isfinite(f):
-        raise ProfileError(f"{where}: expected a finite number, got {_short(v)}")
+        raise ProfileError(f"{where}: expected a finite number, got {clipped(repr(v))}")
     return f
 
 
@@ -366,7 +360,7 @@ def _whole(v: Any, where: str) -> int:
     """A count (TP, a batch cap): a finite number with no fraction, as an int."""
     f = _num(v, where)
     if not f.is_integer():
-        raise ProfileError(f"{where}: expected a whole number, got {_short(v)}")
+        raise ProfileError(f"{where}: expected a whole number, got {clipped(repr(v))}")
     return int(f)
 
 

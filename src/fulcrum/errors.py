@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "yaml_problem"]
+__all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "clipped", "yaml_problem"]
 
 
 class FulcrumError(Exception):
@@ -46,3 +46,9 @@ def yaml_problem(err: Any) -> tuple[str, str]:
     where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
     parts = [str(p) for p in (getattr(err, "context", None), getattr(err, "problem", None)) if p]
     return where, ", ".join(parts) if parts else " ".join(str(err).split())
+
+
+def clipped(text: str, keep: int = 40) -> str:
+    """``text`` cut to ``keep`` characters with an ellipsis, for a message quoting an input that may be huge (a
+    400-digit number, a 128-KiB field)."""
+    return text if len(text) <= keep else f"{text[:keep]}…"

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fulcrum.data import BUNDLED_TRACES, bundled_trace_path
-from fulcrum.errors import TraceError
+from fulcrum.errors import TraceError, clipped
 from fulcrum.traces.synthetic import SYNTHETIC_TRACES, synthetic_trace
 from fulcrum.workload import Request
 
@@ -438,7 +438,7 @@ def _token_field(record: list[str], i: int, column: str, file: Path, line: int) 
     try:
         number = float(text)  # "12", "12.0" and "1e3" alike; never the int-digit limit of int(text)
     except ValueError:
-        raise TraceError(f"{file}:{line}: {column} is not a number: {_short(text)!r}") from None
+        raise TraceError(f"{file}:{line}: {column} is not a number: {clipped(text)!r}") from None
     return _tokens(number, column, file, line, text)
 
 
@@ -447,7 +447,7 @@ def _tokens(number: float, column: str, file: Path, line: int, raw: Any) -> int:
     file gives it (``inf`` stands for any number too large for a float, and is too many tokens like them)."""
     if 0 <= number <= _MAX_TOKENS and number.is_integer():  # not nan
         return int(number)
-    shown = _short(raw if isinstance(raw, str) else repr(raw))
+    shown = clipped(raw if isinstance(raw, str) else repr(raw))
     if number < 0:
         raise TraceError(f"{file}:{line}: {column} must be >= 0 tokens, got {shown}")
     if number > _MAX_TOKENS:
@@ -455,19 +455,14 @@ def _tokens(number: float, column: str, file: Path, line: int, raw: Any) -> int:
     raise TraceError(f"{file}:{line}: {column} must be a whole number of tokens, got {shown}")
 
 
-def _short(text: str, keep: int = 40) -> str:
-    """``text`` cut to ``keep`` characters with an ellipsis, for a message quoting a 400-digit number."""
-    return text if len(text) <= keep else f"{text[:keep]}…"
-
-
 def _float_field(record: list[str], i: int, column: str, file: Path, line: int) -> float:
     text = _field(record, i, column, file, line)
     try:
         value = float(text)
     except ValueError:
-        raise TraceError(f"{file}:{line}: {column} is not a number: {_short(text)!r}") from None
+        raise TraceError(f"{file}:{line}: {column} is not a number: {clipped(text)!r}") from None
     if not math.isfinite(value):
-        raise TraceError(f"{file}:{line}: {column} must be finite, got {_short(text)!r}")
+        raise TraceError(f"{file}:{line}: {column} must be finite, got {clipped(text)!r}")
     return value
 
 
@@ -486,12 +481,12 @@ def _parse_timestamp(text: str, file: Path, line: int) -> datetime:
             tz = timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:])))
         except ValueError:
             raise TraceError(
-                f"{file}:{line}: invalid TIMESTAMP {_short(text)!r}: UTC offset {offset} is not within ±24:00"
+                f"{file}:{line}: invalid TIMESTAMP {clipped(text)!r}: UTC offset {offset} is not within ±24:00"
             ) from None
     try:
         when = datetime(year, month, day, hour, minute, second, tzinfo=tz)
     except ValueError as err:
-        raise TraceError(f"{file}:{line}: invalid TIMESTAMP {_short(text)!r}: {err}") from None
+        raise TraceError(f"{file}:{line}: invalid TIMESTAMP {clipped(text)!r}: {err}") from None
     if fraction:
         # Microseconds hold 6 digits; keep the 7th (100 ns) as a rounded microsecond. float(), not int(): a
         # fraction of thousands of digits is still a fraction, not Python's int-digit limit.
@@ -518,7 +513,7 @@ def _read_mooncake(file: Path) -> list[_Row]:
             stamp = _json_number(obj["timestamp"])
             if stamp is None or not 0 <= stamp < math.inf:  # nan too; inf: Infinity or an int beyond float range
                 what = "finite" if stamp == math.inf else "a number of ms >= 0"
-                raise TraceError(f"{file}:{line}: timestamp must be {what}, got {_short(repr(obj['timestamp']))}")
+                raise TraceError(f"{file}:{line}: timestamp must be {what}, got {clipped(repr(obj['timestamp']))}")
             isl = _json_tokens(obj, "input_length", file, line)
             osl = _json_tokens(obj, "output_length", file, line)
             rows.append(_Row(stamp / 1000.0, isl, osl, _json_hash_ids(obj, file, line), line))
@@ -552,7 +547,7 @@ def _json_tokens(obj: dict[str, Any], key: str, file: Path, line: int) -> int:
     value = obj[key]
     number = _json_number(value)
     if number is None:
-        raise TraceError(f"{file}:{line}: {key} must be a whole number of tokens, got {_short(repr(value))}")
+        raise TraceError(f"{file}:{line}: {key} must be a whole number of tokens, got {clipped(repr(value))}")
     return _tokens(number, key, file, line, value)
 
 
