@@ -489,3 +489,23 @@ async def test_an_older_profile_is_replaced_whole_never_half_written(tmp_path: P
     assert rc == 0, capsys.readouterr().err
     assert load_profile(out).prefill[1].isl == (16.0, 64.0, 200.0)
     assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]  # no temporary file left behind
+
+
+def test_a_step_table_whose_folder_vanished_is_kept_in_the_temporary_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fulcrum.commands.profile import _save_or_keep
+    from fulcrum.worker.latency_table import StepLatencyTable
+
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spare))
+    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
+    table = StepLatencyTable()
+    table.record(128, 128, 2, 0.05)
+    gone = tmp_path / "gone" / "steps.json"
+    with pytest.raises(OSError, match=r"^--step-table .*steps\.json: cannot write \(No such file or directory\); "
+                                      r"saved to .*fulcrum-step-table-.*\.json instead$") as err:
+        _save_or_keep(str(gone), "--step-table", "fulcrum-step-table-", table.save)
+    saved = list(spare.glob("fulcrum-step-table-*.json"))
+    assert len(saved) == 1 and str(saved[0]) in str(err.value)
+    assert StepLatencyTable.load(saved[0]).to_dict() == table.to_dict()

@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +114,7 @@ def _run_step_table(args: argparse.Namespace) -> int:
         decode_counts=_ints("step-decodes", args.step_decodes), contexts=_ints("step-contexts", args.step_contexts),
         timeout_s=args.request_timeout_s,
     ))
-    try:
-        table.save(args.step_table)
-    except OSError as err:  # the folder vanished or became read-only after the up-front check: keep the table
-        fd, saved = tempfile.mkstemp(prefix="fulcrum-step-table-", suffix=".json")
-        os.close(fd)
-        table.save(saved)
-        raise OSError(f"--step-table {args.step_table}: cannot write ({err.strerror or err}); "
-                      f"saved to {saved} instead") from err
+    _save_or_keep(args.step_table, "--step-table", "fulcrum-step-table-", table.save)
     print(f"wrote {args.step_table}: {len(table.to_dict().get('entries', []))} step buckets measured", file=sys.stderr)
     return 0
 
@@ -169,30 +163,46 @@ def _default_name(model: str, tp: int) -> str:
     return f"{base}-tp{tp}"
 
 
+def _save_or_keep(path: str, flag: str, prefix: str, save: Callable[[Path], None]) -> None:
+    """``save(path)``; when that fails, ``save`` to a new file ``<prefix>*<suffix>`` in the temporary folder instead,
+    so an hour of measuring is not lost.
+
+    Raises:
+        OSError: ``path`` cannot be written (its folder vanished or became read-only after the up-front check); the
+            message names the flag and the file the result was saved to.
+    """
+    target = Path(path)
+    try:
+        save(target)
+    except OSError as err:
+        fd, saved = tempfile.mkstemp(prefix=prefix, suffix=target.suffix or ".yaml")
+        os.close(fd)
+        save(Path(saved))
+        raise OSError(f"{flag} {path}: cannot write ({err.strerror or err}); saved to {saved} instead") from err
+
+
 def _write(path: str, text: str, flag: str) -> None:
     """Write ``text`` to ``path`` (``-``: standard output) through a sibling temporary file and a rename, so a
     failed write never leaves half a file nor spoils an older one.
 
     Raises:
-        OSError: the file cannot be written (its folder vanished or became read-only after the up-front check);
-            the measured text is then saved to a file in the temporary folder, which the message names, so an
-            hour of measuring is not lost.
+        OSError: the file cannot be written; the text is kept elsewhere (:func:`_save_or_keep`).
     """
     if path == "-":
         sys.stdout.write(text)
         return
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(target)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        fd, saved = tempfile.mkstemp(prefix="fulcrum-profile-", suffix=target.suffix or ".yaml")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        raise OSError(f"{flag} {path}: cannot write ({err.strerror or err}); saved to {saved} instead") from err
+
+    def save(target: Path) -> None:
+        tmp = target.with_name(f".{target.name}.tmp")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(target)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+
+    _save_or_keep(path, flag, "fulcrum-profile-", save)
     print(f"wrote {path}", file=sys.stderr)
 
 
