@@ -15,6 +15,9 @@ so any SLO works, not only one that falls on a bucket boundary.
 
 Errors: Prometheus unreachable, answering an error, or holding no router series at all raises
 :class:`fulcrum.cluster.ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
+So do answers that are no usable load: NaN or infinite arrivals, and finite values no deployment of one model
+reaches (:data:`MAX_ARRIVAL_RATE_RPS`, :data:`MAX_REQUESTS_IN_SYSTEM`, :data:`MAX_MEAN_TOKENS`): a one-scrape
+glitch or a counter mishap, planned as load, would scale to ``maxGPUs`` for several intervals.
 
 History (:meth:`PrometheusObserver.history`): the same queries as range queries (``query_range``, step = the
 interval), one Observation per past interval, so a forecaster that starts with the operator (a restart, a new
@@ -57,7 +60,25 @@ __all__ = [
     "Q_DECODE_QUEUE",
     "Q_KV_USAGE",
     "ALL_QUERIES",
+    "MAX_ARRIVAL_RATE_RPS",
+    "MAX_REQUESTS_IN_SYSTEM",
+    "MAX_MEAN_TOKENS",
 ]
+
+# ------------------------------------------------------------------------------------------------ plausibility
+# Bounds above which an answer is a glitch (a bad scrape, a counter reset read as an increase, a broken exporter),
+# not load: the interval is an ObservationError and the loop holds. Each is orders of magnitude above anything one
+# LLMServe (one model) can reach, so no real load is ever refused; below them values are taken as they are.
+
+#: Arrivals (and completions) per second above which the series is a glitch, requests/s. A whole fleet of H100s
+#: serving a 70B model finishes ~1e4 requests/s; 1e6 is a hundred such fleets behind one router.
+MAX_ARRIVAL_RATE_RPS = 1e6
+#: Requests waiting (prefill queue, decode queue) or in flight (concurrency) at once above which the series is a
+#: glitch. Each waiting request holds its prompt in router or engine memory: 1e9 of them is terabytes of prompts.
+MAX_REQUESTS_IN_SYSTEM = 1e9
+#: Mean prompt or output length above which the series is a glitch, tokens: ``2**31 - 1``, the bound the trace
+#: reader (``fulcrum.traces.reader``) puts on one request's lengths; no engine takes such a request.
+MAX_MEAN_TOKENS = 2**31 - 1
 
 # ------------------------------------------------------------------------------------------------ PromQL
 #: Requests admitted by the router in the interval (count). Empty answer = the router is not scraped → error.
@@ -335,13 +356,27 @@ class PrometheusObserver:
                 router series; arrivals NaN, infinite or without a value; arrivals but no usable mean prompt or
                 output length (series missing, 0 or NaN: planning them as 1-token requests would empty the
                 prefill pool); a mean prompt that is not finite or longer than ``max_model_len``; a prefill
-                queue series answering a value that is not finite (NaN included; an absent series is no queue).
+                queue series answering a value that is not finite (NaN included; an absent series is no queue);
+                values no deployment reaches (``+Inf`` included): arrivals or completions above
+                :data:`MAX_ARRIVAL_RATE_RPS` per second, a prefill queue (either series), decode queue or
+                concurrency above :data:`MAX_REQUESTS_IN_SYSTEM`, a mean prompt or output length above
+                :data:`MAX_MEAN_TOKENS`. Negative values are still read as 0, and NaN or absent series other
+                than arrivals and the prefill queue as before (0, or no length).
         """
 
         def scalar(template: str, default: float = 0.0) -> float:
             res = fetch(template)
             v = _value(res[0]) if res else math.nan
             return v if math.isfinite(v) else default
+
+        def bounded(template: str, bound: float, message: Callable[[float], str]) -> float:
+            """``scalar(template)``, but a value above ``bound`` (``+Inf`` included) is no load: the error
+            ``message(value)``."""
+            res = fetch(template)
+            v = _value(res[0]) if res else math.nan
+            if v > bound:
+                raise ObservationError(message(v))
+            return v if math.isfinite(v) else 0.0
 
         arrivals_res = fetch(Q_ARRIVALS)
         if not arrivals_res:
@@ -353,6 +388,11 @@ class PrometheusObserver:
             raise ObservationError(
                 f"Prometheus answered arrivals {raw[1] if isinstance(raw, (list, tuple)) and len(raw) > 1 else raw!r} "
                 f"for {{{self.selectors.router}}}: no usable request count")
+        if interval_s > 0 and arrivals_f / interval_s > MAX_ARRIVAL_RATE_RPS:
+            raise ObservationError(
+                f"Prometheus answered {arrivals_f:g} arrivals in {interval_s:g} s ({arrivals_f / interval_s:g} "
+                f"requests/s; fulcrum_router_requests_admitted_total) for {{{self.selectors.router}}}, above the "
+                f"plausible {MAX_ARRIVAL_RATE_RPS:g} requests/s: no usable request count")
         arrivals = max(int(round(arrivals_f)), 0)
         isl_sum = scalar(Q_INPUT_TOKENS_SUM)
         isl_n = scalar(Q_INPUT_TOKENS_COUNT)
@@ -388,16 +428,41 @@ class PrometheusObserver:
                 raise ObservationError(
                     f"{arrivals} arrivals but no usable mean output length (output tokens sum {osl_sum:g} over "
                     f"count {osl_n:g}; are the fulcrum_router_output_tokens series scraped?)")
+        # checked whether or not anything arrived (a length is carried into the Observation either way); an
+        # overflowing mean (sum 1e300 over count 1e-300) with no arrivals is caught here too
+        for what, tokens, mean, total, n in (("prompt", "input", mean_isl, isl_sum, isl_n),
+                                             ("output", "output", mean_osl, osl_sum, osl_n)):
+            if mean > MAX_MEAN_TOKENS:
+                raise ObservationError(
+                    f"Prometheus answered a mean {what} length of {mean:g} tokens ({tokens} tokens sum {total:g} over "
+                    f"count {n:g}), above the plausible {MAX_MEAN_TOKENS} tokens: no usable load")
         # an absent series is no queue (no engine waiting, or no NATS queue); a series answering NaN or ±inf is a
-        # backlog nobody knows, as arrivals answering NaN are a load nobody knows
-        queues = [_value(res[0]) for res in (fetch(Q_PREFILL_QUEUE), fetch(Q_PREFILL_QUEUE_NATS)) if res]
-        for q in queues:
+        # backlog nobody knows, as arrivals answering NaN are a load nobody knows; so is one above the bound
+        queues = [(_value(res[0]), series) for res, series in (
+            (fetch(Q_PREFILL_QUEUE), "vllm:num_requests_waiting"),
+            (fetch(Q_PREFILL_QUEUE_NATS), "fulcrum_router_prefill_queue_depth")) if res]
+        for q, series in queues:
             if not math.isfinite(q):
                 raise ObservationError(f"Prometheus answered a prefill queue of {q:g} requests: no usable backlog")
-        prefill_queue = sum(queues)
-        if not math.isfinite(prefill_queue):  # two finite gauges overflowing together (1e308 + 1e308)
-            raise ObservationError("Prometheus answered a prefill queue that is not finite: no usable backlog")
-        decode_queue = scalar(Q_DECODE_QUEUE)
+            if q > MAX_REQUESTS_IN_SYSTEM:
+                raise ObservationError(
+                    f"Prometheus answered a prefill queue of {q:g} requests ({series}), above the plausible "
+                    f"{MAX_REQUESTS_IN_SYSTEM:g} requests: no usable backlog")
+        prefill_queue = sum(q for q, _ in queues)  # at most two bounded gauges: finite
+        # the other series keep their reading of NaN (0) and negatives (0); a value above the bound, +Inf included,
+        # is a glitch: planned on, it would scale out (queues, concurrency) or outweigh every past interval's SLO
+        # attainment (completions)
+        decode_queue = bounded(Q_DECODE_QUEUE, MAX_REQUESTS_IN_SYSTEM, lambda v: (
+            f"Prometheus answered a decode queue of {v:g} requests (vllm:num_requests_waiting), above the "
+            f"plausible {MAX_REQUESTS_IN_SYSTEM:g} requests: no usable backlog"))
+        concurrency = bounded(Q_CONCURRENCY, MAX_REQUESTS_IN_SYSTEM, lambda v: (
+            f"Prometheus answered a concurrency of {v:g} requests in flight (fulcrum_router_instance_inflight), "
+            f"above the plausible {MAX_REQUESTS_IN_SYSTEM:g} requests: no usable load"))
+        max_completed = MAX_ARRIVAL_RATE_RPS * interval_s if interval_s > 0 else math.inf
+        completed = bounded(Q_COMPLETED, max_completed, lambda v: (
+            f"Prometheus answered {v:g} completions in {interval_s:g} s ({v / interval_s:g} requests/s; "
+            f"fulcrum_router_e2e_seconds_count), above the plausible {MAX_ARRIVAL_RATE_RPS:g} requests/s: "
+            f"no usable completion count"))
         return Observation(
             time_s=time_s,
             interval_s=interval_s,
@@ -406,8 +471,8 @@ class PrometheusObserver:
             mean_osl=mean_osl,
             isl_quantiles=tuple(histogram_quantile(q, isl_b) for q in QUANTILE_LEVELS) if has_isl else (),
             osl_quantiles=tuple(histogram_quantile(q, osl_b) for q in QUANTILE_LEVELS) if has_osl else (),
-            concurrency=max(scalar(Q_CONCURRENCY), 0.0),
-            completed=max(int(round(scalar(Q_COMPLETED))), 0),
+            concurrency=max(concurrency, 0.0),
+            completed=max(int(round(completed)), 0),
             ttft_attainment=ttft_att,
             tpot_attainment=tpot_att,
             slo_attainment=min(both) if both else math.nan,

@@ -254,6 +254,80 @@ def test_an_absent_prefill_queue_series_is_no_queue() -> None:
     assert o.prefill_queue == 4
 
 
+@pytest.mark.parametrize("over, match", [
+    ({"arrivals": [vec(60 * 1e12)]}, r"6e\+13 arrivals in 60 s \(1e\+12 requests/s.*above the plausible 1e\+06"),
+    ({"arrivals": [vec(60 * 1e6 + 60)]}, r"arrivals in 60 s .*above the plausible 1e\+06 requests/s"),
+    ({"prefill_queue": [vec(1e300)]}, r"prefill queue of 1e\+300 requests \(vllm:num_requests_waiting\), above "
+                                      r"the plausible 1e\+09"),
+    ({"prefill_queue_nats": [vec(1e300)]}, r"prefill queue of 1e\+300 requests \(fulcrum_router_prefill_queue"),
+    ({"prefill_queue": [vec(1e9 + 1)]}, r"prefill queue .*above the plausible 1e\+09"),
+    ({"decode_queue": [vec(1e300)]}, r"decode queue of 1e\+300 requests .*above the plausible 1e\+09"),
+    ({"decode_queue": [{"metric": {}, "value": [1700000000.0, "+Inf"]}]}, r"decode queue of inf requests"),
+    ({"concurrency": [vec(1e300)]}, r"concurrency of 1e\+300 requests in flight .*above the plausible 1e\+09"),
+    ({"concurrency": [{"metric": {}, "value": [1700000000.0, "+Inf"]}]}, r"concurrency of inf"),
+    ({"completed": [vec(1e300)]}, r"1e\+300 completions in 60 s .*above the plausible 1e\+06 requests/s"),
+    ({"output_tokens_sum": [vec(500 * 2.0**32)]}, r"mean output length of 4\.29497e\+09 tokens .*above the "
+                                                  r"plausible 2147483647 tokens"),
+    ({"output_tokens_sum": [vec(1e300)], "output_tokens_count": [vec(1)]}, r"mean output length of 1e\+300"),
+    ({"predicted_output_sum": [vec(1e300)], "predicted_output_count": [vec(600)], "output_tokens_sum": [],
+      "output_tokens_count": []}, r"mean output length of 1\.66667e\+297"),
+], ids=["arrivals-1e12-rps", "arrivals-just-above", "prefill-queue-1e300", "nats-queue-1e300",
+        "prefill-queue-just-above", "decode-queue-1e300", "decode-queue-Inf", "concurrency-1e300", "concurrency-Inf", "completed-1e300",
+        "osl-2^32", "osl-1e300", "predicted-osl-1e300"])
+def test_a_finite_but_implausible_answer_is_an_observation_error_not_load(over, match) -> None:
+    # a one-scrape glitch or a counter mishap, planned as load, would scale to maxGPUs for several intervals
+    with pytest.raises(ObservationError, match=match):
+        _observe(**over)
+
+
+def test_a_mean_prompt_beyond_2_31_tokens_is_an_observation_error_without_max_model_len() -> None:
+    def obs(isl_sum: float, arrivals: float = 600) -> Any:
+        answers = dict(ANSWERS)
+        answers.update(input_tokens_sum=[vec(isl_sum)], arrivals=[vec(arrivals)])
+        return observer(CannedPrometheus(answers)).observe(3600.0, 60.0, ReadyCounts())
+
+    with pytest.raises(ObservationError, match=r"mean prompt length of 4\.29497e\+09 tokens \(input tokens sum "
+                                               r".*above the plausible 2147483647 tokens"):
+        obs(600 * 2.0**32)
+    with pytest.raises(ObservationError, match="mean prompt length of 1e\\+300"):
+        obs(600 * 1e300, arrivals=0)  # nothing arrived: the length still goes into the Observation
+    assert obs(600 * (2**31 - 1)).mean_isl == 2**31 - 1  # at the bound: taken as it is
+
+
+def test_values_at_the_plausibility_bounds_are_taken_as_they_are() -> None:
+    o = _observe(arrivals=[vec(60 * 1e6)], input_tokens_count=[vec(60 * 1e6)], input_tokens_sum=[vec(60e6 * 1000)],
+                 prefill_queue=[vec(1e9)], prefill_queue_nats=[vec(1e9)], decode_queue=[vec(1e9)],
+                 concurrency=[vec(1e9)], completed=[vec(60 * 1e6)])
+    assert o.arrivals == 60_000_000 and o.rate_rps == 1e6 and o.mean_isl == 1000.0
+    assert o.prefill_queue == 2_000_000_000 and o.decode_queue == 1_000_000_000
+    assert o.concurrency == 1e9 and o.completed == 60_000_000
+
+
+def test_negative_nan_and_absent_answers_other_than_arrivals_and_prefill_queue_read_as_before() -> None:
+    nan = [{"metric": {}, "value": [1700000000.0, "NaN"]}]
+    o = _observe(decode_queue=[vec(-1e300)], concurrency=[vec(-1e300)], completed=[vec(-1e300)],
+                 prefill_queue=[vec(-1e300)], prefill_queue_nats=[], arrivals=[vec(-1e300)],
+                 kv_usage=[vec(1e300)])
+    assert (o.arrivals, o.decode_queue, o.concurrency, o.completed, o.prefill_queue) == (0, 0, 0.0, 0, 0)
+    assert o.kv_utilisation == 1.0  # a share: clamped to 0..1, as before
+    o = _observe(decode_queue=nan, concurrency=nan, completed=nan)
+    assert (o.decode_queue, o.concurrency, o.completed) == (0, 0.0, 0)
+    o = _observe(decode_queue=[], concurrency=[], completed=[], kv_usage=[])
+    assert (o.decode_queue, o.concurrency, o.completed, o.kv_utilisation) == (0, 0.0, 0, 0.0)
+
+
+def test_history_leaves_out_an_interval_with_an_arrivals_spike() -> None:
+    prom = CannedRange({
+        "arrivals": {1200.0: 60, 1260.0: 60 * 1e12, 1320.0: 120},
+        "input_tokens_sum": {1200.0: 60_000, 1260.0: 60_000, 1320.0: 240_000},
+        "input_tokens_count": {1200.0: 60, 1260.0: 60, 1320.0: 120},
+        "predicted_output_sum": {1200.0: 6_000, 1260.0: 6_000, 1320.0: 24_000},
+        "predicted_output_count": {1200.0: 60, 1260.0: 60, 1320.0: 120},
+    })
+    hist = observer(prom).history(1320.0, 60.0, 3, ReadyCounts())
+    assert [(o.time_s, o.arrivals) for o in hist] == [(1200.0, 60), (1320.0, 120)]  # the forecaster never sees it
+
+
 def test_a_bucket_whose_le_is_no_number_is_skipped() -> None:
     o = _observe(input_tokens_buckets=hist([("abc", 100), ("NaN", 200), ("1024", 400), ("2048", 600), ("+Inf", 600)]))
     assert o.mean_isl == 1000.0
@@ -302,7 +376,11 @@ class _PromCluster:
     {"input_tokens_sum": [], "input_tokens_count": [], "input_tokens_buckets": []},
     {"input_tokens_sum": [vec(600 * 300_075)]},
     {"prefill_queue": [vec(1e308)], "prefill_queue_nats": [vec(1e308)]},
-], ids=["arrivals-NaN", "arrivals-Inf", "isl-missing", "isl-beyond-context", "queue-overflow"])
+    {"arrivals": [vec(10 * 1e12)]},
+    {"prefill_queue": [vec(1e300)]},
+    {"decode_queue": [vec(1e300)]},
+], ids=["arrivals-NaN", "arrivals-Inf", "isl-missing", "isl-beyond-context", "queue-overflow", "arrivals-1e12-rps",
+        "prefill-queue-1e300", "decode-queue-1e300"])
 def test_unusable_answers_hold_the_pools_and_report_degraded_in_the_loop(bad, table_i) -> None:
     from fulcrum.api.llmserve import parse_llmserve
     from fulcrum.scaling.loop import ControlLoop
