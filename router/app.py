@@ -7,7 +7,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not
 One request: validate (400) → count the prompt (``fulcrum.router.tokens``) → context check (400) → the policy's
 :class:`~fulcrum.routing.base.RouteDecision` (503 when it finds no instance) → execute it
 (``fulcrum.router.handoff``) → relay. An instance that fails before anything reached the client is left out and
-the request is routed again, up to ``max_retries`` times; then 502 with the engine's message. An engine's 4xx is
+the request is routed again, up to ``max_retries`` times; then 502 with the engine's message (at once for a failure
+that is not ``retryable``: a queued prefill job the workers refuse as malformed). An engine's 4xx is
 the client's error and is relayed as is (a body that is not a JSON object is put in OpenAI's error shape); another
 status that is not 200 (204, 3xx) carries no answer and is a 502.
 
@@ -539,6 +540,8 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
                 await _stream_error(sink, UpstreamError(err.message))
                 _observe_done(st, ex, sink, None, "502")
                 return sink.answer()
+            if not err.retryable:  # routing it again would fail the same way
+                return _finish_error(st, ex, UpstreamError(err.message))
             exclude.append(err.instance)
             if attempt < st.config.max_retries:
                 st.metrics.child(st.metrics.retries, "before-stream").inc()

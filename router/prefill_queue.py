@@ -25,7 +25,9 @@ Request path (router config ``prefill_queue: {kind: nats}``): the router publish
 engine (:func:`run_prefill_worker`, or ``python -m fulcrum.router.prefill_queue``) POSTs the body to its engine and
 replies ``{"status": <HTTP status>, "body": <the engine's JSON answer>}`` (with ``kv_transfer_params``). An engine
 4xx is a reply (the client's error, not retried); a 5xx or an unreachable engine raises, so the job is nak'ed and
-retried on another worker.
+retried on another worker. A job that no worker could run (not JSON, not an object, ``path`` not an engine path,
+``body`` not an object) is answered with its error at once and terminated (JetStream AckTerm): it is delivered once,
+never redelivered, and ``submit`` raises :class:`InvalidPrefillJobError`.
 
 Errors::
 
@@ -33,6 +35,7 @@ Errors::
     └── PrefillQueueError          NATS unreachable, stream misconfigured, queue closed
         ├── PrefillTimeoutError    no reply within the timeout (also a TimeoutError); the job was withdrawn
         ├── PrefillJobError        the worker's handler failed on every delivery (its message is kept)
+        │   └── InvalidPrefillJobError the job is malformed (also a ValueError): answered and terminated at once
         └── EngineUnavailableError (worker side) the local engine failed: the job is nak'ed and retried elsewhere
 """
 
@@ -58,7 +61,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from fulcrum.cancellation import cancel_and_wait
-from fulcrum.errors import FulcrumError
+from fulcrum.errors import FulcrumError, clipped
 
 __all__ = [
     "Handler",
@@ -70,6 +73,7 @@ __all__ = [
     "QueueLayout",
     "ENGINE_PATHS",
     "EngineUnavailableError",
+    "InvalidPrefillJobError",
     "engine_handler",
     "run_prefill_worker",
     "main",
@@ -95,6 +99,17 @@ class PrefillTimeoutError(PrefillQueueError, TimeoutError):
 
 class PrefillJobError(PrefillQueueError):
     """A worker's handler failed on the last allowed delivery; the message is the worker's error text."""
+
+
+class InvalidPrefillJobError(PrefillJobError, ValueError):
+    """A job that cannot be run on any worker: not JSON, not an object, or (:func:`engine_handler`) a ``path``
+    that is not an engine path or a ``body`` that is not an object.
+
+    Worker side: a handler raises it to refuse a job; the worker replies the error at once and terminates the
+    message (AckTerm), so it is never redelivered (other handler errors are retried up to ``max_deliver``).
+    Router side: ``submit`` raises it for such a reply (a :class:`PrefillJobError`, so callers that handle that
+    need no change).
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +338,8 @@ class NatsPrefillQueue:
             result = reply.get("result")
             future.set_result(result if isinstance(result, dict) else {})
         else:
-            future.set_exception(PrefillJobError(f"job {job_id}: {reply.get('error', 'worker failed')}"))
+            error = InvalidPrefillJobError if reply.get("invalid") else PrefillJobError
+            future.set_exception(error(f"job {job_id}: {reply.get('error', 'worker failed')}"))
 
     async def submit(self, job: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
         """Enqueue one prefill job and wait for a worker's reply.
@@ -339,7 +355,8 @@ class NatsPrefillQueue:
         Raises:
             PrefillTimeoutError: no reply in time (no worker, or all busy); the job is deleted from the stream
                 so that no worker prefills for a request nobody waits for any more.
-            PrefillJobError: the handler failed on its last allowed delivery.
+            PrefillJobError: the handler failed on its last allowed delivery; :class:`InvalidPrefillJobError`
+                (a subclass) when the worker refused the job as malformed on its first delivery.
             PrefillQueueError: NATS unreachable, stream missing, or the queue was closed while waiting.
             TypeError: ``job`` is not JSON-serialisable.
         """
@@ -414,6 +431,19 @@ class NatsPrefillQueue:
                 await nc.close()
 
 
+def _json_type(value: Any) -> str:
+    """The JSON type of a decoded value (``"array"``, ``"string"``, ...), for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else type(value).__name__
+
+
 class PrefillWorker:
     """Worker side (a P-instance): pull jobs from the shared consumer, run the handler, reply, acknowledge.
 
@@ -430,7 +460,9 @@ class PrefillWorker:
     A failing handler: the job is nak'ed and redelivered (to any worker) until ``max_deliver`` deliveries, then
     the router gets an error reply and the job is terminated. Redelivery is immediate, except after an
     :class:`EngineUnavailableError` (``fetch_timeout_s + 0.5`` s later, so that a worker that paused on it no
-    longer has a pull waiting that would take the job again). A job that is not JSON is terminated (logged).
+    longer has a pull waiting that would take the job again). A job that cannot be valid on any worker — not a
+    JSON object, or the handler raises :class:`InvalidPrefillJobError` — gets its error reply at once and is
+    terminated (AckTerm): delivered once, never redelivered.
     """
 
     def __init__(
@@ -564,17 +596,25 @@ class PrefillWorker:
         except Exception as exc:
             log.warning("prefill worker %s: reply to %s failed: %s", self.worker_id, reply_to, exc)
 
+    async def _refuse(self, msg: Msg, job_id: str, reason: str) -> None:
+        """Answer a job no worker could run with its error, then terminate it (AckTerm: never redelivered)."""
+        log.error("prefill worker %s: job %s is invalid (%s); answered and terminated, not redelivered",
+                  self.worker_id, job_id, reason)
+        await self._reply(msg, {"ok": False, "invalid": True, "error": f"invalid prefill job: {reason}"})
+        try:
+            await msg.term()
+        except Exception as exc:  # the connection dropped: redelivered after ack_wait and refused again
+            log.warning("prefill worker %s: terminating job %s failed: %s", self.worker_id, job_id, exc)
+
     async def _handle(self, msg: Msg, handler: Handler) -> None:
         job_id = (msg.headers or {}).get(JOB_ID_HEADER, "?")
         try:
             job = json.loads(msg.data)
-            if not isinstance(job, dict):
-                raise ValueError("job is not a JSON object")
-        except ValueError as exc:
-            log.error("prefill worker %s: job %s is unreadable (%s); terminated", self.worker_id, job_id, exc)
-            await self._reply(msg, {"ok": False, "error": f"unreadable job: {exc}"})
-            with contextlib.suppress(Exception):
-                await msg.term()
+        except ValueError as exc:  # UnicodeDecodeError too
+            await self._refuse(msg, job_id, f"not JSON: {exc}")
+            return
+        if not isinstance(job, dict):
+            await self._refuse(msg, job_id, f"a JSON {_json_type(job)}, not an object")
             return
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         try:
@@ -583,6 +623,9 @@ class PrefillWorker:
             with contextlib.suppress(Exception):
                 await msg.nak()
             raise
+        except InvalidPrefillJobError as exc:  # no worker could run it: no retry
+            await self._refuse(msg, job_id, str(exc))
+            return
         except Exception as exc:
             delivered = msg.metadata.num_delivered or 1
             if delivered >= self.layout.max_deliver:
@@ -641,16 +684,21 @@ def engine_handler(session: aiohttp.ClientSession, engine_url: str, timeout_s: f
     retried); a 5xx, a connection failure or ``timeout_s`` seconds without an answer raise
     :class:`EngineUnavailableError` (nak → another worker).
 
-    Raises (from the handler): ValueError for a malformed job (after ``max_deliver`` deliveries the router gets
-    the error text), EngineUnavailableError as above.
+    Raises (from the handler): InvalidPrefillJobError (a ValueError) for a malformed job — ``path`` missing or not
+    one of ENGINE_PATHS, ``body`` missing or not an object: the worker replies the error at once and terminates
+    the job, no other worker gets it; EngineUnavailableError as above.
     """
     base = engine_url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def handle(job: dict[str, Any]) -> dict[str, Any]:
         path, body = job.get("path"), job.get("body")
-        if path not in ENGINE_PATHS or not isinstance(body, dict):
-            raise ValueError(f"a prefill job needs path in {sorted(ENGINE_PATHS)} and an object body")
+        if not isinstance(path, str) or path not in ENGINE_PATHS:  # a list or dict path is not hashable
+            shown = "missing" if path is None else clipped(repr(path))
+            raise InvalidPrefillJobError(f"path {shown}: a prefill job needs a path in {sorted(ENGINE_PATHS)}")
+        if not isinstance(body, dict):
+            shown = "missing" if body is None else f"a JSON {_json_type(body)}"
+            raise InvalidPrefillJobError(f"body {shown}: a prefill job needs an object body (the engine request)")
         try:
             async with session.post(base + str(path), json=body, timeout=timeout) as resp:
                 raw = await resp.read()

@@ -257,7 +257,12 @@ class QueuedTransport:
         queue = self.queue
         if queue is None or not queueable or isinstance(body, bytes) or not is_prefill_leg(path, body):
             return await self.direct.post(iid, base, path, body, deadline, queueable=queueable)
-        from fulcrum.router.prefill_queue import PrefillJobError, PrefillQueueError, PrefillTimeoutError
+        from fulcrum.router.prefill_queue import (
+            InvalidPrefillJobError,
+            PrefillJobError,
+            PrefillQueueError,
+            PrefillTimeoutError,
+        )
 
         cfg = self.config
         m = self.metrics
@@ -267,6 +272,10 @@ class QueuedTransport:
             reply = await queue.submit({"path": path, "body": body}, timeout_s=cfg.timeout_s)
         except PrefillTimeoutError:
             outcome, reason = "timeout", f"no prefill worker replied within {cfg.timeout_s:g} s (prefill queue {cfg.stream})"
+        except InvalidPrefillJobError as err:  # the worker refused the job as malformed: no retry would differ
+            m.child(m.prefill_jobs, "failed").inc()
+            raise UpstreamFailure(iid, "status", f"prefill job refused by the worker as malformed: {err}", 502,
+                                  instance_fault=False, retryable=False) from err
         except PrefillJobError as err:
             m.child(m.prefill_jobs, "failed").inc()
             raise UpstreamFailure(iid, "status", f"prefill failed on every worker: {err}", 502,

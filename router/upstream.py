@@ -54,16 +54,19 @@ class UpstreamFailure(Exception):
         message: the engine's own error message, or a description of the failure.
         instance_fault: whether the instance itself failed (the pool records it: ejection rules); False for a
             failure of a queued prefill job, which any prefill worker may have run.
+        retryable: whether routing the request again may succeed; False for a job every worker refuses as
+            malformed (``InvalidPrefillJobError``), which a retry would only resubmit.
     """
 
     def __init__(self, instance: str, cause: FailureCause, message: str, status: int = 0, *,
-                 instance_fault: bool = True) -> None:
+                 instance_fault: bool = True, retryable: bool = True) -> None:
         super().__init__(f"{instance}: {cause}: {message}")
         self.instance = instance
         self.cause = cause
         self.message = message
         self.status = status
         self.instance_fault = instance_fault
+        self.retryable = retryable
 
 
 def upstream_message(raw: bytes, status: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import sys
 import time
@@ -17,12 +18,20 @@ import pytest
 
 pytest.importorskip("nats", reason="nats-py is not installed (pip install nats-py)")
 
+import nats  # noqa: E402
+from aiohttp import web  # noqa: E402
+
 from fulcrum.router.prefill_queue import (  # noqa: E402
+    JOB_ID_HEADER,
+    MSG_ID_HEADER,
+    REPLY_TO_HEADER,
+    InvalidPrefillJobError,
     NatsPrefillQueue,
     PrefillJobError,
     PrefillQueueError,
     PrefillTimeoutError,
     PrefillWorker,
+    run_prefill_worker,
 )
 
 from .servers import NatsServer, free_port, nats_server  # noqa: E402,F401  (nats_server is a fixture)
@@ -296,3 +305,107 @@ def test_a_job_longer_than_ack_wait_is_not_redelivered_while_its_worker_lives(na
         await queue.close()
 
     run(scenario)
+
+
+def test_a_malformed_job_is_answered_at_once_and_never_redelivered(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job no worker could run (a wrong ``path`` or ``body`` for the engine, not JSON, not an object) gets its
+    error reply on its first delivery and is terminated (AckTerm), although ``max_deliver`` is 3: one delivery,
+    one reply, no redelivery after a nak or after ``ack_wait``. A valid job after them is served."""
+    caplog.set_level(logging.WARNING, logger="fulcrum.router.prefill_queue")
+    layout = {**names("malformed"), "ack_wait_s": 1.0, "max_deliver": 3}
+    stream, durable = layout["stream"], "prefill-workers"
+    engine_calls: list[dict[str, Any]] = []
+    valid = {"model": "m", "prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    answer = {"id": "cmpl-1", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+              "kv_transfer_params": {"remote_engine_id": "e1", "remote_block_ids": [1]}}
+    malformed: dict[str, tuple[bytes, str]] = {  # job id: (payload, what the error reply names)
+        "body-string": (b'{"path": "/v1/completions", "body": "not an object"}', "body a JSON string"),
+        "body-missing": (b'{"path": "/v1/chat/completions"}', "body missing"),
+        "path-missing": (b'{"body": {"prompt": "hi"}}', "path missing"),
+        "path-list": (b'{"path": ["/v1/completions"], "body": {}}', "path ['/v1/completions']"),
+        "path-foreign": (b'{"path": "/admin/shutdown", "body": {}}', "path '/admin/shutdown'"),
+        "not-json": (b"\xff{not json", "not JSON"),
+        "not-object": (b"[1, 2]", "a JSON array, not an object"),
+    }
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def completions(request: web.Request) -> web.Response:
+        engine_calls.append(await request.json())
+        return web.json_response(answer)
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        queue = NatsPrefillQueue(nats_server.url, **layout)
+        await queue.connect()  # creates the stream and the consumer
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        replies: list[tuple[str, dict[str, Any]]] = []
+        terminated: list[dict[str, Any]] = []  # JetStream's advisory per terminated message (with its deliveries)
+
+        async def on_reply(msg: Any) -> None:
+            replies.append((msg.subject.rsplit(".", 1)[-1], json.loads(msg.data)))
+
+        async def on_terminated(msg: Any) -> None:
+            terminated.append(json.loads(msg.data))
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(f"{inbox}.*", cb=on_reply)
+        await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{stream}.{durable}", cb=on_terminated)
+        await nc.flush()
+        stop = asyncio.Event()
+        puller = asyncio.create_task(run_prefill_worker(
+            nats_server.url, f"http://127.0.0.1:{port}", **layout, worker_id="w1", stop=stop, ready_interval_s=0.1))
+        try:
+            for job_id, (payload, _) in malformed.items():  # published as the router publishes a job
+                await js.publish(f"{layout['subject_prefix']}.jobs", payload, stream=stream, headers={
+                    JOB_ID_HEADER: job_id, REPLY_TO_HEADER: f"{inbox}.{job_id}", MSG_ID_HEADER: job_id})
+
+            async def all_replied() -> bool:
+                return len(replies) >= len(malformed)
+
+            await wait_until(all_replied, 10)
+            await asyncio.sleep(1.5 * layout["ack_wait_s"])  # a redelivery (nak or ack_wait) would be answered by now
+            assert collections.Counter(job_id for job_id, _ in replies) == {job_id: 1 for job_id in malformed}
+            info = await js.consumer_info(stream, durable)
+            assert info.delivered is not None
+            assert info.delivered.consumer_seq == len(malformed)  # one delivery each (a redelivery counts too)
+            assert (info.num_redelivered, info.num_ack_pending, info.num_pending) == (0, 0, 0)
+            assert sorted(a["deliveries"] for a in terminated) == [1] * len(malformed), terminated
+            for job_id, reply in replies:
+                assert reply["ok"] is False and reply.get("invalid") is True and reply["job_id"] == job_id, reply
+                assert reply["error"].startswith("invalid prefill job: "), reply
+                assert malformed[job_id][1] in reply["error"], (job_id, reply["error"])
+
+            # through the router: the error at once, as an InvalidPrefillJobError (a PrefillJobError: 502)
+            started = time.monotonic()
+            with pytest.raises(InvalidPrefillJobError, match="invalid prefill job: body a JSON array"):
+                await queue.submit({"path": "/v1/completions", "body": [valid]}, timeout_s=10)
+            assert time.monotonic() - started < layout["ack_wait_s"]
+
+            # a valid job after them is served by the same puller
+            reply = await queue.submit({"path": "/v1/completions", "body": valid}, timeout_s=10)
+            assert reply == {"status": 200, "body": answer}
+            assert engine_calls == [valid]  # the engine saw the valid job only
+            info = await js.consumer_info(stream, durable)
+            assert info.delivered is not None and info.delivered.consumer_seq == len(malformed) + 2
+            assert (info.num_redelivered, info.num_ack_pending, info.num_pending) == (0, 0, 0)
+        finally:
+            stop.set()
+            await asyncio.wait_for(puller, 10)
+            await nc.close()
+            await queue.close()
+            await runner.cleanup()
+
+    run(scenario)
+    assert not any("redelivering" in m or "giving up" in m for m in caplog.messages), caplog.messages
+    assert sum("answered and terminated" in m for m in caplog.messages) == len(malformed) + 1

@@ -179,3 +179,25 @@ async def test_a_policy_that_raises_does_not_fail_the_request(router_harness):
     r = await h.client.post("/v1/completions", json=BODY)
     assert r.status == 200
     assert b'reason="policy-error"' in h.state.metrics.exposition()
+
+
+async def test_a_failure_that_is_not_retryable_is_a_502_at_once_not_routed_again(router_harness, monkeypatch):
+    # a prefill job every worker refuses as malformed (InvalidPrefillJobError → retryable False): another route
+    # would resubmit the same job, so the router answers at once instead of spending max_retries
+    from fulcrum.router.upstream import UpstreamFailure
+
+    h = await router_harness()
+    calls: list[str] = []
+
+    async def refuse(iid, base, path, body, deadline, *, queueable=False):
+        calls.append(iid)
+        raise UpstreamFailure(iid, "status", "prefill job refused by the worker as malformed: body missing", 502,
+                              instance_fault=False, retryable=False)
+
+    monkeypatch.setattr(h.state.pool.transport, "post", refuse)
+    monkeypatch.setattr(h.state.pool.transport, "open", None)  # a route through open() would fail loudly
+    r = await h.client.post("/v1/completions", json=dict(BODY, stream=False))
+    assert r.status == 502
+    assert "refused by the worker as malformed" in (await r.json())["error"]["message"]
+    assert len(calls) == 1
+    assert h.engine("e0").finished == h.engine("e1").finished == 0

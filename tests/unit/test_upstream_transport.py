@@ -266,6 +266,16 @@ async def test_a_job_failed_on_every_worker_is_a_failure_not_held_against_the_ch
     assert metric(metrics, 'fulcrum_router_prefill_jobs_total{outcome="failed"}') == 1.0
 
 
+async def test_a_job_refused_as_malformed_is_a_failure_the_router_does_not_retry():
+    from fulcrum.router.prefill_queue import InvalidPrefillJobError
+
+    t, _, metrics = queued(FakePrefillQueue(error=InvalidPrefillJobError("job 7: invalid prefill job: body missing")))
+    with pytest.raises(UpstreamFailure, match="refused by the worker as malformed: job 7") as err:
+        await t.post("e0", "http://e0", "/v1/completions", PREFILL, D, queueable=True)
+    assert err.value.status == 502 and err.value.instance_fault is False and err.value.retryable is False
+    assert metric(metrics, 'fulcrum_router_prefill_jobs_total{outcome="failed"}') == 1.0
+
+
 async def test_no_reply_in_time_is_a_503_or_with_on_timeout_direct_the_leg_over_http_while_registered():
     from fulcrum.router.prefill_queue import PrefillTimeoutError
 
