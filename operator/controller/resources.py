@@ -288,6 +288,18 @@ def _profile_arg(serve: LLMServe) -> str:
     return f"{PROFILE_DIR}/profile.yaml"
 
 
+def _batch_limit_args(serve: LLMServe) -> list[str]:
+    """``--max-num-seqs`` / ``--max-num-batched-tokens`` from ``spec.engine`` when set (unset: the worker's defaults,
+    and no change to the pod template of an LLMServe that sets neither)."""
+    engine = serve.spec.engine
+    out: list[str] = []
+    if engine.max_num_seqs is not None:
+        out += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.max_num_batched_tokens is not None:
+        out += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    return out
+
+
 def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
     """``fulcrum worker …`` / ``fulcrum sim-worker …`` arguments (the contract flags)."""
     spec = serve.spec
@@ -315,6 +327,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
             "--role", POOL_ROLES[Pool(pool)],
             "--pool", pool,
             "--block-size", str(spec.engine.block_size),
+            *_batch_limit_args(serve),
             *common_tail,
             *spec.engine.extra_args,
         ]
@@ -330,6 +343,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
         "--gpu-type", spec.gpu.type,
         "--max-model-len", str(spec.engine.max_model_len),
         "--block-size", str(spec.engine.block_size),
+        *_batch_limit_args(serve),
         "--kv-connector", "nixl",
         *(["--kv-prefix-pull"] if spec.router.prefix_pull else []),
         "--nixl-port", str(NIXL_PORT),

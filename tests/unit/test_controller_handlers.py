@@ -871,3 +871,46 @@ async def test_extra_args_that_override_the_planners_tp_are_an_invalid_spec_nami
     assert d["reason"] == "InvalidSpec" and "spec.engine.extraArgs" in d["message"]
     assert "--tensor-parallel-size" in d["message"] and "planner's TP" in d["message"]
     assert len(objs.by_reason("InvalidSpec")) == 1
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sim"])
+async def test_engine_batch_limits_reach_the_worker_flags_and_unset_ones_change_nothing(
+        objs: InMemoryObjects, kind: str) -> None:
+    import argparse
+
+    from fulcrum.commands import sim_worker, worker
+
+    seed(objs, llmserve(engine={"kind": kind, "maxNumSeqs": 64, "maxNumBatchedTokens": 2048}))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is True
+    args = objs.objects[("Deployment", NS, "llama-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "64"
+    assert args[args.index("--max-num-batched-tokens") + 1] == "2048"
+    # the worker's own parser reads them (fulcrum worker → WorkerConfig → vLLM's argv; sim-worker → its engine)
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    (worker if kind == "vllm" else sim_worker).add_parser(sub)
+    parsed = parser.parse_args(args)
+    assert (parsed.max_num_seqs, parsed.max_num_batched_tokens) == (64, 2048)
+
+    unset = InMemoryObjects()
+    seed(unset, llmserve(engine={"kind": kind}))
+    assert await make_controller(unset).reconcile(live(unset)) is True
+    plain = unset.objects[("Deployment", NS, "llama-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--max-num-seqs" not in plain and "--max-num-batched-tokens" not in plain
+
+
+@pytest.mark.parametrize(("engine", "words"), [
+    ({"kind": "vllm", "extraArgs": ["--no-enable-prefix-caching"]}, ["--no-enable-prefix-caching"]),
+    ({"kind": "vllm", "extraArgs": ["--max-num-seqs", "8"]}, ["--max-num-seqs", "spec.engine.maxNumSeqs"]),
+    ({"kind": "vllm", "maxNumSeqs": 512, "maxNumBatchedTokens": 256}, ["maxNumBatchedTokens 256", "maxNumSeqs 512"]),
+])
+async def test_engine_settings_vllm_would_refuse_are_an_invalid_spec_naming_them(
+        objs: InMemoryObjects, engine: dict[str, Any], words: list[str]) -> None:
+    seed(objs, llmserve(engine=engine))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is False
+    assert objs.writes == 0 and names(objs, "Deployment") == set()
+    d = cond(live(objs), "Degraded")
+    assert d["reason"] == "InvalidSpec" and "spec.engine" in d["message"]
+    assert all(w in d["message"] for w in words), d["message"]

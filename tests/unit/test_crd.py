@@ -283,6 +283,17 @@ def test_the_crd_object_is_valid_for_kubernetes_per_kubernetes_validate() -> Non
 
 _CEL_CASES: list[tuple[str, dict[str, Any]]] = [
     ("defaults", {}),
+    ("engine batch limits set", {"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048}}),
+    ("engine batched tokens equal to max seqs", {"engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 512}}),
+    ("engine batched tokens below max seqs", {"engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 511}}),
+    ("engine batched tokens below the default max seqs", {"engine": {"maxNumBatchedTokens": 255}}),
+    ("engine max seqs above the default batched tokens", {"engine": {"maxNumSeqs": 8193}}),
+    ("engine batch limits null", {"engine": {"maxNumSeqs": None, "maxNumBatchedTokens": None}}),
+    ("engine sim, batched tokens below max seqs", {"engine": {"kind": "sim", "maxNumSeqs": 16, "maxNumBatchedTokens": 8}}),
+    ("gpu label, sim engine, gpu.type not a label value",
+     {"engine": {"kind": "sim"}, "gpu": {"type": "H100 SXM"}, "placement": {"gpuTypeLabel": "nvidia.com/gpu.product"}}),
+    ("gpu label, vllm engine, gpu.type not a label value",
+     {"gpu": {"type": "H100 SXM"}, "placement": {"gpuTypeLabel": "nvidia.com/gpu.product"}}),
     ("min equals max", {"scaling": {"minGPUs": 4, "maxGPUs": 4}}),
     ("min above max", {"scaling": {"minGPUs": 9, "maxGPUs": 8}}),
     ("min above default max", {"scaling": {"minGPUs": 65}}),
@@ -449,6 +460,13 @@ _VALUE_CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("ttftMs an integer", {"slo": {"ttftMs": 100}}, True),
     ("intervalSeconds an integer", {"scaling": {"intervalSeconds": 30}}, True),
     ("memoryGiB as a string", {"gpu": {"memoryGiB": "80"}}, False),
+    ("maxNumSeqs 1", {"engine": {"maxNumSeqs": 1, "maxNumBatchedTokens": 1}}, True),
+    ("maxNumSeqs 0", {"engine": {"maxNumSeqs": 0}}, False),
+    ("maxNumSeqs above its bound", {"engine": {"maxNumSeqs": 65_537, "maxNumBatchedTokens": 100_000}}, False),
+    ("maxNumSeqs as a string", {"engine": {"maxNumSeqs": "64"}}, False),
+    ("maxNumBatchedTokens 0", {"engine": {"maxNumBatchedTokens": 0}}, False),
+    ("maxNumBatchedTokens above its bound", {"engine": {"maxNumBatchedTokens": 4_194_305}}, False),
+    ("maxNumBatchedTokens as a float", {"engine": {"maxNumBatchedTokens": 4096.5}}, False),
     ("tolerationSeconds as a string",
      {"placement": {"tolerations": [{"key": "a", "effect": "NoExecute", "tolerationSeconds": "30"}]}}, False),
 ]
@@ -538,7 +556,11 @@ _LABEL_CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("gpu label: set, gpu.type ending with -", _gpu_label("H100-"), False),
     ("gpu label: set, 63-character gpu.type", _gpu_label("g" * 63), True),
     ("gpu label: set, 64-character gpu.type", _gpu_label("g" * 64), False),
-    ("gpu label: set, sim engine, gpu.type with a space", _gpu_label("H100 SXM", engine={"kind": "sim"}), False),
+    # a sim worker gets no GPU-type selector (operator/controller/resources.py), so gpu.type is no label value there
+    ("gpu label: set, sim engine, gpu.type with a space", _gpu_label("H100 SXM", engine={"kind": "sim"}), True),
+    ("gpu label: set, sim engine, 64-character gpu.type", _gpu_label("g" * 64, engine={"kind": "sim"}), True),
+    ("gpu label: set, vllm engine, gpu.type with a space", _gpu_label("H100 SXM", engine={"kind": "vllm"}), False),
+    ("gpu label: bad key, sim engine", _gpu_label("H100", "gpu product", engine={"kind": "sim"}), False),
     ("gpu label: unset, gpu.type with a space", {"gpu": {"type": "H100 SXM"}}, True),
     ("gpu label: empty, gpu.type with a space", _gpu_label("H100 SXM", ""), True),
     ("gpu label: unset, 64-character gpu.type", {"gpu": {"type": "g" * 64}}, True),
@@ -596,6 +618,10 @@ def test_gpu_type_must_be_a_label_value_when_gpu_type_label_makes_it_one() -> No
     rules = spec_schema()["x-kubernetes-validations"]
     (rule,) = [r for r in rules if r.get("fieldPath") == ".gpu.type"]
     assert "placement.gpuTypeLabel" in rule["message"] and "label value" in rule["message"]
+    # engine kind sim puts no GPU-type selector on its pods: its gpu.type is free text
+    sim = parse_llmserve({"spec": {"model": {"name": "m"}, **_gpu_label("H100 SXM", engine={"kind": "sim"})}})
+    assert sim.spec.gpu.type == "H100 SXM"
+    assert "self.engine.kind == 'sim'" in rule["rule"]
 
 
 def test_the_crd_bounds_what_its_label_rules_read() -> None:

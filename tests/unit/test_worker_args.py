@@ -239,3 +239,66 @@ def test_the_llmserve_model_passes_extra_args_fulcrum_does_not_set(kind: str, ex
     from fulcrum.api import parse_llmserve
     spec = parse_llmserve({"spec": {"model": {"name": "m"}, "engine": {"kind": kind, "extraArgs": extra}}}).spec
     assert spec.engine.extra_args == extra
+
+
+@pytest.mark.parametrize("extra", [("--no-enable-prefix-caching",), ("--no_enable_prefix_caching",),
+                                   ("--no-enable-prefix",), ("--enable-prefix-caching",)])
+def test_the_no_twin_of_a_managed_boolean_flag_is_refused_like_the_flag(extra: tuple[str, ...]) -> None:
+    """vLLM gives every boolean flag a ``--no-`` twin (BooleanOptionalAction): ``--no-enable-prefix-caching`` would
+    silently turn off the prefix caching fulcrum worker turns on."""
+    from fulcrum.api import parse_llmserve
+    with pytest.raises(SpecError, match=r"is set by fulcrum worker \(always; no worker flag changes it\)"):
+        WorkerConfig(model="m", extra_args=extra)
+    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*sets --(no-)?enable-prefix-caching, which Fulcrum"):
+        parse_llmserve({"spec": {"model": {"name": "m"}, "engine": {"extraArgs": list(extra)}}})
+
+
+def test_the_no_twin_of_an_unmanaged_boolean_flag_still_passes() -> None:
+    extra = ("--no-enable-chunked-prefill", "--no-enforce-eager")
+    assert tuple(vllm_argv(WorkerConfig(model="m", extra_args=extra), PY)[-2:]) == extra
+
+
+def test_the_worker_table_is_the_llmserve_table() -> None:
+    from fulcrum.api.llmserve import VLLM_MANAGED_FLAGS, VLLM_WORKER_FLAGS
+    assert MANAGED_FLAGS is VLLM_WORKER_FLAGS
+    assert "--no-enable-prefix-caching" in MANAGED_FLAGS
+    assert VLLM_MANAGED_FLAGS["--max-num-seqs"].startswith("spec.engine.maxNumSeqs")
+    assert VLLM_MANAGED_FLAGS["--max-num-batched-tokens"].startswith("spec.engine.maxNumBatchedTokens")
+
+
+def test_the_default_batch_limits_are_unchanged() -> None:
+    argv = vllm_argv(WorkerConfig(model="m"), PY)
+    assert (flag(argv, "--max-num-seqs"), flag(argv, "--max-num-batched-tokens")) == ("256", "8192")
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"maxNumSeqs": 0}, r"spec\.engine\.maxNumSeqs: Input should be greater than or equal to 1"),
+    ({"maxNumSeqs": 65_537}, r"spec\.engine\.maxNumSeqs: Input should be less than or equal to 65536"),
+    ({"maxNumBatchedTokens": 0}, r"spec\.engine\.maxNumBatchedTokens: Input should be greater than or equal to 1"),
+    ({"maxNumSeqs": "64"}, r"spec\.engine\.maxNumSeqs: Input should be a number"),
+    ({"maxNumBatchedTokens": 100}, r"maxNumBatchedTokens 100 is below maxNumSeqs 256 \(unset\)"),
+    ({"maxNumSeqs": 9000}, r"maxNumBatchedTokens 8192 \(unset\) is below maxNumSeqs 9000"),
+    ({"maxNumBatchedTokens": 4096, "extraArgs": ["--no-enable-chunked-prefill"]},
+     r"maxNumBatchedTokens 4096 is below maxModelLen 8192 while extraArgs turns chunked prefill off"),
+    ({"maxModelLen": 32768, "extraArgs": ["--no_enable_chunked_prefill"]},
+     r"maxNumBatchedTokens 8192 \(unset\) is below maxModelLen 32768"),
+    ({"kind": "sim", "maxNumSeqs": 8, "extraArgs": ["--max-num-seqs", "8"]},
+     r"'--max-num-seqs' sets --max-num-seqs, which Fulcrum sets itself from spec\.engine\.maxNumSeqs"),
+])
+def test_the_llmserve_model_refuses_batch_limits_vllm_would_refuse(engine: dict[str, object], message: str) -> None:
+    from fulcrum.api import parse_llmserve
+    with pytest.raises(SpecError, match=message):
+        parse_llmserve({"spec": {"model": {"name": "m"}, "engine": engine}})
+
+
+@pytest.mark.parametrize("engine", [
+    {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},  # below maxModelLen: chunked prefill is on
+    {"maxNumBatchedTokens": 4096, "maxModelLen": 32768},
+    {"maxNumBatchedTokens": 8192, "extraArgs": ["--no-enable-chunked-prefill"]},  # = maxModelLen
+    {"maxNumBatchedTokens": 4096, "extraArgs": ["--no-enable-chunked-prefill", "--enable-chunked-prefill"]},
+    {"kind": "sim", "maxNumBatchedTokens": 4096, "extraArgs": ["--max-num-seqs", "8"]},
+])
+def test_the_llmserve_model_takes_batch_limits_vllm_takes(engine: dict[str, object]) -> None:
+    from fulcrum.api import parse_llmserve
+    spec = parse_llmserve({"spec": {"model": {"name": "m"}, "engine": engine}}).spec
+    assert spec.engine.max_num_batched_tokens == engine.get("maxNumBatchedTokens")

@@ -30,14 +30,16 @@ Cross-field rules of the model become CEL ``x-kubernetes-validations``: ``minGPU
 ``replicaOwner: External`` requires ``replicas``, and ``replicas <= maxGPUs`` on ``spec.scaling``; exactly one
 non-empty source on ``spec.profile``; on ``spec``: each fixed TP at most ``gpu.gpusPerNode`` and
 ``scaling.maxGPUs``, ``scaling.replicas × gpu.gpusPerNode >= scaling.minGPUs`` (an instance uses 1 to
-gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``; on each
+gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``; on ``spec.engine``:
+``maxNumBatchedTokens >= maxNumSeqs`` (vLLM's rule, the defaults 8192 and 256 standing in for unset fields; the
+model alone checks ``maxNumBatchedTokens >= maxModelLen`` with chunked prefill turned off in ``extraArgs``); on each
 ``spec.placement.tolerations[]`` item (at most 64) the rules Kubernetes applies to a pod's tolerations (operator
 ``Exists`` when ``key`` is empty, no ``value`` with ``Exists``, ``tolerationSeconds`` only with effect
 ``NoExecute``, the prefix of ``key`` at most 253 characters; the rest of ``key`` a label key and ``value`` a label
 value are plain ``pattern``/``maxLength``); and Kubernetes' label rules where the worker pods' ``nodeSelector``
 comes from: every ``spec.placement.nodeSelector`` key a label key (at most 64 keys, which bounds the rule's cost),
 ``spec.placement.gpuTypeLabel``'s prefix at most 253 characters, and ``spec.gpu.type`` a label value when
-``gpuTypeLabel`` is set (the values and the rest of ``gpuTypeLabel`` are plain ``pattern``/``maxLength``) — so that
+``gpuTypeLabel`` is set and ``spec.engine.kind`` is not ``sim`` (a sim pod gets no GPU-type selector) (the values and the rest of ``gpuTypeLabel`` are plain ``pattern``/``maxLength``) — so that
 such a spec is refused at ``kubectl apply`` instead of when the operator applies its Deployments. The rules rely on the object defaults above (defaulting runs before
 validation, so ``spec.scaling``, ``spec.gpu``, ``spec.placement``, ``spec.connectors`` and their members are always
 present) and on Kubernetes treating null-valued fields as absent in CEL. The rules use
@@ -65,8 +67,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
-from fulcrum.api.llmserve import (API_VERSION, KIND, LABEL_KEY_PATTERN, LABEL_PREFIX_LENGTH_PATTERN,
-                                  LABEL_VALUE_MAX_LENGTH, LABEL_VALUE_PATTERN, LLMServe)
+from fulcrum.api.llmserve import (API_VERSION, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, KIND,
+                                  LABEL_KEY_PATTERN, LABEL_PREFIX_LENGTH_PATTERN, LABEL_VALUE_MAX_LENGTH,
+                                  LABEL_VALUE_PATTERN, LLMServe)
 
 __all__ = [
     "GROUP",
@@ -182,9 +185,9 @@ def _given(field: str) -> str:
 
 # CEL rules by the property path of the spec node they are attached to (() = spec itself; "[]" = the items of
 # the list before it, "{}" = the values of the map before it). They mirror the model validators
-# ScalingSpec._min_le_max, ProfileRef._exactly_one, LLMServeSpec._tp_fits, LLMServeSpec._replicas_and_connectors
-# (router.policy against mode too) and Toleration._as_kubernetes_validates, and the label rules of PlacementSpec's
-# nodeSelector keys, gpuTypeLabel and toleration keys (the prefix length; the rest is a pattern) and
+# EngineSpec._batch_limits_fit (its first rule), ScalingSpec._min_le_max, ProfileRef._exactly_one,
+# LLMServeSpec._tp_fits, LLMServeSpec._replicas_and_connectors (router.policy against mode too) and
+# Toleration._as_kubernetes_validates, and the label rules of PlacementSpec's nodeSelector keys, gpuTypeLabel and toleration keys (the prefix length; the rest is a pattern) and
 # LLMServeSpec._gpu_type_is_a_label_value (node-selector and toleration values are plain patterns, which cost
 # nothing). Rules on list items are costed by the API server per possible item (a list without maxItems: about a
 # million): keep them to a few has()/size()/== terms. A rule's cost is estimated from the largest map, list and
@@ -206,17 +209,30 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".router.policy",
         },
         {
-            "rule": f"size(self.placement.gpuTypeLabel) == 0 || (size(self.gpu.type) <= {LABEL_VALUE_MAX_LENGTH} && "
+            # engine kind sim puts no GPU-type selector on its pods (engine defaults to an object with a kind)
+            "rule": f"size(self.placement.gpuTypeLabel) == 0 || self.engine.kind == 'sim' || "
+                    f"(size(self.gpu.type) <= {LABEL_VALUE_MAX_LENGTH} && "
                     f"self.gpu.type.matches({_cel_literal(LABEL_VALUE_PATTERN)}))",
-            "message": "gpu.type must be a valid label value when placement.gpuTypeLabel is set (it becomes that node "
-                       "label's value): at most 63 alphanumeric characters, '-', '_' or '.', starting and ending with an "
-                       "alphanumeric character",
+            "message": "gpu.type must be a valid label value when placement.gpuTypeLabel is set and engine.kind is vllm "
+                       "(it becomes that node label's value): at most 63 alphanumeric characters, '-', '_' or '.', "
+                       "starting and ending with an alphanumeric character",
             "fieldPath": ".gpu.type",
         },
         {
             "rule": "self.router.prefillQueue != 'nats' || size(self.connectors.nats) > 0",
             "message": "router.prefillQueue nats requires connectors.nats",
             "fieldPath": ".connectors.nats",
+        },
+    ],
+    ("engine",): [
+        {
+            # vLLM's own check; the one against maxModelLen applies only with chunked prefill off in extraArgs, which
+            # the model checks (reading extraArgs item by item would cost a CEL rule too much)
+            "rule": f"(has(self.maxNumBatchedTokens) ? self.maxNumBatchedTokens : {DEFAULT_MAX_NUM_BATCHED_TOKENS}) >= "
+                    f"(has(self.maxNumSeqs) ? self.maxNumSeqs : {DEFAULT_MAX_NUM_SEQS})",
+            "message": f"maxNumBatchedTokens (unset: {DEFAULT_MAX_NUM_BATCHED_TOKENS}) must be >= maxNumSeqs (unset: "
+                       f"{DEFAULT_MAX_NUM_SEQS}), as vLLM requires",
+            "fieldPath": ".maxNumBatchedTokens",
         },
     ],
     ("router",): [

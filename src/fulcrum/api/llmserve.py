@@ -61,8 +61,11 @@ __all__ = [
     "ResourceQuantities",
     "ResourcesSpec",
     "EngineSpec",
+    "DEFAULT_MAX_NUM_SEQS",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "SIM_WORKER_MANAGED_FLAGS",
     "VLLM_MANAGED_FLAGS",
+    "VLLM_WORKER_FLAGS",
     "extra_arg_flag",
     "malformed_extra_arg",
     "GPUSpec",
@@ -375,23 +378,54 @@ class ResourcesSpec(_Model):
     limits: ResourceQuantities = Field(default_factory=ResourceQuantities, description="The most a worker pod may use.")
 
 
-VLLM_MANAGED_FLAGS: dict[str, str] = {
-    "--model": "spec.model.name",
-    "--served-model-name": "spec.model.servedName",
-    "--tensor-parallel-size": "the planner's TP per pool",
-    "-tp": "the planner's TP per pool",
-    "--host": "the operator (0.0.0.0)",
-    "--port": "the operator (the pod's http port)",
-    "--max-model-len": "spec.engine.maxModelLen",
-    "--block-size": "spec.engine.blockSize",
-    "--max-num-seqs": "fulcrum worker (256)",
-    "--max-num-batched-tokens": "fulcrum worker (8192)",
-    "--kv-transfer-config": "the operator (NIXL, the pool's KV role)",
-    "--scheduler-cls": "the operator (the SLO-aware scheduler)",
-}
+DEFAULT_MAX_NUM_SEQS = 256
+"""vLLM ``--max-num-seqs`` when ``spec.engine.maxNumSeqs`` is unset (``fulcrum worker``'s and vLLM's GPU default)."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""vLLM ``--max-num-batched-tokens`` when ``spec.engine.maxNumBatchedTokens`` is unset (``fulcrum worker``'s)."""
+
+MAX_NUM_SEQS_LIMIT = 65_536
+"""The largest ``spec.engine.maxNumSeqs`` (far above what one engine's KV cache holds at once)."""
+MAX_NUM_BATCHED_TOKENS_LIMIT = 4_194_304
+"""The largest ``spec.engine.maxNumBatchedTokens`` (twice the largest ``maxModelLen``)."""
+
+_VLLM_FLAGS: tuple[tuple[str, str, str], ...] = (
+    # (vLLM flag, the `fulcrum worker` flag that sets it, or "" when the worker always sets it, what decides it)
+    ("--model", "--model", "spec.model.name"),
+    ("--served-model-name", "--served-model-name", "spec.model.servedName"),
+    ("--tensor-parallel-size", "--tp", "the planner's TP per pool"),
+    ("-tp", "--tp", "the planner's TP per pool"),
+    ("--host", "--host", "the operator (0.0.0.0)"),
+    ("--port", "--port", "the operator (the pod's http port)"),
+    ("--max-model-len", "--max-model-len", "spec.engine.maxModelLen"),
+    ("--block-size", "--block-size", "spec.engine.blockSize"),
+    ("--max-num-seqs", "--max-num-seqs", f"spec.engine.maxNumSeqs (unset: {DEFAULT_MAX_NUM_SEQS})"),
+    ("--max-num-batched-tokens", "--max-num-batched-tokens",
+     f"spec.engine.maxNumBatchedTokens (unset: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"),
+    ("--enable-prefix-caching", "", "fulcrum worker (always on)"),
+    ("--kv-transfer-config", "--kv-connector", "the operator (NIXL, the pool's KV role)"),
+    ("--scheduler-cls", "--scheduler", "the operator (the SLO-aware scheduler)"),
+)
+_VLLM_BOOLEAN_FLAGS = frozenset({"--enable-prefix-caching"})
+"""Managed flags that vLLM declares with ``argparse.BooleanOptionalAction``: each has a ``--no-`` twin (e.g.
+``--no-enable-prefix-caching``) that sets the same value, so the twin is managed too."""
+
+
+def _with_no_twins(table: Mapping[str, str]) -> dict[str, str]:
+    out = dict(table)
+    for flag in sorted(_VLLM_BOOLEAN_FLAGS):
+        out["--no-" + flag[2:]] = table[flag]
+    return out
+
+
+VLLM_MANAGED_FLAGS: dict[str, str] = _with_no_twins({flag: source for flag, _, source in _VLLM_FLAGS})
 """vLLM flags that ``fulcrum worker`` always sets → what decides their value. ``engine.extraArgs`` of kind ``vllm``
 may not repeat them: vLLM's argument parser keeps the last value, so a repeat would silently override, e.g., the
-planner's TP while the registration still advertises the planned one."""
+planner's TP while the registration still advertises the planned one. A boolean flag's ``--no-`` twin
+(``--no-enable-prefix-caching``) counts as the flag."""
+
+VLLM_WORKER_FLAGS: dict[str, str] = _with_no_twins({flag: worker for flag, worker, _ in _VLLM_FLAGS})
+"""The same vLLM flags → the ``fulcrum worker`` flag that sets them ("" = none: the worker always sets it); the
+worker's own table (``fulcrum.worker.vllm_args.MANAGED_FLAGS``) is this one."""
 
 SIM_WORKER_MANAGED_FLAGS: dict[str, str] = {
     flag: "the operator"
@@ -440,6 +474,20 @@ def malformed_extra_arg(args: Sequence[str], i: int) -> str | None:
     return None
 
 
+_CHUNKED_PREFILL_FLAGS = {"--enable-chunked-prefill": "on", "--no-enable-chunked-prefill": "off"}
+
+
+def _chunked_prefill(extra_args: Sequence[str]) -> bool:
+    """Whether vLLM runs with chunked prefill given these extra arguments: on (vLLM's default for generative models,
+    which ``fulcrum worker`` keeps) unless the last ``--[no-]enable-chunked-prefill`` among them turns it off."""
+    on = True
+    for arg in extra_args:
+        flag = extra_arg_flag(arg, _CHUNKED_PREFILL_FLAGS)
+        if flag is not None:
+            on = _CHUNKED_PREFILL_FLAGS[flag] == "on"
+    return on
+
+
 class EngineSpec(_Model):
     """The inference engine of every worker."""
 
@@ -449,6 +497,23 @@ class EngineSpec(_Model):
         "`fulcrum sim-worker` (an emulator timed by spec.profile) in the Fulcrum image, without GPUs.",
     )
     image: str = Field(default="ghcr.io/fulcrum-llm/worker:0.1.0", min_length=1, description="Worker image (vLLM with NIXL); unused for kind `sim`.")
+    # declared before extra_args, whose validator reads them
+    max_num_seqs: Annotated[int, Field(ge=1, le=MAX_NUM_SEQS_LIMIT), BeforeValidator(_number_only)] | None = Field(
+        default=None,
+        description=f"Most requests one engine runs at once (vLLM `--max-num-seqs`); unset = {DEFAULT_MAX_NUM_SEQS}. "
+        "Each instance registers it as its concurrency limit (the router's load estimates use it). The planner's "
+        "decode concurrency per instance (DOPD eq. 14) is bounded by the profile's cudaGraphMaxBatch, not by this "
+        "field: keep it at or above the profile's cudaGraphMaxBatch, or the plan counts on more concurrent requests "
+        "per instance than the engine admits. Passed to the sim-worker too when set.",
+    )
+    max_num_batched_tokens: Annotated[int, Field(ge=1, le=MAX_NUM_BATCHED_TOKENS_LIMIT), BeforeValidator(_number_only)] | None = Field(
+        default=None,
+        description=f"Tokens one engine step computes, prompt chunks and decodes together (vLLM "
+        f"`--max-num-batched-tokens`); unset = {DEFAULT_MAX_NUM_BATCHED_TOKENS}. At least maxNumSeqs (vLLM requires "
+        "it). Fulcrum's engines run with chunked prefill (vLLM's default), so it may be below maxModelLen; with "
+        "chunked prefill turned off in extraArgs (--no-enable-chunked-prefill) it must be at least maxModelLen. "
+        "Passed to the sim-worker too when set.",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra arguments appended verbatim: to `vllm serve` (after `--`) for kind `vllm`, to "
@@ -465,6 +530,11 @@ class EngineSpec(_Model):
         :data:`SIM_WORKER_MANAGED_FLAGS` for kind ``sim``) or is malformed (:func:`malformed_extra_arg`)."""
         sim = info.data.get("kind") is EngineKind.SIM
         managed = SIM_WORKER_MANAGED_FLAGS if sim else VLLM_MANAGED_FLAGS
+        if sim:  # the sim-worker gets these flags only when the fields are set
+            managed = {**managed, **{flag: f"spec.engine.{name}" for flag, attr, name in (
+                ("--max-num-seqs", "max_num_seqs", "maxNumSeqs"),
+                ("--max-num-batched-tokens", "max_num_batched_tokens", "maxNumBatchedTokens"),
+            ) if info.data.get(attr) is not None}}
         problems: list[str] = []
         for i, arg in enumerate(extra_args):
             bad = malformed_extra_arg(extra_args, i)
@@ -478,14 +548,33 @@ class EngineSpec(_Model):
             raise ValueError("; ".join(problems))
         return extra_args
 
+    @model_validator(mode="after")
+    def _batch_limits_fit(self) -> "EngineSpec":
+        """vLLM's own checks of its scheduler limits (``SchedulerConfig``), up front instead of a crash-looping
+        engine: ``--max-num-batched-tokens`` at least ``--max-num-seqs``, and at least ``--max-model-len`` when
+        chunked prefill is off (it is on unless ``extraArgs`` turns it off: vLLM's default, which Fulcrum keeps)."""
+        seqs = self.max_num_seqs if self.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+        tokens = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS
+        tokens_shown = f"maxNumBatchedTokens {tokens}" + ("" if self.max_num_batched_tokens is not None else " (unset)")
+        if tokens < seqs:
+            seqs_shown = f"maxNumSeqs {seqs}" + ("" if self.max_num_seqs is not None else " (unset)")
+            raise ValueError(f"{tokens_shown} is below {seqs_shown}: vLLM requires max_num_batched_tokens >= "
+                             f"max_num_seqs")
+        if self.kind is EngineKind.VLLM and tokens < self.max_model_len and not _chunked_prefill(self.extra_args):
+            raise ValueError(f"{tokens_shown} is below maxModelLen {self.max_model_len} while extraArgs turns "
+                             f"chunked prefill off: vLLM then requires max_num_batched_tokens >= max_model_len (raise "
+                             f"maxNumBatchedTokens, lower maxModelLen, or keep chunked prefill)")
+        return self
+
 
 class GPUSpec(_Model):
     """The accelerator type of the pools. Defaults describe an NVIDIA H100 SXM 80 GB."""
 
     type: str = Field(
         default="H100", min_length=1, max_length=253,
-        description="GPU type; the node-selector value of placement.gpuTypeLabel when that is set, and then a label "
-        "value (at most 63 alphanumeric characters, '-', '_' or '.', starting and ending with an alphanumeric one).",
+        description="GPU type; the node-selector value of placement.gpuTypeLabel when that is set (engine kind "
+        "`vllm`), and then a label value (at most 63 alphanumeric characters, '-', '_' or '.', starting and ending "
+        "with an alphanumeric one).",
     )
     memory_gib: Float = Field(default=80.0, gt=0, le=4096, alias="memoryGiB", description="Memory per GPU in GiB.")
     hbm_bandwidth_gbps: Float = Field(default=3350.0, gt=0, alias="hbmBandwidthGBps", description="HBM bandwidth per GPU in GB/s.")
@@ -653,7 +742,8 @@ class PlacementSpec(_Model):
         default="",
         description="Node label whose value must equal gpu.type (e.g. nvidia.com/gpu.product, or your own): a label "
         "key, and gpu.type must then be a label value; \"\" = no automatic GPU-type selector. Ignored for engine kind "
-        "`sim` (the label rules still apply).",
+        "`sim` (its pods get no GPU-type selector, so gpu.type need not be a label value; this field must still be a "
+        "label key).",
     )
 
 
@@ -715,9 +805,11 @@ class LLMServeSpec(_Model):
 
     @model_validator(mode="after")
     def _gpu_type_is_a_label_value(self) -> "LLMServeSpec":
-        # placement.gpuTypeLabel puts gpu.type into the worker pods' nodeSelector (operator/controller/resources.py)
+        # placement.gpuTypeLabel puts gpu.type into the vllm worker pods' nodeSelector (operator/controller/
+        # resources.py); a sim worker gets no GPU-type selector, so its gpu.type need not be a label value
         label = self.placement.gpu_type_label
-        problems = _label_value_problems(self.gpu.type) if label else []
+        used = label and self.engine.kind is not EngineKind.SIM
+        problems = _label_value_problems(self.gpu.type) if used else []
         if problems:
             raise ValueError(
                 f"gpu.type {self.gpu.type!r} is not a valid label value, which placement.gpuTypeLabel ({label}) "
