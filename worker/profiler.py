@@ -21,7 +21,11 @@ Three parts, kept apart so the middle one is testable without a server (STYLE.md
    Each point is measured ``repeats`` times; a failed attempt is retried ``retries`` times with a back-off;
    a point whose every repeat failed is reported and skipped, never a crash; a point the engine cannot run
    at all (prompt + output beyond ``max_model_len``, or a 400 naming the context length) is dropped with a
-   warning and not retried. This answers the complaint DESIGN.md records about Dynamo's profiler (heavy,
+   warning and not retried. Each point has a wall-clock budget (``point_timeout_s``): when it is spent the
+   point is abandoned (kept with the repeats it measured, else skipped); after ``stop_after_timeouts`` points
+   in a row failed by timeout the run stops (the engine stopped answering), the points left marked as not
+   measured. Points are recorded in a :class:`MeasureLog` as they finish, so a run interrupted (Ctrl-C) keeps
+   them (:meth:`MeasureLog.measurements`). This answers the complaint DESIGN.md records about Dynamo's profiler (heavy,
    crashes on missing data).
 
 2. **Assembly** (pure, no I/O): :func:`assemble_profile` turns :class:`Measurements` and
@@ -67,6 +71,7 @@ __all__ = [
     "PointResult",
     "EndpointFacts",
     "Measurements",
+    "MeasureLog",
     "MemoryFacts",
     "ResolvedMemory",
     "AssembledProfile",
@@ -77,6 +82,7 @@ __all__ = [
     "resolve_memory",
     "assemble_profile",
     "profile_document",
+    "partial_note",
     "render_profile_yaml",
     "dump_yaml",
     "render_configmap",
@@ -125,6 +131,9 @@ class ProfileGrid:
         retry_backoff_s: pause before retry k is ``k · retry_backoff_s`` seconds.
         request_timeout_s: limit for one request (TTFT) or one whole batch (TPOT), seconds.
         warmup: unrecorded requests before measuring (first requests pay one-off start-up costs).
+        point_timeout_s: wall-clock budget of one point (all its repeats and retries), seconds; None =
+            ``(repeats + 1) × request_timeout_s`` (:attr:`point_budget_s`).
+        stop_after_timeouts: stop the run after this many points in a row failed by timeout (0 = never).
     """
 
     isl: tuple[int, ...]
@@ -136,6 +145,8 @@ class ProfileGrid:
     retry_backoff_s: float = 0.5
     request_timeout_s: float = 300.0
     warmup: int = 1
+    point_timeout_s: float | None = None
+    stop_after_timeouts: int = 3
 
     def __post_init__(self) -> None:
         for axis in ("isl", "batch", "context"):
@@ -154,6 +165,22 @@ class ProfileGrid:
             raise ProfileError("--retries and --warmup must be >= 0")
         if not (self.request_timeout_s > 0 and self.retry_backoff_s >= 0):
             raise ProfileError("--request-timeout-s must be > 0 and --retry-backoff-s >= 0")
+        if self.point_timeout_s is not None and not (math.isfinite(self.point_timeout_s) and self.point_timeout_s > 0):
+            raise ProfileError(f"--point-timeout-s must be a positive number of seconds, got {self.point_timeout_s}")
+        if self.stop_after_timeouts < 0:
+            raise ProfileError(f"--stop-after-timeouts must be >= 0, got {self.stop_after_timeouts}")
+
+    @property
+    def point_budget_s(self) -> float:
+        """Wall-clock budget of one point, seconds: ``point_timeout_s``, else ``(repeats + 1) × request_timeout_s``
+        (every repeat may use its whole request timeout once, plus one retry's worth)."""
+        if self.point_timeout_s is not None:
+            return self.point_timeout_s
+        return (self.repeats + 1) * self.request_timeout_s
+
+    def keys(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Every point of the run in measuring order: (prefill keys ``(isl,)``, decode keys ``(batch, context)``)."""
+        return [(i,) for i in self.isl], [(b, c) for b in self.batch for c in self.context]
 
     @property
     def total_points(self) -> int:
@@ -172,6 +199,10 @@ class PointResult:
         samples: one latency per successful repeat, seconds (TTFT, or TPOT per token).
         failures: one line per failed attempt (retried ones included).
         dropped: why the point could not be measured at all (None when it was attempted).
+        timed_out: no repeat succeeded and the point failed by timeout (its budget spent, or every failed
+            attempt a timeout): what a hung engine looks like.
+        attempted: False for a point the run never reached (interrupted, or stopped because the engine stopped
+            answering; ``dropped`` says which).
     """
 
     kind: str
@@ -179,6 +210,8 @@ class PointResult:
     samples: tuple[float, ...] = ()
     failures: tuple[str, ...] = ()
     dropped: str | None = None
+    timed_out: bool = False
+    attempted: bool = True
 
     @property
     def ok(self) -> bool:
@@ -247,6 +280,8 @@ class Measurements:
         endpoint: what the endpoint reported (:class:`EndpointFacts`).
         warnings: lines printed during the run (dropped and failed points).
         decode_tokens: output tokens per request of the TPOT grid.
+        stopped: why the run ended before its last point (``interrupted (Ctrl-C)``, ``the engine stopped
+            answering ...``); None for a complete run. The points it never reached have ``attempted`` False.
     """
 
     tp: int
@@ -255,6 +290,51 @@ class Measurements:
     endpoint: EndpointFacts = field(default_factory=EndpointFacts)
     warnings: tuple[str, ...] = ()
     decode_tokens: int = 0
+    stopped: str | None = None
+
+    @property
+    def unmeasured(self) -> tuple[PointResult, ...]:
+        """The points the run never reached (empty for a complete run)."""
+        return tuple(p for p in (*self.prefill, *self.decode) if not p.attempted)
+
+
+@dataclass
+class MeasureLog:
+    """What a run has measured so far, filled by :func:`measure` as points finish, so that a run that is
+    interrupted (``KeyboardInterrupt`` out of ``asyncio.run``) keeps what it measured.
+
+    Attributes:
+        endpoint: what the endpoint reported (None until probed).
+        prefill, decode: the finished points, in measuring order.
+        warnings: lines printed so far.
+        current: the point being measured, with the repeats it has measured so far (None between points).
+    """
+
+    endpoint: EndpointFacts | None = None
+    prefill: list[PointResult] = field(default_factory=list)
+    decode: list[PointResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    current: PointResult | None = None
+
+    def measurements(self, tp: int, grid: ProfileGrid, stopped: str | None = None) -> Measurements:
+        """The run so far as :class:`Measurements`: every point of ``grid``, those not finished marked not
+        measured (``attempted`` False, ``dropped`` = ``not measured: <stopped>``); the point in progress is kept
+        when at least one of its repeats was measured. ``stopped``: why the run ended early (None: it did not)."""
+        done = {(p.kind, p.key): p for p in (*self.prefill, *self.decode)}
+        cur = self.current
+        if cur is not None and cur.samples and (cur.kind, cur.key) not in done:
+            done[(cur.kind, cur.key)] = replace(
+                cur, failures=(*cur.failures, f"run ended ({stopped or 'stopped'}) after {len(cur.samples)} of "
+                                              f"{grid.repeats} repeat(s)"))
+        why = f"not measured: {stopped or 'run ended early'}"
+
+        def fill(kind: str, keys: list[tuple[int, ...]]) -> tuple[PointResult, ...]:
+            return tuple(done.get((kind, k)) or PointResult(kind, k, dropped=why, attempted=False) for k in keys)
+
+        pre, dec = grid.keys()
+        return Measurements(tp=tp, prefill=fill("prefill", pre), decode=fill("decode", dec),
+                            endpoint=self.endpoint or EndpointFacts(), warnings=tuple(self.warnings),
+                            decode_tokens=grid.decode_tokens, stopped=stopped)
 
 
 @dataclass(frozen=True)
@@ -592,7 +672,26 @@ def profile_document(assembled: AssembledProfile, measured: Measurements, memory
         "notes": list(assembled.notes),
         "warnings": list(measured.warnings),
     }
+    if measured.stopped:
+        # a run that ended early: marked here (the loader ignores this section) and in ``source`` (which it keeps)
+        doc["measurement"]["partial"] = True
+        doc["measurement"]["stopped"] = measured.stopped
+        doc["measurement"]["notMeasured"] = {
+            kind: [list(p.key) for p in points if not p.attempted]
+            for kind, points in (("prefill", measured.prefill), ("decode", measured.decode))
+        }
     return doc
+
+
+def partial_note(measured: Measurements) -> str:
+    """One line saying that a run ended early, why, and which points it did not measure ("" for a complete run)."""
+    if not measured.stopped:
+        return ""
+    missing = measured.unmeasured
+    total = len(measured.prefill) + len(measured.decode)
+    shown = ", ".join(f"{p.kind} {p.key}" for p in missing[:6]) + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")
+    return (f"PARTIAL: {measured.stopped}; {total - len(missing)} of {total} points reached"
+            + (f", not measured: {shown}" if missing else ""))
 
 
 def _sig(v: Any) -> Any:
@@ -649,7 +748,11 @@ class _Unmeasurable(Exception):
 
 
 class _Failed(Exception):
-    """One attempt failed (HTTP error, timeout, broken stream): retry."""
+    """One attempt failed (HTTP error, timeout, broken stream): retry. ``timeout``: it failed by a timeout."""
+
+    def __init__(self, msg: str, *, timeout: bool = False) -> None:
+        super().__init__(msg)
+        self.timeout = timeout
 
 
 def _is_context_error(status: int, text: str) -> bool:
@@ -677,7 +780,8 @@ class _Client:
                     raise _Failed(f"/tokenize answered {resp.status}: {raw[:200]}")
                 ids = json.loads(raw).get("tokens")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as err:
-            raise _Failed(f"/tokenize failed: {type(err).__name__}: {err}") from err
+            raise _Failed(f"/tokenize failed: {type(err).__name__}: {err}",
+                          timeout=isinstance(err, asyncio.TimeoutError)) from err
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise _Failed("/tokenize answered without a token list")
         return ids
@@ -779,7 +883,7 @@ class _Client:
                     if on_first is not None and len(marks) == 1:
                         on_first()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
-            raise _Failed(f"{type(err).__name__}: {err}") from err
+            raise _Failed(f"{type(err).__name__}: {err}", timeout=isinstance(err, asyncio.TimeoutError)) from err
         if not marks or marks[-1][1] < max_tokens:
             raise _Failed(f"stream ended after {marks[-1][1] if marks else 0} of {max_tokens} tokens")
         return marks
@@ -848,10 +952,14 @@ def steady_tpot(streams: Sequence[Sequence[tuple[float, int]]]) -> float:
 
 async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress: bool = True,
                   warn: Callable[[str], None] | None = None,
-                  session: aiohttp.ClientSession | None = None) -> Measurements:
+                  session: aiohttp.ClientSession | None = None, log: MeasureLog | None = None) -> Measurements:
     """Run the TTFT sweep and the TPOT grid against the endpoint (see the module doc for the method).
 
-    Returns every point, measured or not; never raises for a failed point.
+    Returns every point, measured or not; never raises for a failed point. Each point has
+    ``grid.point_budget_s`` seconds of wall clock; after ``grid.stop_after_timeouts`` points in a row failed by
+    timeout the run stops early (``Measurements.stopped`` says so; the points left are not measured). Pass
+    ``log`` (a fresh :class:`MeasureLog`) to keep what was measured when the run is interrupted (the caller
+    then calls ``log.measurements(tp, grid, stopped=...)``).
 
     Raises:
         ProfileError: the endpoint cannot be reached or does not serve ``model`` (from :func:`probe_endpoint`),
@@ -860,17 +968,21 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
     _need_aiohttp()
     from tqdm import tqdm
 
-    warnings: list[str] = []
+    from fulcrum.cancellation import cancel_and_wait
+
+    log = log if log is not None else MeasureLog()
 
     def say(msg: str) -> None:
-        warnings.append(msg)
+        log.warnings.append(msg)
         if warn is not None:
             warn(msg)
 
     own = session is None
     sess = session or aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    bar = None
     try:
         endpoint = await probe_endpoint(sess, url, model, min(30.0, grid.request_timeout_s))
+        log.endpoint = endpoint
         client = _Client(sess, url, model, grid.request_timeout_s)
         limit = endpoint.max_model_len
         for attempt in range(grid.retries + 1):
@@ -890,6 +1002,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
         except _Unmeasurable as err:
             say(f"warm-up request refused: {err}")
         bar = tqdm(total=grid.total_points, desc="profiling", unit="pt", disable=not progress, leave=False)
+        budget = grid.point_budget_s
 
         async def point(kind: str, key: tuple[int, ...], need: int, once: Callable[[], Any]) -> PointResult:
             if limit is not None and need > limit:
@@ -899,27 +1012,63 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                 return PointResult(kind, key, dropped=msg)
             samples: list[float] = []
             failures: list[str] = []
-            for done in range(grid.repeats):
-                for attempt in range(grid.retries + 1):
-                    if attempt:
-                        await asyncio.sleep(grid.retry_backoff_s * attempt)
-                    try:
-                        samples.append(await once())
-                        break
-                    except _Unmeasurable as err:
-                        bar.update(grid.repeats - done)
-                        say(f"{kind} {key}: {err}; dropped")
-                        return PointResult(kind, key, tuple(samples), tuple(failures), dropped=str(err))
-                    except _Failed as err:
-                        failures.append(f"attempt {attempt + 1}: {err}")
-                else:
-                    failures.append(f"repeat {done + 1}: gave up after {grid.retries + 1} attempts")
-                bar.update(1)
+            timeouts = [0]  # failed attempts that were timeouts
+            done = [0]  # repeats finished (measured or given up)
+
+            def note() -> None:  # the point so far, for an interrupted run
+                log.current = PointResult(kind, key, tuple(samples), tuple(failures))
+
+            async def repeats() -> PointResult | None:
+                for rep in range(grid.repeats):
+                    for attempt in range(grid.retries + 1):
+                        if attempt:
+                            await asyncio.sleep(grid.retry_backoff_s * attempt)
+                        try:
+                            samples.append(await once())
+                            break
+                        except _Unmeasurable as err:
+                            say(f"{kind} {key}: {err}; dropped")
+                            return PointResult(kind, key, tuple(samples), tuple(failures), dropped=str(err))
+                        except _Failed as err:
+                            failures.append(f"attempt {attempt + 1}: {err}")
+                            timeouts[0] += err.timeout
+                        finally:
+                            note()
+                    else:
+                        failures.append(f"repeat {rep + 1}: gave up after {grid.retries + 1} attempts")
+                    done[0] += 1
+                    bar.update(1)
+                return None
+
+            note()
+            # the budget runs in its own task, stopped for sure (cancel_and_wait) when spent or when this one is
+            # cancelled (Ctrl-C): a hung engine costs a point at most ``budget`` seconds
+            task = asyncio.create_task(repeats())
+            try:
+                finished, _ = await asyncio.wait({task}, timeout=budget)
+            finally:
+                if not task.done():
+                    await cancel_and_wait([task])
+            bar.update(grid.repeats - done[0])
+            if finished:
+                dropped = task.result()
+                if dropped is not None:
+                    return dropped
+                expired = False
+            else:
+                expired = True
+                failures.append(f"point budget of {budget:g} s spent (--point-timeout-s) after {done[0]} of "
+                                f"{grid.repeats} repeat(s); abandoned")
+            timed_out = not samples and (expired or (bool(failures) and timeouts[0] == sum(
+                f.startswith("attempt ") for f in failures)))
             if not samples:
-                say(f"{kind} {key}: every repeat failed ({failures[-2] if len(failures) > 1 else failures[-1]}); skipped")
+                last = failures[-1] if expired or len(failures) < 2 else failures[-2]
+                say(f"{kind} {key}: every repeat failed ({last}); skipped")
+            elif expired:
+                say(f"{kind} {key}: {failures[-1]}; {len(samples)}/{grid.repeats} repeats measured")
             elif failures:
                 say(f"{kind} {key}: {len(failures)} failed attempt(s), {len(samples)}/{grid.repeats} repeats measured")
-            return PointResult(kind, key, tuple(samples), tuple(failures))
+            return PointResult(kind, key, tuple(samples), tuple(failures), timed_out=timed_out)
 
         async def ttft_once(isl: int) -> float:
             prompt = await client.prompt(isl)
@@ -942,22 +1091,27 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
 
             tasks = [asyncio.create_task(client.stream(p, grid.decode_tokens, first)) for p in prompts]
             waiter = asyncio.create_task(all_started.wait())
-            # the steady window: every request decoding (the last prefill done) until the first one finishes,
-            # so the batch's own prefills do not inflate its decode steps
-            await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            steady_from = steady_to = None
-            if all_started.is_set() and not any(t.done() for t in tasks):
-                steady_from = await client.itl_totals()
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                steady_to = await client.itl_totals()
-            waiter.cancel()
-            results = await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                # the steady window: every request decoding (the last prefill done) until the first one finishes,
+                # so the batch's own prefills do not inflate its decode steps
+                await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+                steady_from = steady_to = None
+                if all_started.is_set() and not any(t.done() for t in tasks):
+                    steady_from = await client.itl_totals()
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                    steady_to = await client.itl_totals()
+                waiter.cancel()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                # a spent point budget or Ctrl-C: no request of this batch outlives it (it would load the next point)
+                await cancel_and_wait([waiter, *tasks])
             for r in results:
                 if isinstance(r, _Unmeasurable):
                     raise r
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
-                raise _Failed(f"{len(errors)} of {batch} requests failed: {errors[0]}")
+                raise _Failed(f"{len(errors)} of {batch} requests failed: {errors[0]}",
+                              timeout=all(isinstance(e, _Failed) and e.timeout for e in errors))
             after = await client.itl_totals()
             # the engine's own inter-token histogram: engine-side timestamps, immune to bursty delivery; its steady
             # window when the window saw at least one step of the whole batch, else the whole run
@@ -969,17 +1123,40 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                         return per_token
             return steady_tpot([r for r in results if not isinstance(r, BaseException)])
 
-        prefill: list[PointResult] = []
-        for isl in grid.isl:
-            prefill.append(await point("prefill", (isl,), isl + 1, functools.partial(ttft_once, isl)))
-        decode: list[PointResult] = []
-        for b in grid.batch:
-            for c in grid.context:
-                need = max(1, c - grid.decode_tokens // 2) + grid.decode_tokens
-                decode.append(await point("decode", (b, c), need, functools.partial(tpot_once, b, c)))
-        bar.close()
-        return Measurements(tp=tp, prefill=tuple(prefill), decode=tuple(decode), endpoint=endpoint,
-                            warnings=tuple(warnings), decode_tokens=grid.decode_tokens)
+        in_a_row = 0
+        stopped: str | None = None
+
+        async def run_point(kind: str, key: tuple[int, ...], need: int, once: Callable[[], Any]) -> bool:
+            """Measure one point into the log; False when the run must stop (the engine stopped answering)."""
+            nonlocal in_a_row, stopped
+            result = await point(kind, key, need, once)
+            (log.prefill if kind == "prefill" else log.decode).append(result)
+            log.current = None
+            if result.timed_out:
+                in_a_row += 1
+            elif not (limit is not None and need > limit):
+                in_a_row = 0  # the engine answered (a point dropped before sending anything tells nothing)
+            if grid.stop_after_timeouts and in_a_row >= grid.stop_after_timeouts:
+                stopped = (f"the engine stopped answering ({in_a_row} points in a row failed by timeout, the last "
+                           f"{kind} {key})")
+                say(f"{stopped}; stopping")
+                return False
+            return True
+
+        async def sweep() -> None:
+            for isl in grid.isl:
+                if not await run_point("prefill", (isl,), isl + 1, functools.partial(ttft_once, isl)):
+                    return
+            for b in grid.batch:
+                for c in grid.context:
+                    need = max(1, c - grid.decode_tokens // 2) + grid.decode_tokens
+                    if not await run_point("decode", (b, c), need, functools.partial(tpot_once, b, c)):
+                        return
+
+        await sweep()
+        return log.measurements(tp, grid, stopped)
     finally:
+        if bar is not None:
+            bar.close()
         if own:
             await sess.close()

@@ -21,6 +21,7 @@ from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import load_profile
 from fulcrum.worker.profiler import (
     EndpointFacts,
+    MeasureLog,
     Measurements,
     MemoryFacts,
     PointResult,
@@ -509,3 +510,208 @@ def test_a_step_table_whose_folder_vanished_is_kept_in_the_temporary_folder(
     saved = list(spare.glob("fulcrum-step-table-*.json"))
     assert len(saved) == 1 and str(saved[0]) in str(err.value)
     assert StepLatencyTable.load(saved[0]).to_dict() == table.to_dict()
+
+
+# ------------------------------------------------------------------------------------------------ hung engines, Ctrl-C
+def _hang_decodes(eng: FakeEngine, *, after: int = 0, prompt_len: int | None = None) -> dict[str, int]:
+    """Make ``eng`` never answer TPOT requests (``max_tokens`` 8): those after the first ``after`` of them, or only
+    those whose prompt has ``prompt_len`` tokens (an aiohttp middleware; the fake cancels the sleep when the
+    client goes away)."""
+    seen = {"decodes": 0, "hung": 0}
+
+    @web.middleware
+    async def hang(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/v1/completions":
+            body = await request.json()
+            if body.get("max_tokens") == 8:
+                seen["decodes"] += 1
+                if seen["decodes"] > after and (prompt_len is None or len(body["prompt"]) == prompt_len):
+                    seen["hung"] += 1
+                    await asyncio.sleep(3600)
+        return await handler(request)
+
+    eng.app.middlewares.append(hang)
+    return seen
+
+
+# FLAGS with a third batch: (1, 3) × (40, 120) is the first complete grid, measured with 2 × (1 + 1 + 3 + 3) = 16
+# TPOT requests; batch 5 comes after it
+WIDE = ["--batch", "1,3,5", "--context", "40,120"]
+
+
+@pytest.mark.asyncio
+async def test_a_point_the_engine_never_answers_is_abandoned_after_its_budget_not_after_every_request_timeout(
+        tmp_path: Path, capsys: Any) -> None:
+    import time
+
+    eng = await _engine()
+    seen = _hang_decodes(eng, prompt_len=116)  # context 120: prompt 120 − 8/2 tokens; context 40 and 80 answer
+    out = tmp_path / "p.yaml"
+    t0 = time.monotonic()
+    # before: 2 points × 2 repeats × 3 attempts × the 20 s request timeout = 4 minutes
+    rc = await _profile_cli(eng, out, "--context", "40,80,120", "--retries", "2", "--request-timeout-s", "20",
+                            "--point-timeout-s", "0.5")
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert took < 15, took
+    assert seen["hung"] >= 2
+    assert "decode (1, 120): every repeat failed (point budget of 0.5 s spent (--point-timeout-s) after 0 of 2 " \
+           "repeat(s); abandoned); skipped" in err
+    assert load_profile(out).decode[1].context == (40.0, 80.0)  # the abandoned column is cut from the grid
+    meas = yaml.safe_load(out.read_text())["measurement"]
+    assert "partial" not in meas
+    hung = [p for p in meas["decode"] if p["key"][1] == 120]
+    assert len(hung) == 2 and all("abandoned" in p["failures"][-1] and "samplesMs" not in p for p in hung)
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_stops_answering_stops_the_run_and_keeps_what_was_measured(
+        tmp_path: Path, capsys: Any) -> None:
+    import time
+
+    eng = await _engine()
+    _hang_decodes(eng, after=16)  # batch 5 and later hang
+    out = tmp_path / "p.yaml"
+    out.write_text("old: profile\n")
+    t0 = time.monotonic()
+    rc = await _profile_cli(eng, out, "--batch", "1,3,5,7", "--request-timeout-s", "20", "--point-timeout-s", "0.3",
+                            "--stop-after-timeouts", "2")
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err
+    assert took < 15, took
+    partial = tmp_path / "p.partial.yaml"
+    assert err[-1].startswith("fulcrum profile: error: the engine stopped answering (2 points in a row failed by "
+                              "timeout, the last decode (5, 120)); partial profile written to " + str(partial))
+    assert "not measured: decode (7, 40), decode (7, 120)" in err[-1]
+    assert out.read_text() == "old: profile\n"  # an older profile is not replaced by a partial one
+    profile = load_profile(partial)
+    assert profile.decode[1].batch == (1.0, 3.0) and profile.decode[1].context == (40.0, 120.0)
+    assert "PARTIAL: the engine stopped answering" in profile.source
+    text = partial.read_text()
+    assert text.startswith("# PARTIAL: the engine stopped answering")
+    meas = yaml.safe_load(text)["measurement"]
+    assert meas["partial"] is True and meas["stopped"].startswith("the engine stopped answering")
+    assert meas["notMeasured"] == {"prefill": [], "decode": [[7, 40], [7, 120]]}
+
+
+def _interrupt_after(monkeypatch: pytest.MonkeyPatch, streams: int) -> None:
+    """Ctrl-C in the profiler: its ``streams + 1``-th streamed request raises KeyboardInterrupt (as a SIGINT does
+    where Python delivers it; the CLI runs in a worker thread here, where no signal arrives)."""
+    from fulcrum.worker import profiler
+
+    real = profiler._Client.stream
+    calls = {"n": 0}
+
+    async def stream(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] > streams:
+            raise KeyboardInterrupt
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(profiler._Client, "stream", stream)
+
+
+@pytest.mark.asyncio
+async def test_ctrl_c_writes_what_was_measured_as_a_partial_profile_and_exits_130(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = await _engine()
+    _interrupt_after(monkeypatch, 1 + 6 + 16)  # warm-up, 3 ISLs × 2 repeats, then the (1, 3) × (40, 120) grid
+    out = tmp_path / "p.yaml"
+    out.write_text("old: profile\n")
+    rc = await _profile_cli(eng, out, *WIDE, "--configmap", "fake-profile", "--configmap-out", str(tmp_path / "cm.yaml"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130, err
+    partial = tmp_path / "p.partial.yaml"
+    assert err[-1] == (f"fulcrum profile: interrupted: interrupted (Ctrl-C); partial profile written to {partial} "
+                       "(no ConfigMap: the profile is partial); PARTIAL: interrupted (Ctrl-C); 7 of 9 points reached, "
+                       "not measured: decode (5, 40), decode (5, 120)")
+    assert out.read_text() == "old: profile\n" and not (tmp_path / "cm.yaml").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.partial.yaml", "p.yaml"]  # no temporary file left
+    profile = load_profile(partial)
+    assert profile.prefill[1].isl == (16.0, 64.0, 200.0)
+    assert profile.decode[1].batch == (1.0, 3.0) and profile.decode[1].context == (40.0, 120.0)
+    meas = yaml.safe_load(partial.read_text())["measurement"]
+    assert meas["partial"] is True and meas["stopped"] == "interrupted (Ctrl-C)"
+    assert meas["notMeasured"]["decode"] == [[5, 40], [5, 120]]
+    # the plan accepts it
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(partial), "--isl", "100", "--osl", "50", "--concurrency", "2"]) == 0
+
+
+@pytest.mark.asyncio
+async def test_ctrl_c_before_a_profile_was_measured_says_nothing_was_kept_and_why(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = await _engine()
+    _interrupt_after(monkeypatch, 1 + 6 + 2)  # the ISL sweep and one decode point
+    rc = await _profile_cli(eng, tmp_path / "p.yaml", *WIDE)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130
+    assert err[-1].startswith("fulcrum profile: interrupted: interrupted (Ctrl-C); nothing kept: too little measured "
+                              "for a profile (decode: the complete measured grid has 1 batch(es) × 1 context(s)")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_real_sigint_mid_run_keeps_the_measured_points_and_exits_130(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    eng = await _engine()
+    seen = _hang_decodes(eng, after=16)  # the run waits on batch 5 until interrupted
+    url = await eng.start()
+    out = tmp_path / "p.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "fulcrum", "profile", "--url", url, *FLAGS, *WIDE,
+                             "--retries", "0", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while not seen["hung"] and time.monotonic() < deadline and proc.poll() is None:
+            await asyncio.sleep(0.05)
+        assert seen["hung"], "the run never reached the hung point"
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the fake engine runs on this loop: keep it serving
+        _, err_bytes = proc.communicate(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await eng.stop()
+    err = err_bytes.decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    partial = tmp_path / "p.partial.yaml"
+    assert f"partial profile written to {partial}" in err.strip().splitlines()[-1]
+    assert load_profile(partial).decode[1].batch == (1.0, 3.0)
+    assert not out.exists()
+
+
+def test_the_point_budget_defaults_to_one_more_request_timeout_than_repeats_and_must_be_positive() -> None:
+    grid = ProfileGrid(isl=(1, 2), batch=(1, 2), context=(8, 16), repeats=3, request_timeout_s=300)
+    assert grid.point_budget_s == 1200 and grid.stop_after_timeouts == 3
+    assert ProfileGrid(isl=(1, 2), batch=(1, 2), context=(8, 16), point_timeout_s=5).point_budget_s == 5
+    with pytest.raises(ProfileError, match="--point-timeout-s must be a positive number"):
+        ProfileGrid(isl=(1, 2), batch=(1, 2), context=(8, 16), point_timeout_s=0)
+    with pytest.raises(ProfileError, match="--stop-after-timeouts must be >= 0"):
+        ProfileGrid(isl=(1, 2), batch=(1, 2), context=(8, 16), stop_after_timeouts=-1)
+
+
+def test_the_log_of_an_interrupted_run_marks_the_points_not_reached_and_keeps_the_point_in_progress() -> None:
+    grid = ProfileGrid(isl=(128, 512), batch=(1, 4), context=(128, 512), repeats=3)
+    log = MeasureLog(endpoint=EndpointFacts(max_model_len=4096), prefill=[_pre(128, 30), _pre(512, 60)],
+                     decode=[_dec(1, 128, 10)], current=_dec(1, 512, 12, 13))
+    m = log.measurements(2, grid, stopped="interrupted (Ctrl-C)")
+    assert [p.key for p in m.decode] == [(1, 128), (1, 512), (4, 128), (4, 512)]
+    assert m.decode[1].samples == (0.012, 0.013) and "after 2 of 3 repeat(s)" in m.decode[1].failures[-1]
+    assert [p.key for p in m.unmeasured] == [(4, 128), (4, 512)]
+    assert m.unmeasured[0].dropped == "not measured: interrupted (Ctrl-C)" and not m.unmeasured[0].ok
+    # a point in progress with no repeat measured yet is not reached; a complete run has nothing unmeasured
+    assert (1, 512) in [p.key for p in MeasureLog(prefill=log.prefill, decode=log.decode,
+                                                  current=PointResult("decode", (1, 512))).measurements(2, grid, "x").unmeasured]
+    assert MeasureLog(prefill=log.prefill, decode=_grid_points()).measurements(
+        2, ProfileGrid(isl=(128, 512), batch=(1, 4), context=(128, 512))).unmeasured == ()

@@ -16,8 +16,22 @@ fulcrum.worker.slo_scheduler.SLOAwareScheduler`` with ``FULCRUM_SCHEDULER_METRIC
 record every step, and the table it recorded (read from ``--scheduler-metrics``) is written as JSON, ready for
 ``FULCRUM_STEP_TABLE``.
 
+Each point has a wall-clock budget (``--point-timeout-s``, default ``(--repeats + 1) × --request-timeout-s``):
+when it is spent the point is abandoned and reported (kept if some repeats were measured, else skipped). After
+``--stop-after-timeouts`` points in a row failed by timeout (default 3; 0 = never) the run stops: the engine
+stopped answering.
+
+A run that ends early — Ctrl-C, or the engine stopped answering — keeps what it measured: when that is enough
+for a profile (2 ISLs, a complete 2 × 2 decode grid) it is written to ``<out>.partial.yaml`` beside ``--out``
+(an older ``--out`` is left as it was; ``-``: standard output), marked partial (a comment, ``source`` and the
+``measurement`` section's ``partial``, ``stopped`` and ``notMeasured``), and one line says where; otherwise one
+line says that nothing was kept and why. No ConfigMap is rendered for a partial profile. A second Ctrl-C while
+it is written aborts.
+
 Exit codes: 0 written; 1 the run measured too little for a profile (fewer than 2 points on an axis; the
-message says which points failed and why); 2 bad input or an unreachable endpoint.
+message says which points failed and why), or the engine stopped answering (a partial profile may have been
+written); 2 bad input or an unreachable endpoint; 130 interrupted (Ctrl-C; a partial profile may have been
+written).
 """
 
 from __future__ import annotations
@@ -41,12 +55,15 @@ from fulcrum.commands import check_writable_file
 from fulcrum.errors import ProfileError
 from fulcrum.worker.profiler import (
     GPU_PRESETS,
+    MeasureLog,
+    Measurements,
     MemoryFacts,
     ProfileGrid,
     assemble_profile,
     dump_yaml,
     measure,
     model_dir_facts,
+    partial_note,
     profile_document,
     render_configmap,
     render_profile_yaml,
@@ -71,6 +88,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--retries", type=int, default=2, help="extra attempts after a failed measurement (default 2)")
     p.add_argument("--retry-backoff-s", type=float, default=0.5, help="pause before retry k: k × this, s (default 0.5)")
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="limit per request or batch, s (default 300)")
+    p.add_argument("--point-timeout-s", type=float,
+                   help="wall-clock budget of one point (every repeat and retry), s; when spent the point is "
+                        "abandoned (default (--repeats + 1) × --request-timeout-s)")
+    p.add_argument("--stop-after-timeouts", type=int, default=3, metavar="N",
+                   help="stop the run, keeping what was measured, after N points in a row failed by timeout "
+                        "(the engine stopped answering; default 3, 0 = never)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests (default 1)")
     p.add_argument("--out", default="profile.yaml", help="profile file to write, .yaml (default profile.yaml; - = stdout)")
     p.add_argument("--name", help="profile name (default <model>-tp<tp>, made a valid name)")
@@ -181,15 +204,17 @@ def _save_or_keep(path: str, flag: str, prefix: str, save: Callable[[Path], None
         raise OSError(f"{flag} {path}: cannot write ({err.strerror or err}); saved to {saved} instead") from err
 
 
-def _write(path: str, text: str, flag: str) -> None:
+def _write(path: str, text: str, flag: str, *, announce: bool = True) -> None:
     """Write ``text`` to ``path`` (``-``: standard output) through a sibling temporary file and a rename, so a
-    failed write never leaves half a file nor spoils an older one.
+    failed (or interrupted) write never leaves half a file nor spoils an older one. ``announce``: print
+    ``wrote PATH``.
 
     Raises:
         OSError: the file cannot be written; the text is kept elsewhere (:func:`_save_or_keep`).
     """
     if path == "-":
         sys.stdout.write(text)
+        sys.stdout.flush()
         return
 
     def save(target: Path) -> None:
@@ -197,13 +222,62 @@ def _write(path: str, text: str, flag: str) -> None:
         try:
             tmp.write_text(text, encoding="utf-8")
             tmp.replace(target)
-        except OSError:
+        except BaseException:  # an OSError, or a second Ctrl-C: no temporary file left behind
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             raise
 
     _save_or_keep(path, flag, "fulcrum-profile-", save)
-    print(f"wrote {path}", file=sys.stderr)
+    if announce:
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def _partial_path(out: str) -> str:
+    """Where a partial profile goes: ``<out stem>.partial<suffix>`` beside ``--out`` (``-`` stays ``-``)."""
+    if out == "-":
+        return out
+    p = Path(out)
+    return str(p.with_name(f"{p.stem}.partial{p.suffix}"))
+
+
+def _keep_partial(args: argparse.Namespace, measured: Measurements, memory_flags: MemoryFacts,
+                  model_dir: tuple[float, float, str] | None, name: str, source: str, rc: int,
+                  warn: Callable[[str], None]) -> int:
+    """A run that ended early (``measured.stopped``): write what it measured as a partial profile beside
+    ``--out`` when that is enough for a profile, and print one line saying where, or that nothing was kept and
+    why. Returns ``rc`` (130 interrupted, 1 the engine stopped answering)."""
+    head = "interrupted" if rc == 130 else "error"
+    note = partial_note(measured)
+    if not any(p.ok for p in (*measured.prefill, *measured.decode)):
+        print(f"fulcrum profile: {head}: {measured.stopped}; nothing kept: no point was measured", file=sys.stderr)
+        return rc
+    try:
+        memory = resolve_memory(memory_flags, measured.endpoint, args.tp, model_dir)
+    except ProfileError as err:
+        print(f"fulcrum profile: {head}: {measured.stopped}; nothing kept: {err}", file=sys.stderr)
+        return rc
+    try:
+        assembled = assemble_profile(measured, memory.facts, name=name, model=args.model,
+                                     source=f"{source}; {note}")
+    except ProfileError as err:
+        print(f"fulcrum profile: {head}: {measured.stopped}; nothing kept: too little measured for a profile ({err})",
+              file=sys.stderr)
+        return rc
+    for line in assembled.notes:
+        warn(line)
+    text = f"# {note}\n" + render_profile_yaml(profile_document(assembled, measured, memory, args.url))
+    path = _partial_path(args.out)
+    where = "standard output" if path == "-" else path
+    try:
+        _write(path, text, "--out", announce=False)
+    except OSError as err:  # kept in the temporary folder; the message names the file
+        print(f"fulcrum profile: {head}: {measured.stopped}; partial profile not written to {where}: {err}",
+              file=sys.stderr)
+        return rc
+    skipped = " (no ConfigMap: the profile is partial)" if args.configmap else ""
+    print(f"fulcrum profile: {head}: {measured.stopped}; partial profile written to {where}{skipped}; {note}",
+          file=sys.stderr)
+    return rc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,14 +296,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out must be a .yaml file (or -), got {args.out!r}")
     if args.configmap_out and not args.configmap:
         raise ValueError("--configmap-out needs --configmap NAME")
-    for flag in ("retry_backoff_s", "request_timeout_s"):
-        if not math.isfinite(getattr(args, flag)):
+    for flag in ("retry_backoff_s", "request_timeout_s", "point_timeout_s"):
+        if getattr(args, flag) is not None and not math.isfinite(getattr(args, flag)):
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds, got {getattr(args, flag)}")
     grid = ProfileGrid(isl=_ints("isl", args.isl), batch=_ints("batch", args.batch),
                        context=_ints("context", args.context), repeats=args.repeats,
                        decode_tokens=args.decode_tokens, retries=args.retries,
                        retry_backoff_s=args.retry_backoff_s, request_timeout_s=args.request_timeout_s,
-                       warmup=args.warmup)
+                       warmup=args.warmup, point_timeout_s=args.point_timeout_s,
+                       stop_after_timeouts=args.stop_after_timeouts)
     flags = _memory_flags(args)
     name = args.name or _default_name(args.model, args.tp)
     if args.configmap:
@@ -251,13 +326,26 @@ def run(args: argparse.Namespace) -> int:
     def warn(msg: str) -> None:
         tqdm.write(f"fulcrum profile: warning: {msg}", file=sys.stderr)  # above the progress bar
 
-    measured = asyncio.run(measure(args.url, args.model, args.tp, grid, progress=not args.no_progress, warn=warn))
+    log = MeasureLog()  # filled as points finish: Ctrl-C keeps what was measured
+    try:
+        measured = asyncio.run(measure(args.url, args.model, args.tp, grid, progress=not args.no_progress, warn=warn,
+                                       log=log))
+        rc_early = 1
+    except KeyboardInterrupt:
+        # asyncio.run has cancelled the run (its requests are closed); a second Ctrl-C from here on aborts
+        if log.endpoint is None:
+            print("fulcrum profile: interrupted; nothing kept: no point was measured", file=sys.stderr)
+            return 130
+        measured = log.measurements(args.tp, grid, stopped="interrupted (Ctrl-C)")
+        rc_early = 130
     if model_dir is not None and measured.endpoint.cache_dtype not in (None, "auto"):
         model_dir = model_dir_facts(args.model_path, measured.endpoint.cache_dtype)
-    memory = resolve_memory(flags, measured.endpoint, args.tp, model_dir)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     source = (f"fulcrum profile of {args.url} (model {args.model}, TP {args.tp}) at {stamp}; "
               f"median of {grid.repeats} repeat(s) per point")
+    if measured.stopped:
+        return _keep_partial(args, measured, flags, model_dir, name, source, rc_early, warn)
+    memory = resolve_memory(flags, measured.endpoint, args.tp, model_dir)
     try:
         assembled = assemble_profile(measured, memory.facts, name=name, model=args.model, source=source)
     except ProfileError as err:
