@@ -326,6 +326,7 @@ def _worker_args(serve: LLMServe, pool: str, tp: int) -> list[str]:
             "--port", str(HTTP_PORT),
             "--role", POOL_ROLES[Pool(pool)],
             "--pool", pool,
+            "--max-model-len", str(spec.engine.max_model_len),  # as vLLM's: the emulator refuses longer requests
             "--block-size", str(spec.engine.block_size),
             *_batch_limit_args(serve),
             *common_tail,

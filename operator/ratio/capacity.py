@@ -47,7 +47,8 @@ class DecodeCapacity:
         cc_slo: largest batch whose profiled step time meets the TPOT SLO.
         cc: the D-instance concurrency cc_d = min of the above (≥ 1 when one request's KV fits, else 0).
         step_s: profiled decode step time t_d at batch ``cc`` and ``context_tokens``, seconds.
-        limited_by: which bound set ``cc``: "memory" | "bandwidth" | "cuda_graph" | "tpot_slo".
+        limited_by: which bound set ``cc``: "memory" | "bandwidth" | "cuda_graph" | "tpot_slo" | "max_num_seqs"
+            (the engine's ``--max-num-seqs``, LLMServe ``spec.engine.maxNumSeqs``) | "given".
     """
 
     tp: int
@@ -98,6 +99,7 @@ def decode_capacity(
     bandwidth_utilisation: float = 0.6,
     graph_headroom: float = 0.9,
     override_cc: float | None = None,
+    max_num_seqs: int | None = None,
 ) -> DecodeCapacity:
     """D-instance concurrency cc_d by DOPD eqs. (11)–(14) plus the profiled TPOT check.
 
@@ -110,6 +112,9 @@ def decode_capacity(
         bandwidth_utilisation: α of eq. (12) (DOPD: 0.6 "is considered excellent").
         graph_headroom: fraction of cc_g usable, eq. (14) with DOPD's 0.9 burst headroom.
         override_cc: a measured D capacity to use instead (e.g. DOPD §VI-A3's 235); the bounds are still reported.
+        max_num_seqs: the engine's ``--max-num-seqs`` (requests one engine runs at once), a bound on cc_d beside
+            eqs. (11)–(14): an engine admits no more whatever its memory, bandwidth or CUDA graphs allow. None: no
+            such bound (eq. 14's CUDA-graph cap alone, as in DOPD).
 
     Raises:
         ProfileError: the profile has no decode table for ``tp``.
@@ -123,9 +128,14 @@ def decode_capacity(
     cc_mem = v_mem / per_req
     cc_bw = v_bw / per_req
     cc_graph = max(int(math.floor(profile.cuda_graph_max_batch * graph_headroom)), 1)
-    upper = int(math.floor(min(cc_mem, cc_bw, cc_graph)))
+    engine_cap = math.inf if max_num_seqs is None else float(max(int(max_num_seqs), 1))
+    upper = int(math.floor(min(cc_mem, cc_bw, cc_graph, engine_cap)))
     cc_slo = slo_batch_limit(profile, tp, context, tpot_slo_s, max(upper, 1))
-    bounds = {"memory": cc_mem, "bandwidth": cc_bw, "cuda_graph": float(cc_graph), "tpot_slo": float(cc_slo)}
+    # in a tie the first bound named wins: cc_slo is searched below the others, so it equals them when it does not bind
+    bounds = {"memory": cc_mem, "bandwidth": cc_bw, "cuda_graph": float(cc_graph)}
+    if max_num_seqs is not None:
+        bounds["max_num_seqs"] = engine_cap
+    bounds["tpot_slo"] = float(cc_slo)
     limited_by = min(bounds, key=lambda k: bounds[k])
     if override_cc is not None:
         cc = max(int(round(override_cc)), 1)

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from scipy import special
 
-from fulcrum.api.llmserve import LLMServeSpec, Mode, SLOSpec
+from fulcrum.api.llmserve import DEFAULT_MAX_NUM_SEQS, LLMServeSpec, Mode, SLOSpec
 from fulcrum.errors import PlanningError
 from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity, kv_context_moments, kv_instances_needed
 from fulcrum.ratio.feasibility import SLOInfeasible, relaxed_slo, slo_feasibility
@@ -101,6 +101,10 @@ class PlannerSettings:
             the old ones drain), and two TPs within a few percent of each other swapped with the lengths every
             few minutes on the Azure code trace (seven pool replacements in the first 37 minutes, issue 13);
             with 0.15 the same replay kept TP2 throughout.
+        max_num_seqs: the engines' ``--max-num-seqs``, a bound on the requests one decode or unified instance
+            runs at once (cc_d); None = none (eq. 14's CUDA-graph cap alone). :meth:`from_spec` sets it from
+            ``spec.engine.maxNumSeqs`` (unset: the worker's 256, above every bundled profile's 0.9 × 256 graph cap,
+            so the bundled examples' plans do not change).
     """
 
     bandwidth_utilisation: float = 0.6
@@ -115,11 +119,13 @@ class PlannerSettings:
     kv_occupancy_quantile: float = 0.95
     infeasible_slo_slack: float = 0.1
     tp_switch_gain: float = 0.15
+    max_num_seqs: int | None = None
 
     @classmethod
     def from_spec(cls, spec: LLMServeSpec) -> "PlannerSettings":
-        """Settings implied by an ``LLMServe`` spec (max model length, GPUs per node)."""
-        return cls(max_model_len=spec.engine.max_model_len, max_tp=spec.gpu.gpus_per_node)
+        """Settings implied by an ``LLMServe`` spec (max model length, GPUs per node, the engines' max-num-seqs)."""
+        seqs = spec.engine.max_num_seqs if spec.engine.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+        return cls(max_model_len=spec.engine.max_model_len, max_tp=spec.gpu.gpus_per_node, max_num_seqs=seqs)
 
 
 @dataclass(frozen=True)
@@ -344,6 +350,7 @@ def plan_disaggregated(
     cap = choose_decode_tp(
         profile, mean_isl, mean_osl, tpot_slo, fixed=tp_decode, max_tp=settings.max_tp,
         bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
+        max_num_seqs=settings.max_num_seqs,
     )
     tp_p = choose_prefill_tp(
         profile, workload.isl, ttft_slo, q, fixed=tp_prefill, max_tp=settings.max_tp, max_model_len=settings.max_model_len
@@ -689,6 +696,7 @@ def plan_unified(
         cap = decode_capacity(
             profile, tp, workload.isl.mean(), workload.osl.mean(), tpot_slo,
             bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
+            max_num_seqs=settings.max_num_seqs,
         )
         if cap.cc < 1:
             continue
@@ -841,14 +849,16 @@ def plan_ratio(
     if tp_decode is not None:
         cap = decode_capacity(
             profile, tp_decode, isl, osl, tpot_slo_s, bandwidth_utilisation=settings.bandwidth_utilisation,
-            graph_headroom=settings.graph_headroom, override_cc=decode_concurrency,
+            graph_headroom=settings.graph_headroom, override_cc=decode_concurrency, max_num_seqs=settings.max_num_seqs,
         )
     else:
         cap = choose_decode_tp(profile, isl, osl, tpot_slo_s, max_tp=settings.max_tp,
-                               bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom)
+                               bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
+                               max_num_seqs=settings.max_num_seqs)
         if decode_concurrency is not None:
             cap = decode_capacity(profile, cap.tp, isl, osl, tpot_slo_s, override_cc=decode_concurrency,
-                                  bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom)
+                                  bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
+                                  max_num_seqs=settings.max_num_seqs)
     if cap.cc < 1:
         raise PlanningError(f"profile {profile.name!r}: the weights leave no KV memory for one request of "
                             f"{cap.context_tokens:.0f} tokens' context at TP={cap.tp}")

@@ -42,8 +42,10 @@ def choose_decode_tp(
     max_tp: int = 8,
     bandwidth_utilisation: float = 0.6,
     graph_headroom: float = 0.9,
+    max_num_seqs: int | None = None,
 ) -> DecodeCapacity:
-    """The D-instance TP and its capacity (see module doc).
+    """The D-instance TP and its capacity (see module doc); ``max_num_seqs``: the engine's ``--max-num-seqs``, a
+    bound on cc_d (:func:`fulcrum.ratio.capacity.decode_capacity`).
 
     Raises:
         PlanningError: no candidate TP holds the model weights and one request's KV cache at this context, or
@@ -54,7 +56,7 @@ def choose_decode_tp(
     for tp in tps:
         cap = decode_capacity(
             profile, tp, mean_isl, mean_osl, tpot_slo_s,
-            bandwidth_utilisation=bandwidth_utilisation, graph_headroom=graph_headroom,
+            bandwidth_utilisation=bandwidth_utilisation, graph_headroom=graph_headroom, max_num_seqs=max_num_seqs,
         )
         if cap.cc < 1:
             continue

@@ -357,3 +357,33 @@ def test_a_max_gpus_below_the_smallest_deployment_says_so_and_is_infeasible(tabl
     assert any(f"maxGPUs={max_gpus} cannot hold the smallest deployment (1 prefill TP1 + 1 decode TP2 = 3 GPUs" in n
                for n in p.notes), p.notes
     assert not any("capped at" in n for n in p.notes), p.notes
+
+
+# ---------------------------------------------------------------------------------------------- engine limit
+def test_the_engines_max_num_seqs_bounds_the_decode_concurrency(table_i):
+    # a relaxed TPOT target: eq. (14)'s CUDA-graph cap (0.9 × 256) is the binding bound without the engine's limit
+    free = decode_capacity(table_i, 2, 1000, 150, 0.2)
+    assert free.cc == 230 and free.limited_by == "cuda_graph"
+    capped = decode_capacity(table_i, 2, 1000, 150, 0.2, max_num_seqs=64)
+    assert capped.cc == 64 and capped.limited_by == "max_num_seqs"
+    assert capped.step_s < free.step_s  # the step is read at the smaller batch
+    # a limit above every other bound changes nothing
+    assert decode_capacity(table_i, 2, 1000, 150, 0.2, max_num_seqs=256).cc == 230
+
+
+def test_an_llmserve_with_a_small_max_num_seqs_plans_more_decode_instances(table_i):
+    base = {"model": {"name": "m"}, "profile": {"name": "dopd-llama70b-fp8-h100"}, "mode": "Disaggregated",
+            "slo": {"ttftMs": 2000, "tpotMs": 200}}
+    w = WorkloadEstimate.from_means(30, 1000, 400)
+    default = parse_llmserve(base).spec
+    small = parse_llmserve({**base, "engine": {"maxNumSeqs": 32}}).spec
+    assert PlannerSettings.from_spec(default).max_num_seqs == 256  # the worker's default when unset
+    assert PlannerSettings.from_spec(small).max_num_seqs == 32
+    p_default, p_small = plan(w, table_i, default), plan(w, table_i, small)
+    assert p_small.decode_concurrency <= 32 < p_default.decode_concurrency
+    assert p_small.decode.replicas > p_default.decode.replicas
+    # unset, the bundled profiles' CUDA-graph cap (230) binds first: the same plan as with no engine limit at all
+    unbounded = plan(w, table_i, default, settings=PlannerSettings(
+        max_model_len=default.engine.max_model_len, max_tp=default.gpu.gpus_per_node))
+    assert (unbounded.decode.replicas, unbounded.decode_concurrency) == (p_default.decode.replicas,
+                                                                          p_default.decode_concurrency)

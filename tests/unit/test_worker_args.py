@@ -223,6 +223,8 @@ def test_the_worker_and_the_llmserve_model_refuse_the_same_vllm_flags() -> None:
     ("vllm", ["--dtype half"], "whitespace in the flag"),
     ("vllm", [""], "item 0 is empty"),
     ("sim", ["--port", "9"], r"'--port' sets --port"),
+    # the operator passes the spec's maxModelLen to the sim-worker as to vLLM
+    ("sim", ["--max-model-len", "4096"], r"sets --max-model-len, which Fulcrum sets itself from spec\.engine\.maxModelLen"),
 ])
 def test_the_llmserve_model_refuses_extra_args_that_override_fulcrums_flags(
         kind: str, extra: list[str], message: str) -> None:
@@ -233,7 +235,7 @@ def test_the_llmserve_model_refuses_extra_args_that_override_fulcrums_flags(
 
 @pytest.mark.parametrize(("kind", "extra"), [
     ("vllm", ["--enforce-eager", "--dtype", "float32", "--chat-template", ""]),
-    ("sim", ["--time-scale", "0.1", "--max-model-len", "4096", "--max-num-seqs", "8"]),
+    ("sim", ["--time-scale", "0.1", "--kv-capacity-tokens", "100000", "--max-num-seqs", "8"]),
 ])
 def test_the_llmserve_model_passes_extra_args_fulcrum_does_not_set(kind: str, extra: list[str]) -> None:
     from fulcrum.api import parse_llmserve

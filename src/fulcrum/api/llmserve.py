@@ -428,9 +428,10 @@ VLLM_WORKER_FLAGS: dict[str, str] = _with_no_twins({flag: worker for flag, worke
 worker's own table (``fulcrum.worker.vllm_args.MANAGED_FLAGS``) is this one."""
 
 SIM_WORKER_MANAGED_FLAGS: dict[str, str] = {
-    flag: "the operator"
-    for flag in ("--profile", "--tp", "--model", "--host", "--port", "--role", "--pool", "--block-size", "--etcd",
-                 "--nats", "--namespace", "--llmserve", "--drain-timeout-s")
+    **{flag: "the operator"
+       for flag in ("--profile", "--tp", "--model", "--host", "--port", "--role", "--pool", "--block-size", "--etcd",
+                    "--nats", "--namespace", "--llmserve", "--drain-timeout-s")},
+    "--max-model-len": "spec.engine.maxModelLen",
 }
 """``fulcrum sim-worker`` flags that the operator sets; ``engine.extraArgs`` of kind ``sim`` may not repeat them."""
 
@@ -501,10 +502,9 @@ class EngineSpec(_Model):
     max_num_seqs: Annotated[int, Field(ge=1, le=MAX_NUM_SEQS_LIMIT), BeforeValidator(_number_only)] | None = Field(
         default=None,
         description=f"Most requests one engine runs at once (vLLM `--max-num-seqs`); unset = {DEFAULT_MAX_NUM_SEQS}. "
-        "Each instance registers it as its concurrency limit (the router's load estimates use it). The planner's "
-        "decode concurrency per instance (DOPD eq. 14) is bounded by the profile's cudaGraphMaxBatch, not by this "
-        "field: keep it at or above the profile's cudaGraphMaxBatch, or the plan counts on more concurrent requests "
-        "per instance than the engine admits. Passed to the sim-worker too when set.",
+        "Each instance registers it as its concurrency limit (the router's load estimates use it), and the planner "
+        "counts on at most this many requests per decode or unified instance (beside DOPD eq. 14's CUDA-graph cap). "
+        "Passed to the sim-worker too when set.",
     )
     max_num_batched_tokens: Annotated[int, Field(ge=1, le=MAX_NUM_BATCHED_TOKENS_LIMIT), BeforeValidator(_number_only)] | None = Field(
         default=None,
