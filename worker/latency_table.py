@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fulcrum.errors import ProfileError, clipped
+from fulcrum.errors import ProfileError, as_float, clipped
 from fulcrum.ratio.step_cost import StepCost
 
 if TYPE_CHECKING:  # only for the annotation: the engine's environment need not import scipy
@@ -113,17 +113,8 @@ class StepEntry:
     samples: int
 
 
-def _float(value: Any) -> float:
-    """``float(value)``, with an integer beyond float range as ±inf (for the range checks to refuse) instead of
-    OverflowError. Raises TypeError or ValueError for what is no number."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
 def _finite_non_negative(name: str, value: float) -> float:
-    v = _float(value)
+    v = as_float(value)
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {clipped(repr(value))}")
     return v
@@ -131,7 +122,7 @@ def _finite_non_negative(name: str, value: float) -> float:
 
 def _count(name: str, value: Any) -> int:
     """A whole number >= 0 (a sample count, a token floor) from a table file."""
-    v = _float(value)
+    v = as_float(value)
     if not (v >= 0 and v.is_integer()):  # not inf, not nan
         raise ValueError(f"{name} must be a whole number >= 0, got {clipped(repr(value))}")
     return int(v)
@@ -392,12 +383,14 @@ class StepLatencyTable:
         Raises:
             ProfileError: not a mapping, an unknown version, or a malformed entry.
         """
+        if data is None:  # an empty YAML document (or JSON null)
+            raise ProfileError(f"{origin}: holds no table (empty, only comments, or null): expected a mapping")
         if not isinstance(data, dict):
             raise ProfileError(f"{origin}: expected a mapping, got {type(data).__name__}")
         if data.get("version", _FORMAT_VERSION) != _FORMAT_VERSION:
             raise ProfileError(f"{origin}: unknown version {data.get('version')!r} (expected {_FORMAT_VERSION})")
         try:
-            table = cls(alpha=_float(data.get("alpha", 0.25)),
+            table = cls(alpha=as_float(data.get("alpha", 0.25)),
                         min_prefill_tokens=_count("minPrefillTokens", data.get("minPrefillTokens", 16)))
         except (TypeError, ValueError) as err:
             raise ProfileError(f"{origin}: {err}") from err
@@ -452,11 +445,14 @@ class StepLatencyTable:
         kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
         try:
             text = path.read_text()
-            data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+            empty = not text.strip()  # said as such, not as JSON's "Expecting value" or YAML's null
+            data = None if empty else yaml.safe_load(text) if kind == "YAML" else json.loads(text)
         except OSError as err:
             raise ProfileError(f"step table {path}: cannot read: {err.strerror or err}") from err
         except RecursionError as err:
             raise ProfileError(f"step table {path}: not valid {kind}: nested too deeply") from err
         except (ValueError, yaml.YAMLError) as err:
             raise ProfileError(f"step table {path}: not valid {kind}: {err}") from err
+        if empty:
+            raise ProfileError(f"step table {path}: the file is empty")
         return cls.from_dict(data, origin=f"step table {path}")

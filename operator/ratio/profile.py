@@ -31,7 +31,7 @@ import bisect
 import csv
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from fulcrum.errors import ProfileError, clipped, yaml_problem
+from fulcrum.errors import ProfileError, as_float, clipped, yaml_problem
 from fulcrum.target import ClusterTarget
 
 __all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict",
@@ -346,14 +346,24 @@ def _num(v: Any, where: str) -> float:
     if isinstance(v, bool):  # YAML's true/yes: float(True) would read 1
         raise ProfileError(f"{where}: expected a number, got {v!r}")
     try:
-        f = float(v)
+        f = as_float(v)  # an integer beyond float range: ±inf, refused below
     except (TypeError, ValueError):
         raise ProfileError(f"{where}: expected a number, got {clipped(repr(v))}") from None
-    except OverflowError:  # an integer beyond float range
-        raise ProfileError(f"{where}: expected a finite number, got {clipped(repr(v))}") from None
     if not math.isfinite(f):
         raise ProfileError(f"{where}: expected a finite number, got {clipped(repr(v))}")
     return f
+
+
+def _text(d: dict[str, Any], key: str, default: str, where: str) -> str:
+    """The string field ``key`` of ``d``; ``default`` when it is absent or empty (YAML's ``key:`` with no value). A
+    list, a mapping, a number or a boolean where a name belongs is refused, not written out as ``"[1, 2]"``."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        hint = " (quote it to mean the text)" if isinstance(v, (bool, int, float)) else ""
+        raise ProfileError(f"{where}: expected a string, got {type(v).__name__} {clipped(repr(v))}{hint}")
+    return v
 
 
 def _whole(v: Any, where: str) -> int:
@@ -412,6 +422,9 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
             TP is outside 1..:data:`_MAX_TP` or has two tables, or a table is empty, non-monotone, ragged or has an
             axis point <= 0.
     """
+    if d is None:  # an empty YAML document (or JSON null)
+        raise ProfileError(f"{origin}: holds no profile fields (empty, only comments, or null): expected a mapping "
+                           "with name, gpu, prefill, decode, ...")
     if not isinstance(d, dict):
         raise ProfileError(f"{origin}: expected a mapping at the top level, got {type(d).__name__}")
     gpu = _req(d, "gpu", origin)
@@ -438,9 +451,9 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
         except ProfileError as err:
             raise ProfileError(f"{where} (TP={tp}): {err}") from None
     return PerformanceProfile(
-        name=str(d.get("name", origin)),
-        model=str(d.get("model", "")),
-        gpu_type=str(gpu.get("type", "")),
+        name=_text(d, "name", origin, f"{origin}: name"),
+        model=_text(d, "model", "", f"{origin}: model"),
+        gpu_type=_text(gpu, "type", "", f"{origin}: gpu.type"),
         gpu_memory_gib=_num(_req(gpu, "memoryGiB", f"{origin}: gpu"), f"{origin}: gpu.memoryGiB"),
         hbm_bandwidth_gbps=_num(_req(gpu, "hbmBandwidthGBps", f"{origin}: gpu"), f"{origin}: gpu.hbmBandwidthGBps"),
         weight_bytes=_num(_req(d, "weightBytes", origin), f"{origin}: weightBytes"),
@@ -449,7 +462,7 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
         cuda_graph_max_batch=_whole(d.get("cudaGraphMaxBatch", 512), f"{origin}: cudaGraphMaxBatch"),
         prefill=prefill,
         decode=decode,
-        source=str(d.get("source", "")),
+        source=_text(d, "source", "", f"{origin}: source"),
     )
 
 
@@ -459,18 +472,31 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
     The CSV holds the tables (a UTF-8 byte-order mark is allowed); ``meta``, the mapping read from ``meta_path``
     (``<name>.meta.yaml`` beside it), holds the scalar fields. A point given twice is an error, not the later one.
     """
+    if meta is None:  # an empty YAML file, or only comments
+        raise ProfileError(f"{meta_path}: holds no fields (empty or only comments): expected a mapping of the "
+                           "profile's scalar fields")
     if not isinstance(meta, dict):
         raise ProfileError(f"{meta_path}: expected a mapping of the profile's scalar fields, got {type(meta).__name__}")
     pre: dict[int, dict[float, tuple[float, int]]] = {}  # TP → ISL → (ms, line)
     dec: dict[int, dict[tuple[float, float], tuple[float, int]]] = {}  # TP → (batch, context) → (ms, line)
     with path.open(newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
+        lines = _LineWatch(f)
+        reader = csv.DictReader(lines)
         try:
             need = {"kind", "tp", "isl", "batch", "context", "ms"}
-            if reader.fieldnames is None or not need <= set(reader.fieldnames):
+            if reader.fieldnames is None:
+                raise ProfileError(f"{path}: the file is empty (a CSV profile needs the columns {sorted(need)})")
+            if not need <= set(reader.fieldnames):
                 raise ProfileError(f"{path}: CSV needs columns {sorted(need)}, got {reader.fieldnames}")
+            lines.mark()
             for row in reader:
                 n = reader.line_num
+                start, lines_left = lines.start or n, lines.at_end
+                lines.mark()
+                if lines_left or any(v is not None and ("\n" in v or "\r" in v) for k, v in row.items() if k in need):
+                    runs = "to the end of the file" if lines_left else f"on to line {n}"
+                    raise ProfileError(f"{path}:{start}: malformed CSV: unterminated quote: the quoted field opened on "
+                                       f"this line runs {runs}")
                 where = f"{path}:{n}"
                 tp = _tp(row["tp"], f"{where} tp")
                 ms = _num(row["ms"], f"{where} ms")
@@ -484,6 +510,9 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
                 else:
                     raise ProfileError(f"{where}: kind must be prefill or decode, got {row['kind']!r}")
         except csv.Error as err:  # e.g. a field over the csv module's 128 KiB limit
+            if lines.start and reader.reader.line_num > lines.start:  # a quoted field opened there runs on
+                raise ProfileError(f"{path}:{lines.start}: malformed CSV: unterminated quote: the quoted field opened "
+                                   f"on this line runs on to line {reader.reader.line_num} ({err})") from err
             raise ProfileError(f"{path}:{reader.reader.line_num}: malformed CSV: {err}") from err
     d = dict(meta)
     d["prefill"] = [{"tp": tp, "isl": sorted(p), "ttftMs": [p[k][0] for k in sorted(p)]}
@@ -500,6 +529,36 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
              "tpotMs": [[cells[(b, c)][0] for c in contexts] for b in batches]}
         )
     return profile_from_dict(d, origin=str(path))
+
+
+class _LineWatch:
+    """A CSV file's lines for ``csv.reader``, noting the line the record being read starts on (its first non-blank
+    line since :meth:`mark`, 1-based; 0 before it) and whether the reader asked for a line past the last one (a
+    quoted field still open at the end of the file)."""
+
+    def __init__(self, lines: Iterator[str]) -> None:
+        self._lines = lines
+        self.count = 0
+        self.start = 0
+        self.at_end = False
+
+    def __iter__(self) -> _LineWatch:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            line = next(self._lines)
+        except StopIteration:
+            self.at_end = True
+            raise
+        self.count += 1
+        if not self.start and line.strip():
+            self.start = self.count
+        return line
+
+    def mark(self) -> None:
+        """The next record starts after the lines read so far."""
+        self.start = 0
 
 
 def _add_point(points: dict[Any, tuple[float, int]], key: Any, value: tuple[float, int], what: str) -> None:
@@ -523,11 +582,15 @@ def load_profile(path: str | Path) -> PerformanceProfile:
     suffix = p.suffix.lower()
     yaml_file = p  # the YAML file being parsed, named in a YAML error (a CSV profile's .meta.yaml)
     try:
+        if suffix in (".yaml", ".yml", ".json"):
+            text = p.read_text(encoding="utf-8")
+            if not text.strip():
+                raise ProfileError(f"{p}: the file is empty (expected a mapping of the profile's fields)")
         if suffix in (".yaml", ".yml"):
-            return profile_from_dict(yaml.safe_load(p.read_text(encoding="utf-8")), origin=str(p))
+            return profile_from_dict(yaml.safe_load(text), origin=str(p))
         if suffix == ".json":
             try:
-                data = json.loads(p.read_text(encoding="utf-8"))
+                data = json.loads(text)
             except ValueError as err:  # not JSON, not UTF-8, or an integer of more digits than Python converts
                 raise ProfileError(f"{p}: cannot parse: {' '.join(str(err).split())}") from err
             return profile_from_dict(data, origin=str(p))
@@ -536,7 +599,7 @@ def load_profile(path: str | Path) -> PerformanceProfile:
             if not meta_path.is_file():
                 raise ProfileError(f"{p}: CSV profiles need their scalar fields in {meta_path.name} beside them")
             yaml_file = meta_path
-            return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")) or {}, meta_path)
+            return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")), meta_path)
     except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
         where, what = yaml_problem(err)
         raise ProfileError(f"{yaml_file}{where}: not valid YAML: {what}") from err
@@ -544,6 +607,8 @@ def load_profile(path: str | Path) -> PerformanceProfile:
         raise ProfileError(f"{yaml_file}: cannot parse: nested too deeply") from err
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ProfileError(f"{p}: cannot parse: {' '.join(str(err).split())}") from err
+    except OSError as err:  # no permission to read, an I/O error
+        raise ProfileError(f"{err.filename or p}: cannot read: {err.strerror or err}") from err
     raise ProfileError(f"{p}: unknown profile format {suffix!r} (use .yaml, .json or .csv)")
 
 

@@ -13,9 +13,11 @@ Foreign errors (pydantic, yaml, json, csv, OS) are translated at the boundary wi
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-__all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "clipped", "yaml_problem"]
+__all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "as_float", "clipped",
+           "yaml_problem"]
 
 
 class FulcrumError(Exception):
@@ -52,3 +54,20 @@ def clipped(text: str, keep: int = 40) -> str:
     """``text`` cut to ``keep`` characters with an ellipsis, for a message quoting an input that may be huge (a
     400-digit number, a 128-KiB field)."""
     return text if len(text) <= keep else f"{text[:keep]}…"
+
+
+def as_float(value: Any) -> float:
+    """``float(value)`` for a number read from a JSON, YAML or CSV file, with a number beyond float range (an integer
+    of 400 digits) as ``inf`` or ``-inf`` by its sign instead of ``OverflowError``, for the caller's range check to
+    refuse with its own message (``-10**400`` is below every lower bound, not above every upper one).
+
+    Accepts what ``float()`` accepts (an ``int`` of any size, a ``float``, a numeric string: a string beyond range
+    already reads as ``±inf``); each reader decides beforehand which of these its format allows (a bool, say).
+
+    Raises:
+        TypeError, ValueError: ``value`` is no number (as ``float()`` raises them).
+    """
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf

@@ -158,6 +158,19 @@ def test_a_malformed_table_file_is_a_profile_error_naming_the_file(tmp_path) -> 
 
 
 
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("t.json", "", r"^step table \S*t\.json: the file is empty$"),
+    ("t.yaml", " \n", r"^step table \S*t\.yaml: the file is empty$"),
+    ("t.yaml", "# later\n", r"t\.yaml: holds no table \(empty, only comments, or null\)"),
+    ("t.json", "null", r"t\.json: holds no table"),
+])
+def test_an_empty_table_file_says_so_in_plain_words(tmp_path, name, text, message) -> None:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ProfileError, match=message) as info:
+        StepLatencyTable.load(tmp_path / name)
+    assert "NoneType" not in str(info.value) and "Expecting value" not in str(info.value)
+
+
 ENTRY = '{"prefillTokens": 16, "contextTokens": 64, "decodes": 1, "seconds": 0.01'  # the closing brace left off
 
 
@@ -170,6 +183,10 @@ ENTRY = '{"prefillTokens": 16, "contextTokens": 64, "decodes": 1, "seconds": 0.0
                  r"entries\[0\]: samples must be a whole number >= 0, got inf", id="samples-infinite"),
     pytest.param('{"version": 1, "entries": [' + ENTRY.replace("0.01", "9" * 400) + "}]}",
                  r"entries\[0\]: seconds must be a finite number", id="seconds-beyond-float"),
+    pytest.param('{"version": 1, "entries": [' + ENTRY.replace("0.01", "-" + "9" * 400) + "}]}",
+                 r"entries\[0\]: seconds must be a finite number >= 0, got -9{39}…$", id="seconds-below-float"),
+    pytest.param('{"version": 1, "minPrefillTokens": -' + "9" * 400 + "}",
+                 r"t\.json: minPrefillTokens must be a whole number >= 0, got -9{39}…$", id="floor-below-float"),
     pytest.param("[" * 100_000 + "]" * 100_000, r"t\.json: not valid JSON: nested too deeply", id="nested-too-deeply"),
 ])
 def test_numbers_and_nesting_past_what_python_holds_are_a_profile_error_naming_the_file(

@@ -214,6 +214,62 @@ def test_malformed_profile_values_are_rejected_naming_the_key(mutate, message):
         profile_from_dict(d)
 
 
+@pytest.mark.parametrize("key", ["name", "model", "source", "gpu.type"])
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [([1, 2], r"list \[1, 2\]"), ({"a": 1}, r"dict \{'a': 1\}"), (True, r"bool True \(quote it"),
+     (4090, r"int 4090 \(quote it")],
+    ids=["list", "mapping", "bool", "number"],
+)
+def test_a_string_field_holding_a_list_mapping_or_number_is_refused_not_stringified(key, value, shown):
+    d = small_profile_dict()
+    (d["gpu"] if key == "gpu.type" else d)[key.removeprefix("gpu.")] = value
+    with pytest.raises(ProfileError, match=rf"^profile: {key}: expected a string, got {shown}"):
+        profile_from_dict(d)
+
+
+def test_an_empty_string_field_takes_its_default():
+    d = small_profile_dict()
+    d.update(name=None, model=None, source=None)
+    d["gpu"]["type"] = None
+    p = profile_from_dict(d, origin="x.yaml")
+    assert (p.name, p.model, p.source, p.gpu_type) == ("x.yaml", "", "", "")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("e.yaml", "", r"e\.yaml: the file is empty"),
+        ("e.yaml", "\n  \n", r"e\.yaml: the file is empty"),
+        ("e.json", "", r"e\.json: the file is empty"),
+        ("c.yaml", "# nothing yet\n", r"c\.yaml: holds no profile fields \(empty, only comments, or null\)"),
+        ("n.json", "null", r"n\.json: holds no profile fields"),
+    ],
+)
+def test_an_empty_profile_file_says_so_in_plain_words(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ProfileError, match=message) as info:
+        load_profile(tmp_path / name)
+    assert "NoneType" not in str(info.value) and "Expecting value" not in str(info.value)
+
+
+def test_an_empty_csv_profile_or_meta_file_says_so(tmp_path):
+    path = _csv_profile(tmp_path, CSV_ROWS, meta="# to do\n")
+    with pytest.raises(ProfileError, match=r"p\.meta\.yaml: holds no fields \(empty or only comments\)"):
+        load_profile(path)
+    path = _csv_profile(tmp_path, CSV_ROWS)
+    path.write_text("")
+    with pytest.raises(ProfileError, match=r"p\.csv: the file is empty \(a CSV profile needs the columns"):
+        load_profile(path)
+
+
+def test_a_profile_number_below_float_range_is_refused_as_not_finite():
+    d = small_profile_dict()
+    d.update(weightBytes=-HUGE)
+    with pytest.raises(ProfileError, match=r"weightBytes: expected a finite number, got -10{38}…$"):
+        profile_from_dict(d)
+
+
 def test_a_profile_nested_or_numbered_past_the_parsers_limits_is_one_line_naming_the_file(tmp_path):
     for name in ("deep.json", "deep.yaml"):
         (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
@@ -251,6 +307,15 @@ CSV_ROWS = ["prefill,1,100,,,20", "prefill,1,1000,,,110", "decode,1,,1,100,10", 
                      r"p\.csv:2 tp: expected a whole number, got '1\.5'", id="tp-not-whole"),
         pytest.param(CSV_ROWS + ["prefill,1," + "1" * 200_000 + ",,,5"], None,
                      r"p\.csv:8: malformed CSV: field larger than field limit", id="field-over-csv-limit"),
+        pytest.param(CSV_ROWS[:2] + ['prefill,1,"2000,,,250'] + CSV_ROWS[2:], None,
+                     r"p\.csv:4: malformed CSV: unterminated quote: the quoted field opened on this line runs to the "
+                     r"end of the file$", id="unterminated-quote"),
+        pytest.param(CSV_ROWS[:2] + ['prefill,1,"2000,,,250'] + CSV_ROWS[2:4] + ['decode,1,,64,"100",20'], None,
+                     r"p\.csv:4: malformed CSV: unterminated quote: the quoted field opened on this line runs on to "
+                     r"line 7$", id="quote-closed-by-a-stray-quote"),
+        pytest.param(CSV_ROWS[:2] + ['prefill,1,"2000,,,250'] + ["decode,1,,1,100,10"] * 9_000, None,
+                     r"p\.csv:4: malformed CSV: unterminated quote: .* runs on to line \d+ \(field larger than field "
+                     r"limit", id="quote-swallows-past-the-field-limit"),
         pytest.param(CSV_ROWS, "- 1\n- 2\n",
                      r"p\.meta\.yaml: expected a mapping of the profile's scalar fields, got list", id="meta-a-list"),
         pytest.param(CSV_ROWS, "hello\n", r"p\.meta\.yaml: expected a mapping of the profile's scalar fields, got str",

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fulcrum.data import BUNDLED_TRACES, bundled_trace_path
-from fulcrum.errors import TraceError
+from fulcrum.errors import TraceError, as_float
 from fulcrum.traces import detect_format, interval_series, load_rate_series, load_trace
 from fulcrum.workload import Request
 
@@ -348,6 +348,70 @@ def test_malformed_contents_raise_one_trace_error_naming_file_and_line(
 ) -> None:
     with pytest.raises(TraceError, match=message):
         load_trace(_write(tmp_path, name, text))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param(_jsonl({**ONE, "input_length": -int(HUGE)}), r"big.jsonl:1: input_length must be >= 0 tokens, "
+                     r"got -9{39}…$", id="tokens-below-float"),
+        pytest.param(_jsonl(ONE, {**ONE, "output_length": -int(HUGE)}), r"big.jsonl:2: output_length must be >= 0 "
+                     r"tokens", id="output-below-float"),
+        pytest.param(_jsonl({**ONE, "timestamp": -int(HUGE)}), r"big.jsonl:1: timestamp must be a number of ms >= 0, "
+                     r"got -9{39}…$", id="timestamp-below-float"),
+    ],
+)
+def test_a_jsonl_integer_below_float_range_is_refused_as_negative_not_as_too_large(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    # -10**400 is -inf, below every lower bound; it was read as +inf ("at most 2147483647 tokens", "finite")
+    with pytest.raises(TraceError, match=message):
+        load_trace(_write(tmp_path, "big.jsonl", text))
+
+
+def test_as_float_keeps_the_sign_of_a_number_beyond_float_range() -> None:
+    assert as_float(10**400) == math.inf
+    assert as_float(-(10**400)) == -math.inf
+    assert as_float("-1e400") == -math.inf  # a numeric string beyond range, as the CSV readers pass it
+    assert as_float(" 12 ") == 12.0 and as_float(3) == 3.0 and as_float(-2.5) == -2.5
+    for bad in ("x", None, [1]):
+        with pytest.raises((TypeError, ValueError)):
+            as_float(bad)
+
+
+UNTERMINATED = [  # (the file after the header, the line the open quote is on)
+    pytest.param(f"{ROW},1,1\n{ROW},\"374,44\n{ROW},1,1\n{ROW},1,1\n", 3, id="quote-runs-to-the-end"),
+    pytest.param(f"{ROW},1,1\n{ROW},1,\"44", 3, id="quote-on-the-last-line-without-newline"),
+    pytest.param(f"{ROW},\"1\n" + f"{ROW},1,1\n" * 9_000, 2, id="quote-swallows-past-the-field-limit"),
+]
+
+
+@pytest.mark.parametrize(("rows", "line"), UNTERMINATED)
+def test_an_unterminated_quote_in_an_azure_csv_names_the_line_it_opens_on(
+    tmp_path: Path, rows: str, line: int
+) -> None:
+    # the csv module reads an open quote on to the end of the file (or its field limit): the error named that line
+    with pytest.raises(TraceError, match=rf"^[^\n]*q\.csv:{line}: malformed CSV: unterminated quote[^\n]*$"):
+        load_trace(_write(tmp_path, "q.csv", AZURE_HEADER + rows))
+
+
+def test_a_quote_closed_by_a_stray_quote_lines_later_names_the_line_it_opens_on(tmp_path: Path) -> None:
+    rows = f"{ROW},1,1\n{ROW},\"374,44\n{ROW},1,1\n{ROW},\"1\",1\n{ROW},1,1\n"
+    with pytest.raises(TraceError, match=r"q\.csv:3: malformed CSV: unterminated quote: the quoted ContextTokens value "
+                       r"opened on this line runs on over 3 lines$"):
+        load_trace(_write(tmp_path, "q.csv", AZURE_HEADER + rows))
+
+
+def test_a_multi_line_quoted_value_in_an_ignored_column_is_still_read(tmp_path: Path) -> None:
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens,note\n" + f"{ROW},5,6,\"two\nlines\"\n2023-11-16 18:00:01,7,8,\n"
+    trace = load_trace(_write(tmp_path, "notes.csv", text))
+    assert [(r.isl, r.osl) for r in trace.requests] == [(5, 6), (7, 8)]
+
+
+def test_an_unterminated_quote_in_a_rate_series_names_the_line_it_opens_on(tmp_path: Path) -> None:
+    text = "window_start_s,total_rate_rps\n0,1\n600,\"2\n1200,3\n1800,4\n"
+    with pytest.raises(TraceError, match=r"rates\.csv:3: malformed CSV: unterminated quote"):
+        load_rate_series(_write(tmp_path, "rates.csv", text))
 
 
 def test_a_timestamp_fraction_of_thousands_of_digits_is_read_not_refused_by_the_int_digit_limit(

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fulcrum.data import BUNDLED_TRACES, bundled_trace_path
-from fulcrum.errors import TraceError, clipped
+from fulcrum.errors import TraceError, as_float, clipped
 from fulcrum.traces.synthetic import SYNTHETIC_TRACES, synthetic_trace
 from fulcrum.workload import Request
 
@@ -291,7 +291,7 @@ def load_rate_series(path: str | Path) -> RateSeries:
         for record in reader:
             if not record or all(not c.strip() for c in record):
                 continue
-            line = reader.line_num
+            line = reader.start_line
             start = _float_field(record, index["window_start_s"], "window_start_s", file, line)
             rate = _float_field(record, index["total_rate_rps"], "total_rate_rps", file, line)
             if rate < 0:
@@ -365,25 +365,45 @@ def _guard(lines: IO[str], file: Path) -> Iterator[str]:
 
 class _CsvReader:
     """``csv.reader`` over a file's lines whose ``csv.Error`` (e.g. a field over the module's 128 KiB limit) is a
-    TraceError naming the file and line."""
+    TraceError naming the file and line, and which refuses a quoted field still open at the end of the file
+    ("unterminated quote", naming the line the field starts on, not the last line of the file it swallowed)."""
 
     def __init__(self, lines: Iterator[str], file: Path) -> None:
-        self._reader = csv.reader(lines)
+        self._at_end = False
+        self._reader = csv.reader(self._watch(lines))
         self._file = file
+        self._start = 0
+
+    def _watch(self, lines: Iterator[str]) -> Iterator[str]:
+        yield from lines
+        self._at_end = True  # csv.reader asked for a line past the last one
 
     @property
-    def line_num(self) -> int:
-        """Lines read so far: the line of the record last returned (1-based)."""
-        return self._reader.line_num
+    def start_line(self) -> int:
+        """The line the record last returned starts on (1-based; a quoted field may carry it over later lines)."""
+        return self._start
 
     def __iter__(self) -> _CsvReader:
         return self
 
     def __next__(self) -> list[str]:
+        start = self._reader.line_num + 1
         try:
-            return next(self._reader)
-        except csv.Error as err:
+            record = next(self._reader)
+        except csv.Error as err:  # raised on a later line than ``start``: a quoted field opened there runs on
+            if self._reader.line_num > start:
+                raise TraceError(
+                    f"{self._file}:{start}: malformed CSV: unterminated quote: the quoted field opened on this line "
+                    f"runs on to line {self._reader.line_num} ({err})"
+                ) from err
             raise TraceError(f"{self._file}:{self._reader.line_num}: malformed CSV: {err}") from err
+        self._start = start
+        if self._at_end:  # a record is complete at the end of a line; one that needed the end of the file is open
+            raise TraceError(
+                f"{self._file}:{start}: malformed CSV: unterminated quote: the quoted field opened on this line runs "
+                "to the end of the file"
+            )
+        return record
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,7 +419,7 @@ def _read_azure(file: Path) -> list[_Row]:
         for record in reader:
             if not record or all(not c.strip() for c in record):
                 continue
-            line = reader.line_num
+            line = reader.start_line
             when = _parse_timestamp(_field(record, index["TIMESTAMP"], "TIMESTAMP", file, line), file, line)
             if first_time is None:
                 first_time = when
@@ -418,19 +438,27 @@ def _csv_header(reader: _CsvReader, file: Path, required: tuple[str, ...]) -> di
     missing = [c for c in required if c not in names]
     if missing:
         raise TraceError(
-            f"{file}:{reader.line_num}: missing column(s) {', '.join(missing)} "
+            f"{file}:{reader.start_line}: missing column(s) {', '.join(missing)} "
             f"(header has {', '.join(names)})"
         )
     for c in required:
         if names.count(c) > 1:
-            raise TraceError(f"{file}:{reader.line_num}: column {c} appears {names.count(c)} times: which is meant?")
+            raise TraceError(f"{file}:{reader.start_line}: column {c} appears {names.count(c)} times: which is meant?")
     return {c: names.index(c) for c in required}
 
 
 def _field(record: list[str], i: int, column: str, file: Path, line: int) -> str:
+    """The stripped value of column ``column`` (index ``i``) of the record starting on ``line``; a TraceError when it
+    is missing or a quote opened on ``line`` carried it over later lines (closed by a stray quote further on)."""
     if i >= len(record) or not record[i].strip():
         raise TraceError(f"{file}:{line}: missing value for {column}")
-    return record[i].strip()
+    value = record[i].strip()
+    if "\n" in value or "\r" in value:
+        raise TraceError(
+            f"{file}:{line}: malformed CSV: unterminated quote: the quoted {column} value opened on this line runs on "
+            f"over {len(value.splitlines())} lines"
+        )
+    return value
 
 
 def _token_field(record: list[str], i: int, column: str, file: Path, line: int) -> int:
@@ -534,13 +562,11 @@ def _json_line(text: str, file: Path, line: int) -> Any:
 
 
 def _json_number(value: Any) -> float | None:
-    """A JSON number as a float (``inf`` for an integer beyond float range); None for anything else (bool too)."""
+    """A JSON number as a float (``inf`` or ``-inf`` by its sign for an integer beyond float range); None for anything
+    else (bool too)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
+    return as_float(value)
 
 
 def _json_tokens(obj: dict[str, Any], key: str, file: Path, line: int) -> int:
