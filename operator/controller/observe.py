@@ -17,7 +17,8 @@ Errors: Prometheus unreachable, answering an error, or holding no router series 
 :class:`fulcrum.cluster.ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
 So do answers that are no usable load: NaN or infinite arrivals, and finite values no deployment of one model
 reaches (:data:`MAX_ARRIVAL_RATE_RPS`, :data:`MAX_REQUESTS_IN_SYSTEM`, :data:`MAX_MEAN_TOKENS`): a one-scrape
-glitch or a counter mishap, planned as load, would scale to ``maxGPUs`` for several intervals.
+glitch or a counter mishap, planned as load, would scale to ``maxGPUs`` for several intervals; and a KV cache usage
+above :data:`MAX_KV_USAGE` (a share: an exporter reporting percent).
 
 History (:meth:`PrometheusObserver.history`): the same queries as range queries (``query_range``, step = the
 interval), one Observation per past interval, so a forecaster that starts with the operator (a restart, a new
@@ -63,6 +64,7 @@ __all__ = [
     "MAX_ARRIVAL_RATE_RPS",
     "MAX_REQUESTS_IN_SYSTEM",
     "MAX_MEAN_TOKENS",
+    "MAX_KV_USAGE",
 ]
 
 # ------------------------------------------------------------------------------------------------ plausibility
@@ -79,6 +81,10 @@ MAX_REQUESTS_IN_SYSTEM = 1e9
 #: Mean prompt or output length above which the series is a glitch, tokens: ``2**31 - 1``, the bound the trace
 #: reader (``fulcrum.traces.reader``) puts on one request's lengths; no engine takes such a request.
 MAX_MEAN_TOKENS = 2**31 - 1
+#: KV cache usage above which the answer is no share (vLLM's ``kv_cache_usage_perc`` is a fraction, 0..1, despite its
+#: name): an exporter reporting percent, or a glitch. Read as a full cache it would set off the reactive guard's and
+#: dynamo-load's scale-outs. The 1% above 1 absorbs float rounding (read as 1).
+MAX_KV_USAGE = 1.01
 
 # ------------------------------------------------------------------------------------------------ PromQL
 #: Requests admitted by the router in the interval (count). Empty answer = the router is not scraped → error.
@@ -360,7 +366,8 @@ class PrometheusObserver:
                 values no deployment reaches (``+Inf`` included): arrivals or completions above
                 :data:`MAX_ARRIVAL_RATE_RPS` per second, a prefill queue (either series), decode queue or
                 concurrency above :data:`MAX_REQUESTS_IN_SYSTEM`, a mean prompt or output length above
-                :data:`MAX_MEAN_TOKENS`. Negative values are still read as 0, and NaN or absent series other
+                :data:`MAX_MEAN_TOKENS`, a KV cache usage above :data:`MAX_KV_USAGE` (a share in 0..1).
+                Negative values are still read as 0, and NaN or absent series other
                 than arrivals and the prefill queue as before (0, or no length).
         """
 
@@ -458,6 +465,9 @@ class PrometheusObserver:
         concurrency = bounded(Q_CONCURRENCY, MAX_REQUESTS_IN_SYSTEM, lambda v: (
             f"Prometheus answered a concurrency of {v:g} requests in flight (fulcrum_router_instance_inflight), "
             f"above the plausible {MAX_REQUESTS_IN_SYSTEM:g} requests: no usable load"))
+        kv_usage = bounded(Q_KV_USAGE, MAX_KV_USAGE, lambda v: (
+            f"Prometheus answered a KV cache usage of {v:g} (vllm:kv_cache_usage_perc), above 1: it is a share in "
+            f"0..1 (does an exporter report percent?): no usable KV usage"))
         max_completed = MAX_ARRIVAL_RATE_RPS * interval_s if interval_s > 0 else math.inf
         completed = bounded(Q_COMPLETED, max_completed, lambda v: (
             f"Prometheus answered {v:g} completions in {interval_s:g} s ({v / interval_s:g} requests/s; "
@@ -480,6 +490,6 @@ class PrometheusObserver:
             tpot_p_s=histogram_quantile(level, tpot_b),
             prefill_queue=max(int(round(prefill_queue)), 0),
             decode_queue=max(int(round(decode_queue)), 0),
-            kv_utilisation=min(max(scalar(Q_KV_USAGE), 0.0), 1.0),
+            kv_utilisation=min(max(kv_usage, 0.0), 1.0),
             ready=ready,
         )

@@ -307,9 +307,10 @@ def test_negative_nan_and_absent_answers_other_than_arrivals_and_prefill_queue_r
     nan = [{"metric": {}, "value": [1700000000.0, "NaN"]}]
     o = _observe(decode_queue=[vec(-1e300)], concurrency=[vec(-1e300)], completed=[vec(-1e300)],
                  prefill_queue=[vec(-1e300)], prefill_queue_nats=[], arrivals=[vec(-1e300)],
-                 kv_usage=[vec(1e300)])
+                 kv_usage=[vec(-1e300)])
     assert (o.arrivals, o.decode_queue, o.concurrency, o.completed, o.prefill_queue) == (0, 0, 0.0, 0, 0)
-    assert o.kv_utilisation == 1.0  # a share: clamped to 0..1, as before
+    assert o.kv_utilisation == 0.0  # a share: clamped to 0..1, as before
+    assert _observe(kv_usage=[vec(1.004)]).kv_utilisation == 1.0  # float rounding above a full cache
     o = _observe(decode_queue=nan, concurrency=nan, completed=nan)
     assert (o.decode_queue, o.concurrency, o.completed) == (0, 0.0, 0)
     o = _observe(decode_queue=[], concurrency=[], completed=[], kv_usage=[])
@@ -402,3 +403,10 @@ def test_unusable_answers_hold_the_pools_and_report_degraded_in_the_loop(bad, ta
         assert out.target == steady and not out.observed and out.degraded
         assert "not scaling blind" in out.reason
     assert cluster.applied[-1] == steady
+
+
+@pytest.mark.parametrize("usage", [1.5, 85.0, 1e300, math.inf])
+def test_a_kv_cache_usage_above_one_is_no_share_but_an_observation_error(usage: float) -> None:
+    # read as a full cache (the old clamp), it set off the reactive guard's scale-out whenever a request waited
+    with pytest.raises(ObservationError, match=r"KV cache usage of .* above 1: it is a share in 0\.\.1"):
+        _observe(kv_usage=[vec(usage)])
