@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fulcrum.errors import ProfileError, as_float, clipped
+from fulcrum.errors import ProfileError, as_float, clipped, yaml_problem
 from fulcrum.ratio.step_cost import StepCost
 
 if TYPE_CHECKING:  # only for the annotation: the engine's environment need not import scipy
@@ -120,9 +120,25 @@ def _finite_non_negative(name: str, value: float) -> float:
     return v
 
 
+def _file_number(name: str, value: Any) -> float | int:
+    """A number as a table file holds it: a JSON/YAML int or float, as :meth:`StepLatencyTable.to_dict` writes it.
+    A bool (YAML's ``true``/``yes``: ``float(True)`` would read 1) or a string (``"0.5"``: text where a number
+    belongs), a null (``seconds:`` with no value), a list or a mapping is refused, worded as the profile loader
+    words it (``expected a number, got True``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = " (a string: write the number without quotes)" if isinstance(value, str) else ""
+        raise ValueError(f"{name}: expected a number, got {clipped(repr(value))}{hint}")
+    return value
+
+
+def _file_non_negative(name: str, value: Any) -> float:
+    """A finite number >= 0 (tokens, decodes, seconds) from a table file."""
+    return _finite_non_negative(name, _file_number(name, value))
+
+
 def _count(name: str, value: Any) -> int:
     """A whole number >= 0 (a sample count, a token floor) from a table file."""
-    v = as_float(value)
+    v = as_float(_file_number(name, value))
     if not (v >= 0 and v.is_integer()):  # not inf, not nan
         raise ValueError(f"{name} must be a whole number >= 0, got {clipped(repr(value))}")
     return int(v)
@@ -380,17 +396,22 @@ class StepLatencyTable:
     def from_dict(cls, data: Any, *, origin: str = "step table") -> StepLatencyTable:
         """Build a table from :meth:`to_dict`'s mapping. Entries are re-snapped to the grid.
 
+        Every number must be a JSON/YAML number, as :meth:`to_dict` writes it: a bool (``seconds: true``) or a
+        string (``"0.5"``) is refused, not read as 1.0 or 0.5.
+
         Raises:
-            ProfileError: not a mapping, an unknown version, or a malformed entry.
+            ProfileError: not a mapping, an unknown version, a bool or a string where a number belongs, or a
+                malformed entry.
         """
         if data is None:  # an empty YAML document (or JSON null)
             raise ProfileError(f"{origin}: holds no table (empty, only comments, or null): expected a mapping")
         if not isinstance(data, dict):
             raise ProfileError(f"{origin}: expected a mapping, got {type(data).__name__}")
-        if data.get("version", _FORMAT_VERSION) != _FORMAT_VERSION:
-            raise ProfileError(f"{origin}: unknown version {data.get('version')!r} (expected {_FORMAT_VERSION})")
+        version = data.get("version", _FORMAT_VERSION)
+        if isinstance(version, bool) or version != _FORMAT_VERSION:  # True == 1 in Python
+            raise ProfileError(f"{origin}: unknown version {clipped(repr(version))} (expected {_FORMAT_VERSION})")
         try:
-            table = cls(alpha=as_float(data.get("alpha", 0.25)),
+            table = cls(alpha=as_float(_file_number("alpha", data.get("alpha", 0.25))),
                         min_prefill_tokens=_count("minPrefillTokens", data.get("minPrefillTokens", 16)))
         except (TypeError, ValueError) as err:
             raise ProfileError(f"{origin}: {err}") from err
@@ -411,11 +432,11 @@ class StepLatencyTable:
             if not isinstance(raw, dict):
                 raise ProfileError(f"{where}: expected a mapping")
             try:
-                p = _finite_non_negative("prefillTokens", raw["prefillTokens"])
-                key = self.key_for(p, _finite_non_negative("contextTokens", raw["contextTokens"]),
-                                   _finite_non_negative("decodes", raw["decodes"]))
-                seconds = _finite_non_negative("seconds", raw["seconds"])
-                mean_p = _finite_non_negative("meanPrefillTokens", raw.get("meanPrefillTokens", p))
+                p = _file_non_negative("prefillTokens", raw["prefillTokens"])
+                key = self.key_for(p, _file_non_negative("contextTokens", raw["contextTokens"]),
+                                   _file_non_negative("decodes", raw["decodes"]))
+                seconds = _file_non_negative("seconds", raw["seconds"])
+                mean_p = _file_non_negative("meanPrefillTokens", raw.get("meanPrefillTokens", p))
                 samples = _count("samples", raw.get("samples", 1))
             except KeyError as err:
                 raise ProfileError(f"{where}: missing field {err.args[0]!r}") from None
@@ -451,8 +472,11 @@ class StepLatencyTable:
             raise ProfileError(f"step table {path}: cannot read: {err.strerror or err}") from err
         except RecursionError as err:
             raise ProfileError(f"step table {path}: not valid {kind}: nested too deeply") from err
-        except (ValueError, yaml.YAMLError) as err:
-            raise ProfileError(f"step table {path}: not valid {kind}: {err}") from err
+        except yaml.YAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
+            where, what = yaml_problem(err)
+            raise ProfileError(f"step table {path}{where}: not valid YAML: {what}") from err
+        except ValueError as err:  # not JSON (its message has the line and column), or not UTF-8
+            raise ProfileError(f"step table {path}: not valid {kind}: {' '.join(str(err).split())}") from err
         if empty:
             raise ProfileError(f"step table {path}: the file is empty")
         return cls.from_dict(data, origin=f"step table {path}")

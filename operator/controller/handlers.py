@@ -47,7 +47,7 @@ import yaml
 from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe, parse_llmserve
 from fulcrum.cancellation import cancel_and_wait
 from fulcrum.cluster import ObservationError
-from fulcrum.errors import FulcrumError, ProfileError, SpecError
+from fulcrum.errors import FulcrumError, ProfileError, SpecError, yaml_problem
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.ratio.feasibility import condition_reason
 from fulcrum.ratio.profile import PerformanceProfile, load_profile, profile_from_dict
@@ -81,6 +81,7 @@ GROUP, VERSION, PLURAL = "fulcrum.dev", "v1alpha1", "llmserves"
 _A = TypeVar("_A")
 _R = TypeVar("_R")
 log = logging.getLogger("fulcrum.operator")
+_NO_EVENT = object()  # no InvalidSpec Event posted yet (a generation may be None)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,6 @@ class _Runtime:
     draining: list[str] = field(default_factory=list)
     degraded: str | None = None
     loop_previous: ClusterTarget = field(default_factory=ClusterTarget)
-    invalid_spec_event: int | None = None
     apply_rejected: str | None = None
     """Why the API server rejected this generation's objects (the Degraded/ApplyRejected message), or None."""
     apply_rejected_event: int | None = None
@@ -215,6 +215,9 @@ class Controller:
         self.now = now
         self.fetch = fetch
         self.runtimes: dict[str, _Runtime] = {}
+        self.invalid_spec_events: dict[str, Any] = {}
+        """Per LLMServe (``namespace/name``): the generation whose InvalidSpec Event was posted (one per generation,
+        kept here rather than on its runtime, which an LLMServe invalid from the start never gets)."""
 
     # ----------------------------------------------------------------------------------------- parsing
     def _parse(self, body: Mapping[str, Any]) -> LLMServe:
@@ -236,16 +239,46 @@ class Controller:
             return builtin_profile(ref.name)
         if ref.path:
             return load_profile(ref.path)
-        cm = self.objects.get("v1", "ConfigMap", serve.metadata.namespace, str(ref.config_map))
+        return self._configmap_profile(serve.metadata.namespace, str(ref.config_map))
+
+    def _configmap_profile(self, namespace: str, name: str, key: str = "profile.yaml") -> PerformanceProfile:
+        """The profile in ConfigMap ``namespace/name`` under ``key`` (``spec.profile.configMap``).
+
+        Every problem is one line naming the ConfigMap and the key — a YAML error with its line and column, as the
+        file readers word it (:func:`fulcrum.errors.yaml_problem`), not PyYAML's caret diagram — so the condition
+        and the Event say where to look.
+
+        Raises:
+            ProfileError: the ConfigMap or its key is missing, the text is empty, only comments, not valid YAML,
+                nested too deeply or not a mapping, or the profile in it is invalid.
+        """
+        cm = self.objects.get("v1", "ConfigMap", namespace, name)
         if cm is None:
-            raise ProfileError(f"profile ConfigMap {ref.config_map} not found in {serve.metadata.namespace}")
-        text = (cm.get("data") or {}).get("profile.yaml")
-        if not text:
-            raise ProfileError(f"profile ConfigMap {ref.config_map} has no profile.yaml")
+            raise ProfileError(f"profile ConfigMap {namespace}/{name} not found")
+        data = cm.get("data") or {}
+        if key not in data:
+            raise ProfileError(f"profile ConfigMap {namespace}/{name} has no key {key}: put the profile's YAML there")
+        where = f"profile ConfigMap {namespace}/{name} key {key}"
+        text = data[key]
+        if not isinstance(text, str):
+            raise ProfileError(f"{where}: expected the profile's YAML text, got {type(text).__name__}")
         try:
-            return profile_from_dict(yaml.safe_load(text), origin=f"configmap/{ref.config_map}")
-        except yaml.YAMLError as err:
-            raise ProfileError(f"profile ConfigMap {ref.config_map}: not YAML: {err}") from err
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as err:  # one line: key:line:column and the problem
+            line, what = yaml_problem(err)
+            raise ProfileError(f"{where}{line}: not valid YAML: {what}") from err
+        except RecursionError as err:
+            raise ProfileError(f"{where}: not valid YAML: nested too deeply") from err
+        except ValueError as err:  # a timestamp PyYAML cannot build (``2024-13-01``), not a YAMLError
+            raise ProfileError(f"{where}: not valid YAML: {' '.join(str(err).split())}") from err
+        if doc is None:
+            raise ProfileError(f"{where}: holds no profile (empty or only comments): expected a mapping of the "
+                               "profile's fields")
+        if not isinstance(doc, dict):
+            raise ProfileError(f"{where}: expected a mapping of the profile's fields, got {type(doc).__name__}")
+        if doc.get("name") is None:  # the name it always had (the router's inline copy of the profile carries it)
+            doc["name"] = f"configmap/{name}"
+        return profile_from_dict(doc, origin=where)
 
     def _runtime(self, body: Mapping[str, Any], serve: LLMServe) -> _Runtime:
         """The runtime of this LLMServe; (re)built on first sight and on every new generation (spec change)."""
@@ -360,14 +393,12 @@ class Controller:
     async def _invalid(self, body: Mapping[str, Any], err: Exception) -> None:
         key = _key(body)
         gen = body.get("metadata", {}).get("generation")
-        rt = self.runtimes.get(key)
         log.error("%s: invalid spec, nothing applied: %s", key, err)
         st = build_status(previous=body.get("status"), generation=gen, target=ClusterTarget(),
                           ready=ReadyCounts(), selector="", now=self.now(), spec_error=str(err))
-        if rt is None or rt.invalid_spec_event != gen:
+        if self.invalid_spec_events.get(key, _NO_EVENT) != gen:
             await self.event(body, "Warning", "InvalidSpec", str(err))
-            if rt is not None:
-                rt.invalid_spec_event = gen
+            self.invalid_spec_events[key] = gen
         await self._write_status(body, st)
 
     async def _apply_rejected(self, body: Mapping[str, Any], rt: _Runtime, err: KubeApiError) -> None:
@@ -612,6 +643,7 @@ class Controller:
         """
         key = _key(body)
         rt = self.runtimes.pop(key, None)
+        self.invalid_spec_events.pop(key, None)
         if rt is not None and rt.drains:  # nothing left to drain: the pods go with the LLMServe
             await cancel_and_wait(list(rt.drains.values()), recancel_after_s=30.0)
         self.metrics.forget(key)

@@ -374,6 +374,15 @@ def _whole(v: Any, where: str) -> int:
     return int(f)
 
 
+def _at_least(v: Any, where: str, low: float, *, strict: bool = False) -> float:
+    """A scalar field's number (:func:`_num`) that must be ``> low`` (``strict``) or ``>= low``: checked here, at the
+    file's key, rather than by :class:`PerformanceProfile`, whose message knows neither the file nor the key."""
+    f = _num(v, where)
+    if f < low or (strict and f == low):
+        raise ProfileError(f"{where}: expected a number {'>' if strict else '>='} {low:g}, got {clipped(repr(v))}")
+    return f
+
+
 def _tp(v: Any, where: str) -> int:
     tp = _whole(v, where)
     if not 1 <= tp <= _MAX_TP:
@@ -418,18 +427,27 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
         decode:  [{tp: int, batch: [n...], context: [tokens...], tpotMs: [[ms per context] per batch]}]
 
     Raises:
-        ProfileError: a field is missing or of the wrong type (a count with a fraction, a boolean for a number), a
-            TP is outside 1..:data:`_MAX_TP` or has two tables, or a table is empty, non-monotone, ragged or has an
-            axis point <= 0.
+        ProfileError: a field is missing or of the wrong type (a count with a fraction, a boolean for a number) or
+            out of range (memory, bandwidth, weight or KV bytes <= 0, a negative activation reserve, a graph batch cap
+            below 1), a TP is outside 1..:data:`_MAX_TP` or has two tables, or a table is empty, non-monotone, ragged
+            or has an axis point <= 0.
     """
     if d is None:  # an empty YAML document (or JSON null)
         raise ProfileError(f"{origin}: holds no profile fields (empty, only comments, or null): expected a mapping "
                            "with name, gpu, prefill, decode, ...")
     if not isinstance(d, dict):
         raise ProfileError(f"{origin}: expected a mapping at the top level, got {type(d).__name__}")
-    gpu = _req(d, "gpu", origin)
+    return _build_profile(d, origin, origin)
+
+
+def _build_profile(d: dict[str, Any], origin: str, fields: str) -> PerformanceProfile:
+    """:func:`profile_from_dict` of a mapping: the tables (``prefill``, ``decode``) named against ``origin`` in an
+    error, every other field against ``fields`` — the same file, except for a CSV profile, whose scalar fields come
+    from its ``.meta.yaml`` (that file is where the user must add or fix them). A profile's default name is
+    ``origin``."""
+    gpu = _req(d, "gpu", fields)
     if not isinstance(gpu, dict):
-        raise ProfileError(f"{origin}: gpu must be a mapping")
+        raise ProfileError(f"{fields}: gpu: expected a mapping, got {type(gpu).__name__}")
     prefill: dict[int, PrefillTable] = {}
     for where, entry, tp in _tables(d, "prefill", origin):
         isl = _nums(_req(entry, "isl", where), f"{where}.isl")
@@ -450,19 +468,23 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
             decode[tp] = DecodeTable(batch, context, grid)
         except ProfileError as err:
             raise ProfileError(f"{where} (TP={tp}): {err}") from None
+    graph_batch = _whole(d.get("cudaGraphMaxBatch", 512), f"{fields}: cudaGraphMaxBatch")
+    if graph_batch < 1:
+        raise ProfileError(f"{fields}: cudaGraphMaxBatch: expected a whole number >= 1, got {graph_batch}")
     return PerformanceProfile(
-        name=_text(d, "name", origin, f"{origin}: name"),
-        model=_text(d, "model", "", f"{origin}: model"),
-        gpu_type=_text(gpu, "type", "", f"{origin}: gpu.type"),
-        gpu_memory_gib=_num(_req(gpu, "memoryGiB", f"{origin}: gpu"), f"{origin}: gpu.memoryGiB"),
-        hbm_bandwidth_gbps=_num(_req(gpu, "hbmBandwidthGBps", f"{origin}: gpu"), f"{origin}: gpu.hbmBandwidthGBps"),
-        weight_bytes=_num(_req(d, "weightBytes", origin), f"{origin}: weightBytes"),
-        kv_bytes_per_token=_num(_req(d, "kvBytesPerToken", origin), f"{origin}: kvBytesPerToken"),
-        activation_reserve_gib=_num(d.get("activationReserveGiB", 4.0), f"{origin}: activationReserveGiB"),
-        cuda_graph_max_batch=_whole(d.get("cudaGraphMaxBatch", 512), f"{origin}: cudaGraphMaxBatch"),
+        name=_text(d, "name", origin, f"{fields}: name"),
+        model=_text(d, "model", "", f"{fields}: model"),
+        gpu_type=_text(gpu, "type", "", f"{fields}: gpu.type"),
+        gpu_memory_gib=_at_least(_req(gpu, "memoryGiB", f"{fields}: gpu"), f"{fields}: gpu.memoryGiB", 0, strict=True),
+        hbm_bandwidth_gbps=_at_least(_req(gpu, "hbmBandwidthGBps", f"{fields}: gpu"), f"{fields}: gpu.hbmBandwidthGBps",
+                                     0, strict=True),
+        weight_bytes=_at_least(_req(d, "weightBytes", fields), f"{fields}: weightBytes", 0, strict=True),
+        kv_bytes_per_token=_at_least(_req(d, "kvBytesPerToken", fields), f"{fields}: kvBytesPerToken", 0, strict=True),
+        activation_reserve_gib=_at_least(d.get("activationReserveGiB", 4.0), f"{fields}: activationReserveGiB", 0),
+        cuda_graph_max_batch=graph_batch,
         prefill=prefill,
         decode=decode,
-        source=_text(d, "source", "", f"{origin}: source"),
+        source=_text(d, "source", "", f"{fields}: source"),
     )
 
 
@@ -477,6 +499,10 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
                            "profile's scalar fields")
     if not isinstance(meta, dict):
         raise ProfileError(f"{meta_path}: expected a mapping of the profile's scalar fields, got {type(meta).__name__}")
+    for table in ("prefill", "decode"):  # the CSV's rows would replace them without a word
+        if table in meta:
+            raise ProfileError(f"{meta_path}: {table}: a CSV profile's tables are the rows of {path.name}, not a "
+                               "field of its .meta.yaml (remove it, or load the profile as YAML)")
     pre: dict[int, dict[float, tuple[float, int]]] = {}  # TP → ISL → (ms, line)
     dec: dict[int, dict[tuple[float, float], tuple[float, int]]] = {}  # TP → (batch, context) → (ms, line)
     with path.open(newline="", encoding="utf-8-sig") as f:
@@ -528,7 +554,7 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
             {"tp": tp, "batch": batches, "context": contexts,
              "tpotMs": [[cells[(b, c)][0] for c in contexts] for b in batches]}
         )
-    return profile_from_dict(d, origin=str(path))
+    return _build_profile(d, str(path), str(meta_path))
 
 
 class _LineWatch:
@@ -568,6 +594,15 @@ def _add_point(points: dict[Any, tuple[float, int]], key: Any, value: tuple[floa
     points[key] = value
 
 
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load``, with the ``ValueError`` of a timestamp PyYAML matches but cannot build (``2024-13-01``:
+    "month must be in 1..12") raised as a ``YAMLError``, so the file is named like any other YAML problem."""
+    try:
+        return yaml.safe_load(text)
+    except ValueError as err:
+        raise yaml.YAMLError(" ".join(str(err).split())) from err
+
+
 def load_profile(path: str | Path) -> PerformanceProfile:
     """Load a profile from YAML, JSON or CSV (CSV needs ``<stem>.meta.yaml`` beside it).
 
@@ -587,7 +622,7 @@ def load_profile(path: str | Path) -> PerformanceProfile:
             if not text.strip():
                 raise ProfileError(f"{p}: the file is empty (expected a mapping of the profile's fields)")
         if suffix in (".yaml", ".yml"):
-            return profile_from_dict(yaml.safe_load(text), origin=str(p))
+            return profile_from_dict(_yaml_load(text), origin=str(p))
         if suffix == ".json":
             try:
                 data = json.loads(text)
@@ -599,13 +634,17 @@ def load_profile(path: str | Path) -> PerformanceProfile:
             if not meta_path.is_file():
                 raise ProfileError(f"{p}: CSV profiles need their scalar fields in {meta_path.name} beside them")
             yaml_file = meta_path
-            return _from_csv(p, yaml.safe_load(meta_path.read_text(encoding="utf-8")), meta_path)
-    except yaml.MarkedYAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
+            try:
+                meta_text = meta_path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:  # the .meta.yaml's bytes, not the CSV's
+                raise ProfileError(f"{meta_path}: cannot parse: {' '.join(str(err).split())}") from err
+            return _from_csv(p, _yaml_load(meta_text), meta_path)
+    except yaml.YAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
         where, what = yaml_problem(err)
         raise ProfileError(f"{yaml_file}{where}: not valid YAML: {what}") from err
     except RecursionError as err:  # YAML or JSON nested deeper than Python's parsers go
         raise ProfileError(f"{yaml_file}: cannot parse: nested too deeply") from err
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError as err:
         raise ProfileError(f"{p}: cannot parse: {' '.join(str(err).split())}") from err
     except OSError as err:  # no permission to read, an I/O error
         raise ProfileError(f"{err.filename or p}: cannot read: {err.strerror or err}") from err

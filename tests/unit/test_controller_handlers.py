@@ -914,3 +914,105 @@ async def test_engine_settings_vllm_would_refuse_are_an_invalid_spec_naming_them
     d = cond(live(objs), "Degraded")
     assert d["reason"] == "InvalidSpec" and "spec.engine" in d["message"]
     assert all(w in d["message"] for w in words), d["message"]
+
+
+def profile_configmap(objs: InMemoryObjects, text: Any, name: str = "my-profile") -> None:
+    objs.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": NS},
+              "data": {"profile.yaml": text}})
+
+
+def configmap_profile_yaml(**over: Any) -> str:
+    from fulcrum.ratio.profiles import builtin_profile
+
+    d = builtin_profile("dopd-llama70b-fp8-h100").to_dict()
+    d.update(over)
+    return yaml.safe_dump(d)
+
+
+async def test_a_profile_configmap_loads_and_keeps_its_default_name(objs: InMemoryObjects) -> None:
+    profile_configmap(objs, configmap_profile_yaml(name=None))
+    seed(objs, llmserve(profile={"configMap": "my-profile"}))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is True
+    assert c.runtimes[KEY].profile.name == "configmap/my-profile"  # the router's inline copy carries this name
+
+
+CM = r"^profile ConfigMap default/my-profile key profile\.yaml"  # where every message starts
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    pytest.param("name: x\ngpu: {type: H100\nweightBytes: 1\n",
+                 CM + r":3:\d+: not valid YAML: while parsing a flow mapping, expected ',' or '}', but got ",
+                 id="yaml-syntax"),
+    pytest.param("name: x\n  gpu: : y\n", CM + r":2:\d+: not valid YAML: mapping values are not allowed here$",
+                 id="yaml-mapping-values"),
+    pytest.param("a: 1\n---\nb: 2\n",
+                 CM + r":2:1: not valid YAML: expected a single document in the stream, but found another document$",
+                 id="two-documents"),
+    pytest.param("[" * 100_000, CM + r": not valid YAML: nested too deeply$", id="nested-too-deeply"),
+    pytest.param("measured: 2024-13-45\n", CM + r": not valid YAML: month must be in 1\.\.12$", id="bad-timestamp"),
+    pytest.param("", CM + r": holds no profile \(empty or only comments\)", id="empty"),
+    pytest.param("# to do\n", CM + r": holds no profile", id="comments"),
+    pytest.param("- 1\n- 2\n", CM + r": expected a mapping of the profile's fields, got list$", id="a-list"),
+    pytest.param("just text\n", CM + r": expected a mapping of the profile's fields, got str$", id="a-string"),
+    pytest.param(configmap_profile_yaml(weightBytes=True), CM + r": weightBytes: expected a number, got True$",
+                 id="bad-field"),
+])
+async def test_an_unreadable_profile_configmap_is_an_invalid_spec_naming_the_configmap_key_and_problem(
+        objs: InMemoryObjects, text: str, message: str) -> None:
+    import re
+
+    profile_configmap(objs, text)
+    seed(objs, llmserve(profile={"configMap": "my-profile"}))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is False
+    assert objs.writes == 0 and names(objs, "Deployment") == set()
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and d["reason"] == "InvalidSpec"
+    assert re.search(message, d["message"]) and "\n" not in d["message"], d["message"]
+    assert cond(live(objs), "Ready")["status"] == "False"
+    events = objs.by_reason("InvalidSpec")
+    assert len(events) == 1 and events[0]["type"] == "Warning" and events[0]["message"] == d["message"]
+    # the daemon's interval says the same and goes on (no traceback, no second Event for this generation)
+    assert await c.interval(live(objs)) is True
+    assert cond(live(objs), "Degraded")["message"] == d["message"]
+    assert len(objs.by_reason("InvalidSpec")) == 1
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    pytest.param(None, r"^profile ConfigMap default/my-profile not found$", id="no-configmap"),
+    pytest.param({"other.yaml": "a: 1"},
+                 r"^profile ConfigMap default/my-profile has no key profile\.yaml: put the profile's YAML there$",
+                 id="no-key"),
+])
+async def test_a_missing_profile_configmap_or_key_is_an_invalid_spec_naming_them(
+        objs: InMemoryObjects, data: dict[str, str] | None, message: str) -> None:
+    import re
+
+    if data is not None:
+        objs.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "my-profile", "namespace": NS},
+                  "data": data})
+    seed(objs, llmserve(profile={"configMap": "my-profile"}))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is False
+    d = cond(live(objs), "Degraded")
+    assert d["reason"] == "InvalidSpec" and re.search(message, d["message"]), d["message"]
+
+
+async def test_an_llmserve_invalid_from_the_start_gets_one_invalid_spec_event_per_generation(
+        objs: InMemoryObjects) -> None:
+    """It never gets a runtime, where the Event's generation was kept: every interval posted one more."""
+    seed(objs, llmserve(slo={"ttftMs": -5}))
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is False
+    for _ in range(3):
+        assert await c.interval(live(objs)) is True
+    assert len(objs.by_reason("InvalidSpec")) == 1
+    body = live(objs)
+    body["metadata"]["generation"] = 2
+    body["spec"]["slo"] = {"ttftMs": -6}
+    objs.put(body)
+    assert await c.reconcile(live(objs)) is False
+    await c.interval(live(objs))
+    events = objs.by_reason("InvalidSpec")
+    assert len(events) == 2 and "ttftMs" in events[1]["message"]

@@ -197,6 +197,72 @@ def test_numbers_and_nesting_past_what_python_holds_are_a_profile_error_naming_t
         StepLatencyTable.load(path)
 
 
+YAML_ENTRY = "{prefillTokens: 16, contextTokens: 64, decodes: 1, seconds: 0.01, samples: 1}"
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    # a bool read as 1.0 by float(): YAML's true/yes, JSON's true; the profile loader's words ("expected a number")
+    pytest.param("t.yaml", "entries:\n- " + YAML_ENTRY.replace("0.01", "true") + "\n",
+                 r"t\.yaml: entries\[0\]: seconds: expected a number, got True$", id="seconds-yaml-true"),
+    pytest.param("t.yaml", "entries:\n- " + YAML_ENTRY.replace("0.01", "yes") + "\n",
+                 r"t\.yaml: entries\[0\]: seconds: expected a number, got True$", id="seconds-yaml-yes"),
+    pytest.param("t.json", '{"entries": [' + ENTRY.replace("16", "true") + "}]}",
+                 r"t\.json: entries\[0\]: prefillTokens: expected a number, got True$", id="prefill-json-true"),
+    pytest.param("t.json", '{"entries": [' + ENTRY + ', "samples": false}]}',
+                 r"t\.json: entries\[0\]: samples: expected a number, got False$", id="samples-false"),
+    pytest.param("t.json", '{"alpha": true}', r"t\.json: alpha: expected a number, got True$", id="alpha-true"),
+    pytest.param("t.yaml", "minPrefillTokens: yes\n", r"t\.yaml: minPrefillTokens: expected a number, got True$",
+                 id="floor-yes"),
+    pytest.param("t.json", '{"version": true}', r"t\.json: unknown version True \(expected 1\)$", id="version-true"),
+    # a string where a number belongs: the file says text (the table's writers never quote a number)
+    pytest.param("t.json", '{"entries": [' + ENTRY.replace("0.01", '"0.5"') + "}]}",
+                 r"t\.json: entries\[0\]: seconds: expected a number, got '0\.5' \(a string: write the number "
+                 r"without quotes\)$", id="seconds-string"),
+    pytest.param("t.yaml", "entries:\n- " + YAML_ENTRY.replace("64", "'64'") + "\n",
+                 r"t\.yaml: entries\[0\]: contextTokens: expected a number, got '64' \(a string", id="context-string"),
+    pytest.param("t.json", '{"alpha": "0.5"}', r"t\.json: alpha: expected a number, got '0\.5' \(a string",
+                 id="alpha-string"),
+    pytest.param("t.json", '{"minPrefillTokens": "16"}', r"t\.json: minPrefillTokens: expected a number, got '16'",
+                 id="floor-string"),
+    pytest.param("t.yaml", "entries:\n- " + YAML_ENTRY.replace("decodes: 1", "decodes:") + "\n",
+                 r"t\.yaml: entries\[0\]: decodes: expected a number, got None$", id="decodes-null"),
+])
+def test_a_bool_or_a_string_where_a_number_belongs_is_refused_naming_the_file_and_key(tmp_path, name, text,
+                                                                                       message) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=r"^step table \S+" + message):
+        StepLatencyTable.load(path)
+
+
+def test_a_yaml_syntax_error_in_a_table_is_one_line_with_its_line_and_column(tmp_path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("version: 1\nentries:\n- {prefillTokens: 16, seconds: [0.01\n")
+    with pytest.raises(ProfileError) as info:
+        StepLatencyTable.load(path)
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith(f"step table {path}:4:1: not valid YAML: while parsing a flow sequence")
+
+
+@pytest.mark.parametrize("name", ["table.json", "table.yaml"])
+def test_every_table_fulcrum_writes_loads_back(splitwise, tmp_path, name) -> None:
+    """The step tables the repo writes itself — recorded steps, priors seeded from a profile, the table read back
+    from the scheduler's metrics (``fulcrum profile --step-table``) — hold numbers only, so the loader's refusal of
+    bools and strings refuses none of them."""
+    from prometheus_client import generate_latest
+
+    seeded = StepLatencyTable(min_prefill_tokens=0)
+    seeded.seed_from_profile(splitwise, 8, max_prefill_tokens=1024, max_context_tokens=1024, max_decodes=8)
+    seeded.record(100, 128, 2, 0.005)
+    planner = StepPlanner(linear_table(), tpot_slo_s=None)
+    from_metrics = table_from_metrics_text(generate_latest(SchedulerMetrics(planner).registry).decode())
+    for table in (linear_table(), seeded, from_metrics):
+        table.save(tmp_path / name)
+        again = StepLatencyTable.load(tmp_path / name)
+        assert [e for e in again] == [e for e in table]
+        assert (again.alpha, again.min_prefill_tokens) == (table.alpha, table.min_prefill_tokens)
+
+
 # ---------------------------------------------------------------------------------------------- seeding
 def test_seeding_from_a_profile_fills_priors_that_measurements_replace(splitwise) -> None:
     table = StepLatencyTable()

@@ -331,3 +331,93 @@ def test_a_csv_profile_saved_with_a_byte_order_mark_loads(tmp_path):
     path = _csv_profile(tmp_path, CSV_ROWS)
     path.write_text(path.read_text(), encoding="utf-8-sig")  # Excel's "CSV UTF-8"
     assert load_profile(path).ttft(100, 1) == pytest.approx(0.02)
+
+
+def _meta_without(key):
+    scalars = {k: v for k, v in small_profile_dict().items() if k not in ("prefill", "decode")}
+    if "." in key:
+        outer, inner = key.split(".")
+        scalars[outer] = {k: v for k, v in scalars[outer].items() if k != inner}
+    else:
+        scalars.pop(key)
+    return yaml.safe_dump(scalars)
+
+
+def _meta_with(**fields):
+    scalars = {k: v for k, v in small_profile_dict().items() if k not in ("prefill", "decode")}
+    for key, value in fields.items():
+        if key.startswith("gpu_"):
+            scalars["gpu"][key.removeprefix("gpu_")] = value
+        else:
+            scalars[key] = value
+    return yaml.safe_dump(scalars)
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        pytest.param(_meta_without("gpu"), r"missing field 'gpu'$", id="gpu-missing"),
+        pytest.param(_meta_without("gpu.memoryGiB"), r"gpu: missing field 'memoryGiB'$", id="memory-missing"),
+        pytest.param(_meta_without("weightBytes"), r"missing field 'weightBytes'$", id="weights-missing"),
+        pytest.param(_meta_with(gpu="H100"), r"gpu: expected a mapping, got str$", id="gpu-not-a-mapping"),
+        pytest.param(_meta_with(gpu_memoryGiB=True), r"gpu\.memoryGiB: expected a number, got True$",
+                     id="memory-bool"),
+        pytest.param(_meta_with(kvBytesPerToken="lots"), r"kvBytesPerToken: expected a number, got 'lots'$",
+                     id="kv-bytes-text"),
+        pytest.param(_meta_with(cudaGraphMaxBatch=1.5), r"cudaGraphMaxBatch: expected a whole number, got 1\.5$",
+                     id="graph-batch-not-whole"),
+        pytest.param(_meta_with(name=[1]), r"name: expected a string, got list \[1\]$", id="name-a-list"),
+        pytest.param(_meta_with(gpu_memoryGiB=-80), r"gpu\.memoryGiB: expected a number > 0, got -80$",
+                     id="memory-negative"),
+        pytest.param(_meta_with(activationReserveGiB=-1), r"activationReserveGiB: expected a number >= 0, got -1$",
+                     id="reserve-negative"),
+        pytest.param(_meta_with(cudaGraphMaxBatch=0), r"cudaGraphMaxBatch: expected a whole number >= 1, got 0$",
+                     id="graph-batch-zero"),
+        pytest.param(_meta_with(prefill=[{"tp": 1, "isl": [100], "ttftMs": [5]}]),
+                     r"prefill: a CSV profile's tables are the rows of p\.csv, not a field of its \.meta\.yaml",
+                     id="tables-in-the-meta-file"),
+    ],
+)
+def test_a_missing_or_bad_scalar_of_a_csv_profile_names_its_meta_file(tmp_path, meta, message):
+    """The scalars of a CSV profile live in its .meta.yaml: that is the file to fix, so the message names it and the
+    key (it named the .csv, where no such field can go)."""
+    with pytest.raises(ProfileError, match=r"^\S*p\.meta\.yaml: " + message):
+        load_profile(_csv_profile(tmp_path, CSV_ROWS, meta))
+
+
+def test_a_csv_profile_still_names_the_csv_for_its_tables_and_takes_its_name_from_the_csv(tmp_path):
+    path = _csv_profile(tmp_path, CSV_ROWS[:1] + ["prefill,1,1000,,,10"] + CSV_ROWS[2:])
+    with pytest.raises(ProfileError, match=r"^\S*p\.csv: prefill\[0\] \(TP=1\): prefill table: latency must not "):
+        load_profile(path)
+    _csv_profile(tmp_path, CSV_ROWS, _meta_with(name=None))
+    assert load_profile(path).name == str(path)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        pytest.param(lambda d: d["gpu"].update(hbmBandwidthGBps=0),
+                     r"gpu\.hbmBandwidthGBps: expected a number > 0, got 0$", id="bandwidth-zero"),
+        pytest.param(lambda d: d.update(weightBytes=-1.5), r"weightBytes: expected a number > 0, got -1\.5$",
+                     id="weights-negative"),
+        pytest.param(lambda d: d.update(kvBytesPerToken=0), r"kvBytesPerToken: expected a number > 0, got 0$",
+                     id="kv-bytes-zero"),
+        pytest.param(lambda d: d.update(cudaGraphMaxBatch=-4),
+                     r"cudaGraphMaxBatch: expected a whole number >= 1, got -4$", id="graph-batch-negative"),
+    ],
+)
+def test_an_out_of_range_scalar_names_the_file_and_its_key(tmp_path, mutate, message):
+    d = small_profile_dict()
+    mutate(d)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(ProfileError, match=r"^\S*p\.yaml: " + message):
+        load_profile(tmp_path / "p.yaml")
+
+
+def test_a_yaml_timestamp_python_cannot_build_is_a_yaml_problem_naming_the_file(tmp_path):
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(small_profile_dict()) + "measured: 2024-13-45\n")
+    with pytest.raises(ProfileError, match=r"^\S*p\.yaml: not valid YAML: month must be in 1\.\.12$"):
+        load_profile(tmp_path / "p.yaml")
+    path = _csv_profile(tmp_path, CSV_ROWS, "name: tiny\nmeasured: 2024-13-45\n")
+    with pytest.raises(ProfileError, match=r"^\S*p\.meta\.yaml: not valid YAML: month must be in 1\.\.12$"):
+        load_profile(path)
