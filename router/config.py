@@ -33,7 +33,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fulcrum.errors import FulcrumError, yaml_problem
+from fulcrum.errors import FulcrumError, safe_yaml, yaml_problem
 from fulcrum.rebalancing.decode_rescheduling import ReschedulingConfig
 from fulcrum.router.registry import InstanceRecord
 
@@ -391,7 +391,7 @@ def load_config(path: str | Path) -> RouterConfig:
     except UnicodeDecodeError as err:
         raise RouterConfigError(f"router config {path} is not valid UTF-8: {err}") from err
     try:
-        data = yaml.safe_load(text)
+        data = safe_yaml(text)
     except yaml.YAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
         where, what = yaml_problem(err)
         raise RouterConfigError(f"router config {path}{where} is not valid YAML: {what}") from err

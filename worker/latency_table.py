@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fulcrum.errors import ProfileError, as_float, clipped, yaml_problem
+from fulcrum.errors import ProfileError, as_float, clipped, safe_yaml, yaml_problem
 from fulcrum.ratio.step_cost import StepCost
 
 if TYPE_CHECKING:  # only for the annotation: the engine's environment need not import scipy
@@ -467,7 +467,7 @@ class StepLatencyTable:
         try:
             text = path.read_text()
             empty = not text.strip()  # said as such, not as JSON's "Expecting value" or YAML's null
-            data = None if empty else yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+            data = None if empty else safe_yaml(text) if kind == "YAML" else json.loads(text)
         except OSError as err:
             raise ProfileError(f"step table {path}: cannot read: {err.strerror or err}") from err
         except RecursionError as err:

@@ -47,7 +47,7 @@ import yaml
 from fulcrum.api.llmserve import API_VERSION, KIND, LLMServe, parse_llmserve
 from fulcrum.cancellation import cancel_and_wait
 from fulcrum.cluster import ObservationError
-from fulcrum.errors import FulcrumError, ProfileError, SpecError, yaml_problem
+from fulcrum.errors import FulcrumError, ProfileError, SpecError, safe_yaml, yaml_problem
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.ratio.feasibility import condition_reason
 from fulcrum.ratio.profile import PerformanceProfile, load_profile, profile_from_dict
@@ -263,14 +263,12 @@ class Controller:
         if not isinstance(text, str):
             raise ProfileError(f"{where}: expected the profile's YAML text, got {type(text).__name__}")
         try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as err:  # one line: key:line:column and the problem
+            doc = safe_yaml(text)
+        except yaml.YAMLError as err:  # one line: key:line:column and the problem (a timestamp PyYAML cannot build too)
             line, what = yaml_problem(err)
             raise ProfileError(f"{where}{line}: not valid YAML: {what}") from err
         except RecursionError as err:
             raise ProfileError(f"{where}: not valid YAML: nested too deeply") from err
-        except ValueError as err:  # a timestamp PyYAML cannot build (``2024-13-01``), not a YAMLError
-            raise ProfileError(f"{where}: not valid YAML: {' '.join(str(err).split())}") from err
         if doc is None:
             raise ProfileError(f"{where}: holds no profile (empty or only comments): expected a mapping of the "
                                "profile's fields")

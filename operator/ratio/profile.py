@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from fulcrum.errors import ProfileError, as_float, clipped, yaml_problem
+from fulcrum.errors import ProfileError, as_float, clipped, safe_yaml, yaml_problem
 from fulcrum.target import ClusterTarget
 
 __all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict",
@@ -594,15 +594,6 @@ def _add_point(points: dict[Any, tuple[float, int]], key: Any, value: tuple[floa
     points[key] = value
 
 
-def _yaml_load(text: str) -> Any:
-    """``yaml.safe_load``, with the ``ValueError`` of a timestamp PyYAML matches but cannot build (``2024-13-01``:
-    "month must be in 1..12") raised as a ``YAMLError``, so the file is named like any other YAML problem."""
-    try:
-        return yaml.safe_load(text)
-    except ValueError as err:
-        raise yaml.YAMLError(" ".join(str(err).split())) from err
-
-
 def load_profile(path: str | Path) -> PerformanceProfile:
     """Load a profile from YAML, JSON or CSV (CSV needs ``<stem>.meta.yaml`` beside it).
 
@@ -622,7 +613,7 @@ def load_profile(path: str | Path) -> PerformanceProfile:
             if not text.strip():
                 raise ProfileError(f"{p}: the file is empty (expected a mapping of the profile's fields)")
         if suffix in (".yaml", ".yml"):
-            return profile_from_dict(_yaml_load(text), origin=str(p))
+            return profile_from_dict(safe_yaml(text), origin=str(p))
         if suffix == ".json":
             try:
                 data = json.loads(text)
@@ -638,7 +629,7 @@ def load_profile(path: str | Path) -> PerformanceProfile:
                 meta_text = meta_path.read_text(encoding="utf-8")
             except UnicodeDecodeError as err:  # the .meta.yaml's bytes, not the CSV's
                 raise ProfileError(f"{meta_path}: cannot parse: {' '.join(str(err).split())}") from err
-            return _from_csv(p, _yaml_load(meta_text), meta_path)
+            return _from_csv(p, safe_yaml(meta_text), meta_path)
     except yaml.YAMLError as err:  # one line: file:line:column and the problem, not YAML's caret diagram
         where, what = yaml_problem(err)
         raise ProfileError(f"{yaml_file}{where}: not valid YAML: {what}") from err

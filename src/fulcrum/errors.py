@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 __all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "as_float", "clipped",
-           "yaml_problem"]
+           "safe_yaml", "yaml_problem"]
 
 
 class FulcrumError(Exception):
@@ -48,6 +48,23 @@ def yaml_problem(err: Any) -> tuple[str, str]:
     where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
     parts = [str(p) for p in (getattr(err, "context", None), getattr(err, "problem", None)) if p]
     return where, ", ".join(parts) if parts else " ".join(str(err).split())
+
+
+def safe_yaml(text: str, *, documents: bool = False) -> Any:
+    """``yaml.safe_load(text)`` (``documents``: the list of ``yaml.safe_load_all``'s documents), with the
+    ``ValueError`` of a timestamp PyYAML matches but cannot build (``2024-13-45``: "month must be in 1..12") raised
+    as a ``yaml.YAMLError``, so that a reader names the file for it as for any other YAML problem.
+
+    Raises:
+        yaml.YAMLError: not valid YAML (with :func:`yaml_problem`'s mark when PyYAML gives one).
+        RecursionError: nested deeper than the parser goes.
+    """
+    import yaml
+
+    try:
+        return list(yaml.safe_load_all(text)) if documents else yaml.safe_load(text)
+    except ValueError as err:
+        raise yaml.YAMLError(" ".join(str(err).split())) from err
 
 
 def clipped(text: str, keep: int = 40) -> str:

@@ -726,6 +726,9 @@ def test_several_llmserve_errors_are_joined_without_a_stray_dot(
     (b"spec: {model: {name: m}}\n---\nspec: {model: {name: m}}\n", "2 YAML documents: give one LLMServe per file"),
     (b"spec: {model: {name: m}}\nbad: [1, 2\n", "not valid YAML: while parsing a flow sequence, expected ',' or ']'"),
     (b"kind: Foo\nspec: {model: {name: m}}\n", "invalid LLMServe: kind: Input should be 'LLMServe'"),
+    # a timestamp PyYAML matches but cannot build raised a bare ValueError: "fulcrum plan: error: month must be..."
+    (b"metadata: {name: x, created: 2024-13-45}\nspec: {model: {name: m}}\n",
+     "not valid YAML: month must be in 1..12"),
 ])
 def test_a_malformed_llmserve_file_is_one_line_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                          content: bytes, message: str) -> None:

@@ -200,6 +200,7 @@ def write_bytes(path, data, bump):
 @pytest.mark.parametrize("data,reason", [
     (b"model: \xff\n", "is not valid UTF-8"),
     (b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "is nested too deeply"),
+    (b"a: 2024-13-45\n", "is not valid YAML: month must be in 1..12"),  # was a bare ValueError
 ])
 def test_a_file_that_is_not_utf8_or_nested_too_deeply_is_a_config_error(tmp_path, data, reason):
     p = tmp_path / "bad.yaml"

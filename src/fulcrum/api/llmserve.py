@@ -38,7 +38,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from pydantic.alias_generators import to_camel
 
-from fulcrum.errors import SpecError, yaml_problem
+from fulcrum.errors import SpecError, safe_yaml, yaml_problem
 
 __all__ = [
     "API_VERSION",
@@ -932,7 +932,7 @@ def load_llmserve(path: str | Path) -> LLMServe:
     except UnicodeDecodeError as err:
         raise SpecError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start})") from err
     try:
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]  # a stray `---` adds an empty one
+        documents = [d for d in safe_yaml(text, documents=True) if d is not None]  # a stray `---` adds an empty one
     except yaml.YAMLError as err:
         where, what = yaml_problem(err)
         raise SpecError(f"{p}{where}: not valid YAML: {what}") from err
