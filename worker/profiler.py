@@ -968,7 +968,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
     _need_aiohttp()
     from tqdm import tqdm
 
-    from fulcrum.cancellation import cancel_and_wait
+    from fulcrum.cancellation import cancel_and_wait, within
 
     log = log if log is not None else MeasureLog()
 
@@ -1041,16 +1041,11 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                 return None
 
             note()
-            # the budget runs in its own task, stopped for sure (cancel_and_wait) when spent or when this one is
+            # the budget runs in its own task, stopped for sure (within) when spent or when this one is
             # cancelled (Ctrl-C): a hung engine costs a point at most ``budget`` seconds
-            task = asyncio.create_task(repeats())
-            try:
-                finished, _ = await asyncio.wait({task}, timeout=budget)
-            finally:
-                if not task.done():
-                    await cancel_and_wait([task])
+            task = await within(repeats(), budget)
             bar.update(grid.repeats - done[0])
-            if finished:
+            if task is not None:
                 dropped = task.result()
                 if dropped is not None:
                     return dropped

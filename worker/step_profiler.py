@@ -16,6 +16,13 @@ API::
                                 prefill_tokens=[64, 256, 1024], decode_counts=[1, 4, 16], contexts=[128, 512])
     table.save("step-table.json")   # FULCRUM_STEP_TABLE for the serving engines
 
+Each composition has a wall-clock budget (``point_timeout_s``, all its tries); one that spends it, or whose
+request, stream or metrics read times out (:class:`StepTimeout`), is abandoned; after ``stop_after_timeouts``
+compositions in a row failed by timeout the run stops (:class:`StepProfileStopped`: the engine stopped
+answering). A :class:`StepLog` records the compositions as they go, so a caller whose run was interrupted
+(Ctrl-C) or stopped can still read what the engine recorded (:func:`read_table`) and say what is missing
+(:meth:`StepLog.partial_note`).
+
 Adapter code (worker layer): aiohttp client.
 """
 
@@ -23,24 +30,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from fulcrum.cancellation import cancel_and_wait
+from fulcrum.cancellation import cancel_and_wait, within
 from fulcrum.errors import FulcrumError
 from fulcrum.worker.latency_table import StepLatencyTable
 from fulcrum.worker.profiler import probe_endpoint
 
 __all__ = [
     "MixedLoadResult",
+    "StepLog",
+    "StepProfileStopped",
+    "StepTimeout",
     "StreamTiming",
     "fetch_table",
     "profile_steps",
+    "read_table",
     "run_mixed_load",
     "stream_completion",
     "synthetic_prompt",
@@ -52,6 +64,70 @@ _TABLE_METRICS = (
     "fulcrum_scheduler_step_table_samples",
     "fulcrum_scheduler_step_table_mean_prefill_tokens",
 )
+
+
+class StepTimeout(FulcrumError):
+    """A streamed completion, the wait for the decodes' chunks or the scheduler metrics did not answer in time."""
+
+
+class StepProfileStopped(FulcrumError):
+    """:func:`profile_steps` stopped early: ``stop_after_timeouts`` compositions in a row failed by timeout (the
+    engine stopped answering). What the engine recorded so far is still in its metrics (:func:`read_table`)."""
+
+
+Composition = tuple[int, int, int]
+"""One composition of :func:`profile_steps`: (decode context tokens, decodes, prefill tokens), in measuring order."""
+
+
+def composition_name(comp: Composition) -> str:
+    """``"256 beside 2 decodes (context 64)"``: a composition as messages name it."""
+    c, d, p = comp
+    return f"{p} beside {d} decodes (context {c})"
+
+
+@dataclass
+class StepLog:
+    """What :func:`profile_steps` did so far, filled as it goes: read it after a run that was interrupted or
+    stopped early.
+
+    Attributes:
+        compositions: every composition of the grid, in measuring order (set once the grid is checked).
+        sent: a composition's requests went out to the engine (it may have recorded steps of this run).
+        measured: compositions whose mixed step the engine recorded.
+        abandoned: compositions that failed by timeout, each with why.
+        stopped: why the run stopped early (set by :func:`profile_steps` when the engine stopped answering; the
+            caller sets it for an interrupted run), or None.
+    """
+
+    compositions: list[Composition] = field(default_factory=list)
+    sent: bool = False
+    measured: list[Composition] = field(default_factory=list)
+    abandoned: list[tuple[Composition, str]] = field(default_factory=list)
+    stopped: str | None = None
+
+    @property
+    def not_measured(self) -> list[Composition]:
+        """Compositions whose mixed step this run did not see recorded (abandoned, in progress or not reached)."""
+        done = set(self.measured)
+        return [comp for comp in self.compositions if comp not in done]
+
+    def partial_note(self) -> str:
+        """One line saying that the run ended early, why, and which compositions it did not measure."""
+        missing = self.not_measured
+        shown = ", ".join(composition_name(comp) for comp in missing[:4]) + (
+            f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        return (f"PARTIAL: {self.stopped}; {len(self.measured)} of {len(self.compositions)} compositions measured"
+                + (f", not measured: {shown}" if missing else ""))
+
+    def partial_marker(self) -> dict[str, object]:
+        """The keys that mark a partial table file (the loader ignores them): ``partial``, ``stopped``, ``note``
+        and ``notMeasured`` (each ``{prefillTokens, decodes, contextTokens}``)."""
+        return {
+            "partial": True,
+            "stopped": self.stopped,
+            "note": self.partial_note(),
+            "notMeasured": [{"prefillTokens": p, "decodes": d, "contextTokens": c} for c, d, p in self.not_measured],
+        }
 
 
 def synthetic_prompt(tokens: int, rng: random.Random, token_ids: tuple[int, int] = (100, 1000)) -> list[int]:
@@ -109,10 +185,20 @@ async def fetch_table(session: aiohttp.ClientSession, metrics_url: str, *, allow
             if resp.status != 200:
                 raise FulcrumError(f"{metrics_url} answered HTTP {resp.status}")
     except asyncio.TimeoutError as err:
-        raise FulcrumError(f"the scheduler metrics at {metrics_url} did not answer in time") from err
+        raise StepTimeout(f"the scheduler metrics at {metrics_url} did not answer in time") from err
     except aiohttp.ClientError as err:
         raise FulcrumError(f"cannot read the scheduler metrics at {metrics_url}: {err}") from err
     return table_from_metrics_text(text, allow_empty=allow_empty)
+
+
+async def read_table(metrics_url: str, *, allow_empty: bool = False, timeout_s: float = 60.0) -> StepLatencyTable:
+    """:func:`fetch_table` in a session of its own, bounded by ``timeout_s`` seconds.
+
+    Raises:
+        FulcrumError: as :func:`fetch_table` (:class:`StepTimeout` when the metrics did not answer in time).
+    """
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        return await fetch_table(session, metrics_url, allow_empty=allow_empty)
 
 
 @dataclass
@@ -181,7 +267,7 @@ async def stream_completion(
                 last = now
                 timing.chunks += 1
     except asyncio.TimeoutError as err:
-        raise FulcrumError(f"{base_url}: the streamed completion did not finish within the session's timeout") from err
+        raise StepTimeout(f"{base_url}: the streamed completion did not finish within the session's timeout") from err
     except (aiohttp.ClientError, ValueError, TypeError) as err:
         raise FulcrumError(f"{base_url}: broken stream: {type(err).__name__}: {err}") from err
     return timing
@@ -235,14 +321,17 @@ async def run_mixed_load(
 
 async def _wait_for_chunks(streams: Sequence[StreamTiming], tasks: Sequence[asyncio.Task[StreamTiming]],
                            at_least: Sequence[int], timeout_s: float) -> None:
-    """Wait until every ``streams[i]`` has ``at_least[i]`` chunks (or its task ended). Raises on a failed task."""
+    """Wait until every ``streams[i]`` has ``at_least[i]`` chunks (or its task ended). Raises on a failed task
+    (also when every task has ended, one of them by failing: the decodes did not run)."""
     deadline = time.monotonic() + timeout_s
-    while any(t.chunks < n and not task.done() for t, task, n in zip(streams, tasks, at_least, strict=True)):
+    while True:
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
+        if not any(t.chunks < n and not task.done() for t, task, n in zip(streams, tasks, at_least, strict=True)):
+            return
         if time.monotonic() > deadline:
-            raise FulcrumError(f"the decodes did not stream within {timeout_s:.0f} s")
+            raise StepTimeout(f"the decodes did not stream within {timeout_s:g} s")
         await asyncio.sleep(0.002)
 
 
@@ -297,7 +386,8 @@ async def _profile_composition(
 async def profile_steps(
     base_url: str, metrics_url: str, *, model: str, prefill_tokens: Sequence[int], decode_counts: Sequence[int],
     contexts: Sequence[int], decode_tokens: int = 256, seed: int = 0, timeout_s: float = 600.0, retries: int = 4,
-    stream_interval: int = 16,
+    stream_interval: int = 16, point_timeout_s: float | None = None, stop_after_timeouts: int = 1,
+    log: StepLog | None = None, warn: Callable[[str], None] | None = None,
 ) -> StepLatencyTable:
     """Fill the step latency table from measured steps of a running engine (the offline mode of Alg. 2's table).
 
@@ -323,12 +413,24 @@ async def profile_steps(
     ``--max-num-batched-tokens`` must reach ``max(prefill_tokens) + max(decode_counts)`` (a chunked prompt lands
     in smaller buckets, and its composition is not measured).
 
+    A hung engine: every request, stream wait and metrics read is bounded by ``timeout_s``, and each
+    composition (all its tries) by ``point_timeout_s`` seconds of wall clock (None: no budget beyond
+    ``timeout_s`` per request). A composition that spends its budget, or one of whose requests times out
+    (:class:`StepTimeout`), is abandoned (its requests cancelled; ``warn`` is told, ``log.abandoned`` records it)
+    and the run goes on with the next; after ``stop_after_timeouts`` compositions in a row failed by timeout (a
+    measured one restarts the count; 0 = never stop) it raises :class:`StepProfileStopped`. The default, 1, stops
+    at the first timeout, as this function always did. Pass ``log`` (a fresh :class:`StepLog`) to know, after an
+    interrupted or stopped run, which compositions were measured; the table itself stays in the engine
+    (:func:`read_table`).
+
     Raises:
-        ValueError: an empty or non-positive grid, ``decode_tokens`` < 8, ``stream_interval`` < 1, or a context
-            or prompt that the engine's ``max_model_len`` cannot hold.
+        ValueError: an empty or non-positive grid, ``decode_tokens`` < 8, ``stream_interval`` < 1, a budget that
+            is not a positive number, ``stop_after_timeouts`` < 0, or a context or prompt that the engine's
+            ``max_model_len`` cannot hold.
         ProfileError: the endpoint does not answer ``/v1/models`` or does not serve ``model``.
-        FulcrumError: a request fails, a composition's mixed step was still missing after ``retries`` reruns,
-            or the metrics hold no table.
+        StepProfileStopped: ``stop_after_timeouts`` compositions in a row failed by timeout.
+        FulcrumError: a request fails otherwise, a composition's mixed step was still missing after ``retries``
+            reruns, or the metrics hold no table.
     """
     grids = {"prefill_tokens": prefill_tokens, "decode_counts": decode_counts, "contexts": contexts}
     for name, grid in grids.items():
@@ -338,6 +440,17 @@ async def profile_steps(
         raise ValueError(f"decode_tokens must be >= 8 (the decodes stream before and after the prompt), got {decode_tokens}")
     if stream_interval < 1:
         raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
+    if point_timeout_s is not None and not (math.isfinite(point_timeout_s) and point_timeout_s > 0):
+        raise ValueError(f"point_timeout_s must be a positive number of seconds, got {point_timeout_s}")
+    if stop_after_timeouts < 0:
+        raise ValueError(f"stop_after_timeouts must be >= 0, got {stop_after_timeouts}")
+    log = log if log is not None else StepLog()
+    log.compositions = [(int(c), int(d), int(p)) for c in contexts for d in decode_counts for p in prefill_tokens]
+
+    def say(msg: str) -> None:
+        if warn is not None:
+            warn(msg)
+
     rng = random.Random(seed)
     # a connection per request: a kept-alive one can be closed by the server (its keep-alive timeout, or the
     # abort of a cancelled stream) just as the next request goes out on it (seen under load)
@@ -349,21 +462,48 @@ async def profile_steps(
             if too_long:
                 raise ValueError(f"the engine's max_model_len is {max_model_len} tokens: contexts + 8 decode tokens and "
                                  f"prompts must fit in it (got {max(too_long)})")
-        for c in contexts:
-            longest = max_model_len - int(c) if max_model_len is not None else None
-            for d in decode_counts:
-                for p in prefill_tokens:
-                    caps = _decode_caps(decode_tokens, longest, retries + 1)
-                    for cap in caps:
-                        if await _profile_composition(session, base_url, metrics_url, model=model, decodes=int(d),
-                                                      context=int(c), prefill=int(p), decode_cap=cap, rng=rng,
-                                                      timeout_s=timeout_s, stream_interval=int(stream_interval)):
-                            break
-                    else:
+        in_a_row = 0
+        for comp in log.compositions:
+            c, d, p = comp
+            caps = _decode_caps(decode_tokens, max_model_len - c if max_model_len is not None else None, retries + 1)
+
+            async def tries(c: int = c, d: int = d, p: int = p, caps: list[int] = caps) -> bool:
+                for cap in caps:
+                    if await _profile_composition(session, base_url, metrics_url, model=model, decodes=d,
+                                                  context=c, prefill=p, decode_cap=cap, rng=rng,
+                                                  timeout_s=timeout_s, stream_interval=int(stream_interval)):
+                        return True
+                return False
+
+            log.sent = True
+            # the budget runs in its own task, stopped for sure (within: its decodes are cancelled too)
+            # when spent or when this one is cancelled (Ctrl-C): a hung engine costs a composition at most the budget
+            task = await within(tries(), point_timeout_s)
+            why = None
+            if task is None:
+                why = f"budget of {point_timeout_s:g} s spent (--point-timeout-s)"
+            else:
+                try:
+                    measured = task.result()
+                except StepTimeout as err:
+                    why = str(err)
+                else:
+                    if not measured:
                         raise FulcrumError(
                             f"the {p}-token prompt did not prefill beside the {d} decodes (context {c}) in {retries + 1} "
                             f"tries (decode caps {caps} tokens): the engine's table has no such step. Is the engine "
                             f"overloaded (raise decode_tokens or retries), or --max-num-batched-tokens below {p + d} "
                             f"(the prompt was chunked)?")
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        return await fetch_table(session, metrics_url)
+            if why is None:
+                log.measured.append(comp)
+                in_a_row = 0
+                continue
+            log.abandoned.append((comp, why))
+            in_a_row += 1
+            say(f"composition {composition_name(comp)}: {why}; abandoned")
+            if stop_after_timeouts and in_a_row >= stop_after_timeouts:
+                log.stopped = (f"the engine stopped answering ({in_a_row} composition(s) in a row failed by timeout, "
+                               f"the last {composition_name(comp)}: {why})")
+                say(f"{log.stopped}; stopping")
+                raise StepProfileStopped(log.stopped)
+    return await read_table(metrics_url)

@@ -10,6 +10,7 @@ exactly that (seen as a hung test teardown, then as a CI run that never finished
 API::
 
     await cancel_and_wait(st.tasks)        # every task has ended when this returns
+    task = await within(work(), budget_s)  # None: the budget was spent and work() stopped for sure
 
 Adapter-level helper (asyncio only); no I/O.
 """
@@ -19,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
-__all__ = ["cancel_and_wait"]
+_T = TypeVar("_T")
+
+__all__ = ["cancel_and_wait", "within"]
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +58,20 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *,
     for t in tasks:
         if not t.cancelled():
             t.exception()  # retrieved: a failure of a task being stopped is not news at shutdown
+
+
+async def within(work: Coroutine[Any, Any, _T], budget_s: float | None) -> asyncio.Task[_T] | None:
+    """Run ``work`` as a task for at most ``budget_s`` seconds (None: no limit).
+
+    Returns the finished task (read its ``result()``, which raises what ``work`` raised), or None when the budget
+    was spent: the task has then been stopped for sure (:func:`cancel_and_wait`), as it is when the caller is
+    cancelled meanwhile (Ctrl-C). Unlike ``asyncio.wait_for``, a work that swallows one cancellation cannot outlive
+    the budget (module docstring).
+    """
+    task = asyncio.create_task(work)
+    try:
+        finished, _ = await asyncio.wait({task}, timeout=budget_s)
+    finally:
+        if not task.done():
+            await cancel_and_wait([task])
+    return task if finished else None

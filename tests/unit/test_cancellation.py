@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fulcrum.cancellation import cancel_and_wait
+from fulcrum.cancellation import cancel_and_wait, within
 
 pytestmark = pytest.mark.asyncio
 
@@ -71,3 +71,32 @@ async def test_finished_failed_and_running_tasks_all_end_and_failures_are_consum
 async def test_a_non_positive_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="recancel_after_s"):
         await cancel_and_wait([], recancel_after_s=0)
+
+
+async def test_within_returns_the_finished_task_or_none_with_the_work_stopped_for_sure() -> None:
+    async def quick() -> int:
+        return 7
+
+    async def failing() -> int:
+        raise ValueError("engine said no")
+
+    done = await within(quick(), 1.0)
+    assert done is not None and done.result() == 7
+    failed = await within(failing(), None)
+    assert failed is not None
+    with pytest.raises(ValueError, match="engine said no"):
+        failed.result()
+
+    ended: list[str] = []
+
+    async def stubborn() -> None:  # swallows its first cancellation, as a wait_for-based library call may
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            ended.append("swallowed")
+        await asyncio.sleep(10)
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await within(stubborn(), 0.05) is None
+    assert ended == ["swallowed"] and loop.time() - t0 < 5.0  # re-cancelled after 1 s, not left running

@@ -16,6 +16,7 @@ import yaml
 from aiohttp import web
 
 from fakes.fake_engine import FakeEngine, FakeEngineSettings
+from fakes.interrupt import interrupt_when
 from fulcrum.cli import main
 from fulcrum.errors import ProfileError
 from fulcrum.ratio.profile import load_profile
@@ -655,35 +656,16 @@ async def test_ctrl_c_before_a_profile_was_measured_says_nothing_was_kept_and_wh
 
 @pytest.mark.asyncio
 async def test_a_real_sigint_mid_run_keeps_the_measured_points_and_exits_130(tmp_path: Path) -> None:
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     eng = await _engine()
     seen = _hang_decodes(eng, after=16)  # the run waits on batch 5 until interrupted
     url = await eng.start()
     out = tmp_path / "p.yaml"
-    proc = subprocess.Popen([sys.executable, "-m", "fulcrum", "profile", "--url", url, *FLAGS, *WIDE,
-                             "--retries", "0", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 60
-        while not seen["hung"] and time.monotonic() < deadline and proc.poll() is None:
-            await asyncio.sleep(0.05)
-        assert seen["hung"], "the run never reached the hung point"
-        proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # the fake engine runs on this loop: keep it serving
-        _, err_bytes = proc.communicate(timeout=5)
+        rc, err = await interrupt_when(["profile", "--url", url, *FLAGS, *WIDE, "--retries", "0", "--out", str(out)],
+                                       lambda: bool(seen["hung"]), "the hung point")
     finally:
-        if proc.poll() is None:
-            proc.kill()
         await eng.stop()
-    err = err_bytes.decode()
-    assert proc.returncode == 130, err
+    assert rc == 130, err
     assert "Traceback" not in err
     partial = tmp_path / "p.partial.yaml"
     assert f"partial profile written to {partial}" in err.strip().splitlines()[-1]

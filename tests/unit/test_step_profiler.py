@@ -10,15 +10,24 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from fakes.interrupt import interrupt_when
 from fulcrum.errors import FulcrumError, ProfileError
 from fulcrum.worker.latency_table import StepLatencyTable
-from fulcrum.worker.step_profiler import _mixed_steps, profile_steps, stream_completion, table_from_metrics_text
+from fulcrum.worker.step_profiler import (
+    StepLog,
+    StepProfileStopped,
+    _mixed_steps,
+    profile_steps,
+    stream_completion,
+    table_from_metrics_text,
+)
 
 
 @dataclass
@@ -27,8 +36,10 @@ class FakeEngine:
 
     max_model_len: int = 1000
     mixed_on_try: int = 1
+    hang_after_prompts: int | None = None  # decodes sent after this many prompts never stream (a hung engine)
     decode_requests: list[dict[str, Any]] = field(default_factory=list)
     prompts: int = 0
+    hung: int = 0
 
     def metrics(self) -> str:
         lines = ['fulcrum_scheduler_step_table_seconds{prefill_tokens="0",context_tokens="64",decodes="2"} 0.002',
@@ -56,6 +67,9 @@ async def serve(engine: FakeEngine) -> AsyncIterator[str]:
             await resp.write(f"data: {chunk}\n\ndata: [DONE]\n\n".encode())
             return resp
         engine.decode_requests.append(body)
+        if engine.hang_after_prompts is not None and engine.prompts >= engine.hang_after_prompts:
+            engine.hung += 1
+            await asyncio.sleep(3600)  # cancelled when the client goes away (handler_cancellation)
         for _ in range(body["max_tokens"] // body.get("stream_interval", 1) + 1):  # until cancelled, or the cap
             await resp.write(f"data: {chunk}\n\n".encode())
             await asyncio.sleep(0.002)
@@ -67,7 +81,7 @@ async def serve(engine: FakeEngine) -> AsyncIterator[str]:
 
     app = web.Application()
     app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions), web.get("/metrics", metrics)])
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -167,3 +181,240 @@ def test_a_stream_chunk_that_is_not_a_json_object_is_a_fulcrum_error_not_a_trace
 
     with pytest.raises(FulcrumError, match="not a JSON object|broken stream"):
         asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------------------------ hung engines, Ctrl-C
+def test_a_composition_the_engine_never_answers_is_abandoned_after_its_budget_and_the_run_goes_on() -> None:
+    import time
+
+    engine = FakeEngine(hang_after_prompts=1)  # the first composition is measured, then the decodes hang
+    log, warnings = StepLog(), list[str]()
+    t0 = time.monotonic()
+    # before: no budget, the first hung composition waited the whole timeout_s, then the run failed
+    table = profile(engine, contexts=[64, 128, 256], point_timeout_s=1.0, stop_after_timeouts=0, log=log,
+                    warn=warnings.append)
+    assert time.monotonic() - t0 < 10
+    assert engine.hung == 4  # 2 compositions × 2 decodes, each cancelled after the budget
+    assert log.measured == [(64, 2, 256)] and log.stopped is None
+    assert [(comp, why) for comp, why in log.abandoned] == [
+        ((128, 2, 256), "budget of 1 s spent (--point-timeout-s)"),
+        ((256, 2, 256), "budget of 1 s spent (--point-timeout-s)")]
+    assert warnings == ["composition 256 beside 2 decodes (context 128): budget of 1 s spent (--point-timeout-s); "
+                        "abandoned", "composition 256 beside 2 decodes (context 256): budget of 1 s spent "
+                        "(--point-timeout-s); abandoned"]
+    assert _mixed_steps(table, 2, 256) == 1  # what the engine recorded is still read back
+
+
+def test_compositions_failed_by_timeout_in_a_row_stop_the_run_and_a_measured_one_restarts_the_count() -> None:
+    engine = FakeEngine(hang_after_prompts=1)
+    log = StepLog()
+    with pytest.raises(StepProfileStopped, match=r"^the engine stopped answering \(2 composition\(s\) in a row failed "
+                                                 r"by timeout, the last 256 beside 2 decodes \(context 256\): budget"):
+        profile(engine, contexts=[64, 128, 256, 512], point_timeout_s=1.0, stop_after_timeouts=2, log=log)
+    assert log.measured == [(64, 2, 256)] and len(log.abandoned) == 2
+    assert log.stopped is not None and log.stopped.startswith("the engine stopped answering")
+    assert log.not_measured == [(128, 2, 256), (256, 2, 256), (512, 2, 256)]
+    assert len(engine.decode_requests) == 2 + 2 + 2  # nothing was sent for context 512
+    assert log.partial_note() == (
+        f"PARTIAL: {log.stopped}; 1 of 4 compositions measured, not measured: 256 beside 2 decodes (context 128), "
+        "256 beside 2 decodes (context 256), 256 beside 2 decodes (context 512)")
+
+
+def test_a_request_timeout_is_a_timeout_and_by_default_the_first_one_stops_the_run_as_it_always_failed_it() -> None:
+    engine = FakeEngine(hang_after_prompts=0)
+    with pytest.raises(StepProfileStopped, match=r"1 composition\(s\) in a row failed by timeout, the last 256 beside "
+                                                 r"2 decodes \(context 64\): .*did not (stream|finish) within") as err:
+        profile(engine, timeout_s=0.5)
+    assert isinstance(err.value, FulcrumError)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"point_timeout_s": 0.0}, "point_timeout_s must be a positive number"),
+    ({"point_timeout_s": float("inf")}, "point_timeout_s must be a positive number"),
+    ({"stop_after_timeouts": -1}, "stop_after_timeouts must be >= 0"),
+])
+def test_a_bad_budget_is_rejected_before_any_request(kwargs: dict[str, Any], match: str) -> None:
+    engine = FakeEngine()
+    with pytest.raises(ValueError, match=match):
+        profile(engine, **kwargs)
+    assert engine.decode_requests == [] and engine.prompts == 0
+
+
+STEP_FLAGS = ["--model", "tiny", "--tp", "1", "--step-prefill", "256", "--step-decodes", "2", "--no-progress"]
+
+
+async def _step_cli(engine: FakeEngine, out: Path, *extra: str) -> int:
+    from fulcrum.cli import main
+
+    async with serve(engine) as url:
+        return await asyncio.to_thread(main, ["profile", "--url", url, "--scheduler-metrics", f"{url}/metrics",
+                                              *STEP_FLAGS, "--step-table", str(out), *extra])
+
+
+def _interrupt_on_composition(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Ctrl-C in the step profiler: its ``n``-th composition try raises KeyboardInterrupt (as a SIGINT does where
+    Python delivers it; the CLI runs in a worker thread here, where no signal arrives)."""
+    from fulcrum.worker import step_profiler
+
+    real = step_profiler._profile_composition
+    calls = {"n": 0}
+
+    async def composition(*args: Any, **kwargs: Any) -> bool:
+        calls["n"] += 1
+        if calls["n"] >= n:
+            raise KeyboardInterrupt
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(step_profiler, "_profile_composition", composition)
+
+
+@pytest.mark.asyncio
+async def test_a_complete_cli_run_writes_the_table_as_before_and_no_partial_file(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "t.json"
+    rc = await _step_cli(FakeEngine(), out, "--step-contexts", "64,128")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 0, err
+    assert err == [f"wrote {out}: 2 step buckets measured"]
+    assert list(json.loads(out.read_text())) == ["version", "alpha", "minPrefillTokens", "entries"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+@pytest.mark.asyncio
+async def test_ctrl_c_writes_what_the_engine_recorded_as_a_partial_step_table_and_exits_130(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = FakeEngine()
+    _interrupt_on_composition(monkeypatch, 2)  # the first composition is measured
+    out = tmp_path / "t.json"
+    out.write_text('{"old": "table"}')
+    rc = await _step_cli(engine, out, "--step-contexts", "64,128,256")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130, err
+    partial = tmp_path / "t.partial.json"
+    note = ("PARTIAL: interrupted (Ctrl-C); 1 of 3 compositions measured, not measured: 256 beside 2 decodes "
+            "(context 128), 256 beside 2 decodes (context 256)")
+    assert err == [f"fulcrum profile: interrupted: interrupted (Ctrl-C); partial step table written to {partial} "
+                   f"(2 step buckets); {note}"]
+    assert out.read_text() == '{"old": "table"}'  # an older table is not replaced by a partial one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.partial.json"]  # no temporary file left
+    table = StepLatencyTable.load(partial)  # the loader takes it: the marker keys are ignored
+    assert _mixed_steps(table, 2, 256) == 1 and len(table) == 2
+    data = json.loads(partial.read_text())
+    assert data["partial"] is True and data["stopped"] == "interrupted (Ctrl-C)"
+    assert data["note"] == note
+    assert data["notMeasured"] == [{"prefillTokens": 256, "decodes": 2, "contextTokens": 128},
+                                   {"prefillTokens": 256, "decodes": 2, "contextTokens": 256}]
+    assert data["entries"] == table.to_dict()["entries"]
+
+
+@pytest.mark.asyncio
+async def test_ctrl_c_before_any_composition_was_sent_says_nothing_was_kept_and_why(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fulcrum.worker import step_profiler
+
+    async def probe(*_: Any, **__: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(step_profiler, "probe_endpoint", probe)
+    rc = await _step_cli(FakeEngine(), tmp_path / "t.json", "--step-contexts", "64")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130
+    assert err == ["fulcrum profile: interrupted: interrupted (Ctrl-C); nothing kept: no composition was sent"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_second_ctrl_c_while_the_partial_table_is_written_aborts_and_leaves_no_file(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _interrupt_on_composition(monkeypatch, 2)
+    real_replace = Path.replace
+
+    def replace(self: Path, target: Any) -> Any:
+        if self.name.startswith(".t.partial.json"):
+            raise KeyboardInterrupt
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    rc = await _step_cli(FakeEngine(), tmp_path / "t.json", "--step-contexts", "64,128")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130
+    assert err == ["interrupted"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_stops_answering_stops_the_cli_run_and_keeps_what_it_recorded(
+        tmp_path: Path, capsys: Any) -> None:
+    import time
+
+    engine = FakeEngine(hang_after_prompts=1)
+    out = tmp_path / "t.json"
+    t0 = time.monotonic()
+    # before: the first hung composition waited the whole --request-timeout-s (20 s), then exit 2, nothing kept
+    rc = await _step_cli(engine, out, "--step-contexts", "64,128,256,512", "--request-timeout-s", "20",
+                         "--point-timeout-s", "1", "--stop-after-timeouts", "2")
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err
+    assert took < 10, took
+    partial = tmp_path / "t.partial.json"
+    stopped = ("the engine stopped answering (2 composition(s) in a row failed by timeout, the last 256 beside 2 "
+               "decodes (context 256): budget of 1 s spent (--point-timeout-s))")
+    assert err[-1] == (f"fulcrum profile: error: {stopped}; partial step table written to {partial} (2 step buckets); "
+                       f"PARTIAL: {stopped}; 1 of 4 compositions measured, not measured: 256 beside 2 decodes "
+                       "(context 128), 256 beside 2 decodes (context 256), 256 beside 2 decodes (context 512)")
+    assert err[:-1] == [
+        "fulcrum profile: warning: composition 256 beside 2 decodes (context 128): budget of 1 s spent "
+        "(--point-timeout-s); abandoned",
+        "fulcrum profile: warning: composition 256 beside 2 decodes (context 256): budget of 1 s spent "
+        "(--point-timeout-s); abandoned",
+        f"fulcrum profile: warning: {stopped}; stopping"]
+    assert not out.exists()
+    assert _mixed_steps(StepLatencyTable.load(partial), 2, 256) == 1
+    assert json.loads(partial.read_text())["stopped"] == stopped
+
+
+@pytest.mark.asyncio
+async def test_compositions_abandoned_without_stopping_are_named_when_the_complete_table_is_written(
+        tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "t.json"
+    rc = await _step_cli(FakeEngine(hang_after_prompts=1), out, "--step-contexts", "64,128",
+                         "--point-timeout-s", "1", "--stop-after-timeouts", "0")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 0, err
+    assert err[-1] == (f"wrote {out}: 2 step buckets measured; 1 of 2 compositions abandoned by timeout, their mixed "
+                       "steps may be missing")
+    assert "partial" not in json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--point-timeout-s", "0"], "--point-timeout-s must be a positive number"),
+    (["--request-timeout-s", "nan"], "--request-timeout-s must be a positive number"),
+    (["--point-timeout-s", "inf"], "--point-timeout-s must be a positive number"),
+    (["--stop-after-timeouts", "-1"], "--stop-after-timeouts must be >= 0"),
+])
+def test_the_step_table_mode_checks_its_budget_flags_before_measuring(tmp_path: Path, capsys: Any,
+                                                                      flags: list[str], match: str) -> None:
+    from fulcrum.cli import main
+
+    rc = main(["profile", "--url", "http://127.0.0.1:9", "--scheduler-metrics", "http://127.0.0.1:9/metrics",
+               *STEP_FLAGS, "--step-table", str(tmp_path / "t.json"), *flags])
+    assert rc == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_a_real_sigint_mid_run_keeps_the_recorded_step_table_and_exits_130(tmp_path: Path) -> None:
+    engine = FakeEngine(hang_after_prompts=1)  # the run waits on the second composition until interrupted
+    out = tmp_path / "t.json"
+    async with serve(engine) as url:
+        rc, err = await interrupt_when(["profile", "--url", url, "--scheduler-metrics", f"{url}/metrics", *STEP_FLAGS,
+                                        "--step-contexts", "64,128,256", "--step-table", str(out)],
+                                       lambda: engine.hung, "the hung composition")
+    assert rc == 130, err
+    assert "Traceback" not in err
+    partial = tmp_path / "t.partial.json"
+    assert err.strip().splitlines()[-1].startswith(
+        f"fulcrum profile: interrupted: interrupted (Ctrl-C); partial step table written to {partial} (2 step "
+        "buckets); PARTIAL: interrupted (Ctrl-C); 1 of 3 compositions measured")
+    assert _mixed_steps(StepLatencyTable.load(partial), 2, 256) == 1
+    assert not out.exists()

@@ -14,7 +14,12 @@ With ``--step-table FILE`` it runs the offline mode of the SLO-aware scheduler's
 fulcrum.worker.slo_scheduler.SLOAwareScheduler`` with ``FULCRUM_SCHEDULER_METRICS_PORT`` and no
 ``FULCRUM_TPOT_SLO_MS``; mixed loads over ``--step-prefill`` × ``--step-decodes`` × ``--step-contexts`` make it
 record every step, and the table it recorded (read from ``--scheduler-metrics``) is written as JSON, ready for
-``FULCRUM_STEP_TABLE``.
+``FULCRUM_STEP_TABLE``. Each composition has a wall-clock budget (``--point-timeout-s``, default 2 ×
+``--request-timeout-s``); one that spends it, or whose request times out, is abandoned, and ``--stop-after-timeouts``
+in a row stop the run (exit 1). A run that ends early (that, or Ctrl-C: exit 130) reads the table the engine
+recorded so far and writes it to ``<name>.partial.json`` beside ``--step-table``, marked partial (top-level
+``partial``, ``stopped``, ``note`` and ``notMeasured``, which the table loader ignores); one line says where, or
+that nothing was kept and why.
 
 Each point has a wall-clock budget (``--point-timeout-s``, default ``(--repeats + 1) × --request-timeout-s``):
 when it is spent the point is abandoned and reported (kept if some repeats were measured, else skipped). After
@@ -40,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import math
 import os
 import re
@@ -47,12 +53,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from fulcrum.commands import check_writable_file
-from fulcrum.errors import ProfileError
+from fulcrum.errors import FulcrumError, ProfileError
 from fulcrum.worker.profiler import (
     GPU_PRESETS,
     MeasureLog,
@@ -69,6 +75,9 @@ from fulcrum.worker.profiler import (
     render_profile_yaml,
     resolve_memory,
 )
+
+if TYPE_CHECKING:  # the step-table mode imports its module when it runs
+    from fulcrum.worker.step_profiler import StepLog
 
 __all__ = ["add_parser", "run"]
 
@@ -90,10 +99,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="limit per request or batch, s (default 300)")
     p.add_argument("--point-timeout-s", type=float,
                    help="wall-clock budget of one point (every repeat and retry), s; when spent the point is "
-                        "abandoned (default (--repeats + 1) × --request-timeout-s)")
+                        "abandoned (default (--repeats + 1) × --request-timeout-s); with --step-table: of one "
+                        "composition (every rerun; default 2 × --request-timeout-s)")
     p.add_argument("--stop-after-timeouts", type=int, default=3, metavar="N",
-                   help="stop the run, keeping what was measured, after N points in a row failed by timeout "
-                        "(the engine stopped answering; default 3, 0 = never)")
+                   help="stop the run, keeping what was measured, after N points (--step-table: compositions) in a "
+                        "row failed by timeout (the engine stopped answering; default 3, 0 = never)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests (default 1)")
     p.add_argument("--out", default="profile.yaml", help="profile file to write, .yaml (default profile.yaml; - = stdout)")
     p.add_argument("--name", help="profile name (default <model>-tp<tp>, made a valid name)")
@@ -123,23 +133,88 @@ def add_parser(sub: Any) -> None:
 
 
 def _run_step_table(args: argparse.Namespace) -> int:
-    """The offline mode of the step latency table (Libra Alg. 2): sweep mixed loads, write the recorded table."""
-    from fulcrum.worker.step_profiler import profile_steps
+    """The offline mode of the step latency table (Libra Alg. 2): sweep mixed loads, write the recorded table.
+
+    Each composition has a wall-clock budget of ``--point-timeout-s`` (default 2 × ``--request-timeout-s``: the
+    first try may use a whole request timeout, plus one rerun's worth); after ``--stop-after-timeouts``
+    compositions in a row failed by timeout the run stops. A run that ends early (Ctrl-C: 130; the engine stopped
+    answering: 1) keeps what the engine recorded (:func:`_keep_partial_steps`)."""
+    from fulcrum.worker.step_profiler import StepLog, StepProfileStopped, profile_steps
 
     if not args.scheduler_metrics or not args.scheduler_metrics.startswith(("http://", "https://")):
         raise ValueError("--step-table needs --scheduler-metrics http://HOST:PORT/metrics (the engine core's "
                          "FULCRUM_SCHEDULER_METRICS_PORT)")
     if Path(args.step_table).suffix.lower() != ".json":
         raise ValueError(f"--step-table must be a .json file, got {args.step_table!r}")
+    for flag in ("request_timeout_s", "point_timeout_s"):
+        v = getattr(args, flag)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {v}")
+    budget = args.point_timeout_s if args.point_timeout_s is not None else 2 * args.request_timeout_s
+    if args.stop_after_timeouts < 0:
+        raise ValueError(f"--stop-after-timeouts must be >= 0, got {args.stop_after_timeouts}")
     check_writable_file(args.step_table, "--step-table")
-    table = asyncio.run(profile_steps(
-        args.url, args.scheduler_metrics, model=args.model, prefill_tokens=_ints("step-prefill", args.step_prefill),
-        decode_counts=_ints("step-decodes", args.step_decodes), contexts=_ints("step-contexts", args.step_contexts),
-        timeout_s=args.request_timeout_s,
-    ))
+
+    def warn(msg: str) -> None:
+        print(f"fulcrum profile: warning: {msg}", file=sys.stderr)
+
+    log = StepLog()  # filled as compositions finish: Ctrl-C keeps what the engine recorded
+    try:
+        table = asyncio.run(profile_steps(
+            args.url, args.scheduler_metrics, model=args.model,
+            prefill_tokens=_ints("step-prefill", args.step_prefill),
+            decode_counts=_ints("step-decodes", args.step_decodes),
+            contexts=_ints("step-contexts", args.step_contexts),
+            timeout_s=args.request_timeout_s, point_timeout_s=budget, stop_after_timeouts=args.stop_after_timeouts,
+            log=log, warn=warn,
+        ))
+    except KeyboardInterrupt:
+        # asyncio.run has cancelled the run (its decodes are cancelled); a second Ctrl-C from here on aborts
+        log.stopped = "interrupted (Ctrl-C)"
+        return _keep_partial_steps(args, log, 130)
+    except StepProfileStopped:
+        return _keep_partial_steps(args, log, 1)
     _save_or_keep(args.step_table, "--step-table", "fulcrum-step-table-", table.save)
-    print(f"wrote {args.step_table}: {len(table.to_dict().get('entries', []))} step buckets measured", file=sys.stderr)
+    abandoned = (f"; {len(log.abandoned)} of {len(log.compositions)} compositions abandoned by timeout, their mixed "
+                 "steps may be missing" if log.abandoned else "")
+    print(f"wrote {args.step_table}: {len(table.to_dict().get('entries', []))} step buckets measured{abandoned}",
+          file=sys.stderr)
     return 0
+
+
+def _keep_partial_steps(args: argparse.Namespace, log: StepLog, rc: int) -> int:
+    """A step-table run that ended early (``log.stopped``, a :class:`~fulcrum.worker.step_profiler.StepLog`): read
+    the table the engine recorded so far from ``--scheduler-metrics`` and write it beside ``--step-table`` as
+    ``<name>.partial.json``, marked partial (top-level ``partial``, ``stopped``, ``note`` and ``notMeasured``, which
+    the table loader ignores: JSON has no comments); print one line saying where, or that nothing was kept and
+    why. Returns ``rc`` (130 interrupted, 1 the engine stopped answering)."""
+    from fulcrum.worker.step_profiler import read_table
+
+    head = "interrupted" if rc == 130 else "error"
+    if not log.sent:
+        print(f"fulcrum profile: {head}: {log.stopped}; nothing kept: no composition was sent", file=sys.stderr)
+        return rc
+    try:
+        table = asyncio.run(read_table(args.scheduler_metrics, allow_empty=True))
+    except FulcrumError as err:
+        print(f"fulcrum profile: {head}: {log.stopped}; nothing kept: {err}", file=sys.stderr)
+        return rc
+    if not len(table):
+        print(f"fulcrum profile: {head}: {log.stopped}; nothing kept: the engine has recorded no step yet",
+              file=sys.stderr)
+        return rc
+    note = log.partial_note()
+    text = json.dumps({**log.partial_marker(), **table.to_dict()}, indent=1)
+    path = _partial_path(args.step_table)
+    try:
+        _write(path, text, "--step-table", announce=False, prefix="fulcrum-step-table-")
+    except OSError as err:  # kept in the temporary folder; the message names the file
+        print(f"fulcrum profile: {head}: {log.stopped}; partial step table not written to {path}: {err}",
+              file=sys.stderr)
+        return rc
+    print(f"fulcrum profile: {head}: {log.stopped}; partial step table written to {path} ({len(table)} step "
+          f"buckets); {note}", file=sys.stderr)
+    return rc
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
@@ -204,10 +279,10 @@ def _save_or_keep(path: str, flag: str, prefix: str, save: Callable[[Path], None
         raise OSError(f"{flag} {path}: cannot write ({err.strerror or err}); saved to {saved} instead") from err
 
 
-def _write(path: str, text: str, flag: str, *, announce: bool = True) -> None:
+def _write(path: str, text: str, flag: str, *, announce: bool = True, prefix: str = "fulcrum-profile-") -> None:
     """Write ``text`` to ``path`` (``-``: standard output) through a sibling temporary file and a rename, so a
     failed (or interrupted) write never leaves half a file nor spoils an older one. ``announce``: print
-    ``wrote PATH``.
+    ``wrote PATH``; ``prefix``: of the file in the temporary folder when ``path`` cannot be written.
 
     Raises:
         OSError: the file cannot be written; the text is kept elsewhere (:func:`_save_or_keep`).
@@ -227,13 +302,14 @@ def _write(path: str, text: str, flag: str, *, announce: bool = True) -> None:
                 tmp.unlink(missing_ok=True)
             raise
 
-    _save_or_keep(path, flag, "fulcrum-profile-", save)
+    _save_or_keep(path, flag, prefix, save)
     if announce:
         print(f"wrote {path}", file=sys.stderr)
 
 
 def _partial_path(out: str) -> str:
-    """Where a partial profile goes: ``<out stem>.partial<suffix>`` beside ``--out`` (``-`` stays ``-``)."""
+    """Where a partial profile (or step table) goes: ``<out stem>.partial<suffix>`` beside ``--out`` (or
+    ``--step-table``; ``-`` stays ``-``)."""
     if out == "-":
         return out
     p = Path(out)
