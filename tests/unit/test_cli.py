@@ -668,6 +668,10 @@ def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(
     monkeypatch.setenv("KUBECONFIG", "unset")  # the operator exports --kubeconfig; the test's environment comes back
     line = run_error(capsys, ["operator", "--kubeconfig", str(bad)])
     assert line == f"fulcrum operator: error: no Kubernetes credentials: {bad}:{YAML_PROBLEM}"
+    dated = tmp_path / "dated.yaml"  # a timestamp PyYAML cannot build: a bare ValueError, no mark
+    dated.write_text("apiVersion: v1\nkind: Config\ncreated: 2024-13-45\n")
+    line = run_error(capsys, ["operator", "--kubeconfig", str(dated)])
+    assert line == f"fulcrum operator: error: no Kubernetes credentials: {dated}: not valid YAML: month must be in 1..12"
 
 
 def test_a_folder_given_as_a_trace_or_a_profile_is_named_as_a_folder(

@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         where, what = yaml_problem(err)
         source = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
         raise ValueError(f"no Kubernetes credentials: {source}{where}: not valid YAML: {what}") from err
+    except ValueError as err:  # a timestamp PyYAML matches but cannot build (2024-13-45): no YAMLError, no mark
+        source = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise ValueError(f"no Kubernetes credentials: {source}: not valid YAML: {' '.join(str(err).split())}") from err
     except Exception as err:  # kubernetes.config.ConfigException, a missing or malformed file
         raise ValueError(f"no Kubernetes credentials: {' '.join(str(err).split())}") from err
     # Only once the command line and the credentials are good: kopf.configure adds a handler to the root logger
