@@ -19,9 +19,10 @@ API::
 Each composition has a wall-clock budget (``point_timeout_s``, all its tries); one that spends it, or whose
 request, stream or metrics read times out (:class:`StepTimeout`), is abandoned; after ``stop_after_timeouts``
 compositions in a row failed by timeout the run stops (:class:`StepProfileStopped`: the engine stopped
-answering). A :class:`StepLog` records the compositions as they go, so a caller whose run was interrupted
-(Ctrl-C) or stopped can still read what the engine recorded (:func:`read_table`) and say what is missing
-(:meth:`StepLog.partial_note`).
+answering). A composition that fails otherwise (an HTTP error, a broken stream, no mixed step after every rerun)
+ends the run with that error, ``StepLog.stopped`` naming it. A :class:`StepLog` records the compositions as they
+go, so a caller whose run was interrupted (Ctrl-C), stopped or failed can still read what the engine recorded
+(:func:`read_table`) and say what is missing (:meth:`StepLog.partial_note`).
 
 Adapter code (worker layer): aiohttp client.
 """
@@ -95,8 +96,8 @@ class StepLog:
         sent: a composition's requests went out to the engine (it may have recorded steps of this run).
         measured: compositions whose mixed step the engine recorded.
         abandoned: compositions that failed by timeout, each with why.
-        stopped: why the run stopped early (set by :func:`profile_steps` when the engine stopped answering; the
-            caller sets it for an interrupted run), or None.
+        stopped: why the run stopped early (set by :func:`profile_steps` when the engine stopped answering or a
+            composition failed; the caller sets it for an interrupted run), or None.
     """
 
     compositions: list[Composition] = field(default_factory=list)
@@ -399,8 +400,9 @@ async def profile_steps(
     bucket gained a step). ``decode_tokens`` caps each decode (tokens): it only has to outlast the prompt's
     admission; when the mixed step is missing (a decode reached the cap first), the composition is run again
     with twice the cap, at most the engine's ``max_model_len`` (``/v1/models``) less the context (``retries``
-    reruns at most). The decodes stream one chunk per ``stream_interval`` tokens (vLLM's per-request
-    ``stream_interval``), a sixteenth of the API server's per-token work at the default.
+    reruns at most, >= 0; ``fulcrum profile --step-table`` passes ``--retries``, default 4). The decodes stream
+    one chunk per ``stream_interval`` tokens (vLLM's per-request ``stream_interval``), a sixteenth of the API
+    server's per-token work at the default.
 
     Why the reruns: a fast engine (a small model on a CPU: ~2 ms a step) can outrun its own API server, which
     then stops taking new requests and sending tokens until the running ones end (seen with vLLM 0.32's CPU
@@ -419,18 +421,20 @@ async def profile_steps(
     (:class:`StepTimeout`), is abandoned (its requests cancelled; ``warn`` is told, ``log.abandoned`` records it)
     and the run goes on with the next; after ``stop_after_timeouts`` compositions in a row failed by timeout (a
     measured one restarts the count; 0 = never stop) it raises :class:`StepProfileStopped`. The default, 1, stops
-    at the first timeout, as this function always did. Pass ``log`` (a fresh :class:`StepLog`) to know, after an
-    interrupted or stopped run, which compositions were measured; the table itself stays in the engine
-    (:func:`read_table`).
+    at the first timeout, as this function always did. A composition that fails otherwise (an HTTP error, a broken
+    stream or metrics read, no mixed step after every rerun) ends the run: the error is raised as it was, with
+    ``log.stopped`` set to ``composition <p> beside <d> decodes (context <c>) failed: <error>``. Pass ``log`` (a
+    fresh :class:`StepLog`) to know, after an interrupted, stopped or failed run, which compositions were measured
+    (``log.sent``: whether any request went out); the table itself stays in the engine (:func:`read_table`).
 
     Raises:
-        ValueError: an empty or non-positive grid, ``decode_tokens`` < 8, ``stream_interval`` < 1, a budget that
-            is not a positive number, ``stop_after_timeouts`` < 0, or a context or prompt that the engine's
-            ``max_model_len`` cannot hold.
+        ValueError: an empty or non-positive grid, ``decode_tokens`` < 8, ``stream_interval`` < 1, ``retries`` < 0,
+            a budget that is not a positive number, ``stop_after_timeouts`` < 0, or a context or prompt that the
+            engine's ``max_model_len`` cannot hold.
         ProfileError: the endpoint does not answer ``/v1/models`` or does not serve ``model``.
         StepProfileStopped: ``stop_after_timeouts`` compositions in a row failed by timeout.
         FulcrumError: a request fails otherwise, a composition's mixed step was still missing after ``retries``
-            reruns, or the metrics hold no table.
+            reruns (``log.stopped`` says which composition, for both), or the metrics hold no table.
     """
     grids = {"prefill_tokens": prefill_tokens, "decode_counts": decode_counts, "contexts": contexts}
     for name, grid in grids.items():
@@ -440,6 +444,8 @@ async def profile_steps(
         raise ValueError(f"decode_tokens must be >= 8 (the decodes stream before and after the prompt), got {decode_tokens}")
     if stream_interval < 1:
         raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
     if point_timeout_s is not None and not (math.isfinite(point_timeout_s) and point_timeout_s > 0):
         raise ValueError(f"point_timeout_s must be a positive number of seconds, got {point_timeout_s}")
     if stop_after_timeouts < 0:
@@ -485,15 +491,18 @@ async def profile_steps(
             else:
                 try:
                     measured = task.result()
-                except StepTimeout as err:
-                    why = str(err)
-                else:
                     if not measured:
                         raise FulcrumError(
                             f"the {p}-token prompt did not prefill beside the {d} decodes (context {c}) in {retries + 1} "
                             f"tries (decode caps {caps} tokens): the engine's table has no such step. Is the engine "
-                            f"overloaded (raise decode_tokens or retries), or --max-num-batched-tokens below {p + d} "
-                            f"(the prompt was chunked)?")
+                            f"overloaded (raise retries, --retries, or decode_tokens), or --max-num-batched-tokens "
+                            f"below {p + d} (the prompt was chunked)?")
+                except StepTimeout as err:
+                    why = str(err)
+                except FulcrumError as err:
+                    # the run ends here; the caller keeps what the engine recorded so far (log.sent is set)
+                    log.stopped = f"composition {composition_name(comp)} failed: {err}"
+                    raise
             if why is None:
                 log.measured.append(comp)
                 in_a_row = 0

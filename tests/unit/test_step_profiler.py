@@ -37,14 +37,19 @@ class FakeEngine:
     max_model_len: int = 1000
     mixed_on_try: int = 1
     hang_after_prompts: int | None = None  # decodes sent after this many prompts never stream (a hung engine)
+    fail_after_prompts: int | None = None  # prompts sent after this many answer HTTP 500 (an engine error)
+    unmixed_after_prompts: int | None = None  # prompts after this many prefill alone: no mixed step recorded
+    failing_metrics_reads: set[int] = field(default_factory=set)  # these metrics reads (1 = the first) answer 500
     decode_requests: list[dict[str, Any]] = field(default_factory=list)
     prompts: int = 0
     hung: int = 0
+    metrics_reads: int = 0
 
     def metrics(self) -> str:
         lines = ['fulcrum_scheduler_step_table_seconds{prefill_tokens="0",context_tokens="64",decodes="2"} 0.002',
                  'fulcrum_scheduler_step_table_samples{prefill_tokens="0",context_tokens="64",decodes="2"} 10']
-        mixed = max(0, self.prompts - self.mixed_on_try + 1)
+        mixing = self.prompts if self.unmixed_after_prompts is None else min(self.prompts, self.unmixed_after_prompts)
+        mixed = max(0, mixing - self.mixed_on_try + 1)
         if mixed:
             labels = 'prefill_tokens="256",context_tokens="128",decodes="2"'
             lines += [f"fulcrum_scheduler_step_table_seconds{{{labels}}} 0.01",
@@ -59,6 +64,9 @@ async def serve(engine: FakeEngine) -> AsyncIterator[str]:
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if (body["max_tokens"] == 1 and engine.fail_after_prompts is not None
+                and engine.prompts >= engine.fail_after_prompts):
+            return web.Response(status=500, text="boom")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chunk = json.dumps({"choices": [{"text": "x"}]})
@@ -77,6 +85,9 @@ async def serve(engine: FakeEngine) -> AsyncIterator[str]:
         return resp
 
     async def metrics(_: web.Request) -> web.Response:
+        engine.metrics_reads += 1
+        if engine.metrics_reads in engine.failing_metrics_reads:
+            return web.Response(status=500, text="metrics down")
         return web.Response(text=engine.metrics())
 
     app = web.Application()
@@ -232,6 +243,7 @@ def test_a_request_timeout_is_a_timeout_and_by_default_the_first_one_stops_the_r
     ({"point_timeout_s": 0.0}, "point_timeout_s must be a positive number"),
     ({"point_timeout_s": float("inf")}, "point_timeout_s must be a positive number"),
     ({"stop_after_timeouts": -1}, "stop_after_timeouts must be >= 0"),
+    ({"retries": -1}, "retries must be >= 0"),
 ])
 def test_a_bad_budget_is_rejected_before_any_request(kwargs: dict[str, Any], match: str) -> None:
     engine = FakeEngine()
@@ -391,6 +403,7 @@ async def test_compositions_abandoned_without_stopping_are_named_when_the_comple
     (["--request-timeout-s", "nan"], "--request-timeout-s must be a positive number"),
     (["--point-timeout-s", "inf"], "--point-timeout-s must be a positive number"),
     (["--stop-after-timeouts", "-1"], "--stop-after-timeouts must be >= 0"),
+    (["--retries", "-1"], "--retries must be >= 0, got -1"),  # before: ignored, the run went on
 ])
 def test_the_step_table_mode_checks_its_budget_flags_before_measuring(tmp_path: Path, capsys: Any,
                                                                       flags: list[str], match: str) -> None:
@@ -418,3 +431,166 @@ async def test_a_real_sigint_mid_run_keeps_the_recorded_step_table_and_exits_130
         "buckets); PARTIAL: interrupted (Ctrl-C); 1 of 3 compositions measured")
     assert _mixed_steps(StepLatencyTable.load(partial), 2, 256) == 1
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------- other failures mid-run, and --retries
+def test_a_composition_that_fails_otherwise_ends_the_run_with_its_error_and_the_log_names_it() -> None:
+    engine = FakeEngine(fail_after_prompts=1)  # the first composition is measured, the second prompt answers 500
+    log = StepLog()
+    with pytest.raises(FulcrumError, match="answered HTTP 500: boom") as err:
+        profile(engine, contexts=[64, 128, 256], log=log)
+    assert not isinstance(err.value, StepProfileStopped)
+    assert log.sent and log.measured == [(64, 2, 256)] and log.abandoned == []
+    # before: stopped stayed None, and nothing said which composition failed
+    assert log.stopped is not None and log.stopped.startswith("composition 256 beside 2 decodes (context 128) "
+                                                              "failed: http://127.0.0.1:")
+    assert log.stopped.endswith("answered HTTP 500: boom")
+    assert log.not_measured == [(128, 2, 256), (256, 2, 256)]
+
+
+@pytest.mark.asyncio
+async def test_an_http_error_mid_run_keeps_what_the_engine_recorded_and_exits_1(tmp_path: Path, capsys: Any) -> None:
+    engine = FakeEngine(fail_after_prompts=1)
+    out = tmp_path / "t.json"
+    out.write_text('{"old": "table"}')
+    # before: exit 2, one line "fulcrum profile: error: http://... answered HTTP 500: boom", nothing kept
+    rc = await _step_cli(engine, out, "--step-contexts", "64,128,256")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err
+    assert len(err) == 1, err
+    partial = tmp_path / "t.partial.json"
+    data = json.loads(partial.read_text())
+    stopped = data["stopped"]
+    assert stopped.startswith("composition 256 beside 2 decodes (context 128) failed: http://127.0.0.1:")
+    assert stopped.endswith("answered HTTP 500: boom")
+    note = (f"PARTIAL: {stopped}; 1 of 3 compositions measured, not measured: 256 beside 2 decodes (context 128), "
+            "256 beside 2 decodes (context 256)")
+    assert err == [f"fulcrum profile: error: {stopped}; partial step table written to {partial} (2 step buckets); "
+                   f"{note}"]
+    assert data["partial"] is True and data["note"] == note
+    assert data["notMeasured"] == [{"prefillTokens": 256, "decodes": 2, "contextTokens": 128},
+                                   {"prefillTokens": 256, "decodes": 2, "contextTokens": 256}]
+    assert _mixed_steps(StepLatencyTable.load(partial), 2, 256) == 1
+    assert out.read_text() == '{"old": "table"}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.partial.json"]
+    assert engine.prompts == 1  # nothing more was sent after the failure
+
+
+@pytest.mark.asyncio
+async def test_no_mixed_step_after_the_reruns_of_retries_keeps_what_the_engine_recorded_and_exits_1(
+        tmp_path: Path, capsys: Any) -> None:
+    engine = FakeEngine(unmixed_after_prompts=1)  # the second composition never gets its mixed step
+    out = tmp_path / "t.json"
+    # before: --retries was ignored (always 4 reruns: 5 tries), then exit 2 and nothing kept
+    rc = await _step_cli(engine, out, "--step-contexts", "64,128", "--retries", "1")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err
+    assert engine.prompts == 1 + 2  # the first composition, then 2 tries of the second
+    assert [r["max_tokens"] for r in engine.decode_requests] == [256] * 2 + [256] * 2 + [512] * 2
+    partial = tmp_path / "t.partial.json"
+    stopped = ("composition 256 beside 2 decodes (context 128) failed: the 256-token prompt did not prefill beside "
+               "the 2 decodes (context 128) in 2 tries (decode caps [256, 512] tokens): the engine's table has no "
+               "such step.")
+    assert len(err) == 1 and err[0].startswith(f"fulcrum profile: error: {stopped}")
+    assert f"; partial step table written to {partial} (2 step buckets); PARTIAL: {stopped}" in err[0]
+    assert err[0].endswith("; 1 of 2 compositions measured, not measured: 256 beside 2 decodes (context 128)")
+    data = json.loads(partial.read_text())
+    assert data["stopped"].startswith(stopped) and data["partial"] is True
+    assert not out.exists()
+
+
+@pytest.mark.asyncio
+async def test_without_retries_the_step_table_mode_still_reruns_a_composition_4_times(tmp_path: Path,
+                                                                                       capsys: Any) -> None:
+    engine = FakeEngine(unmixed_after_prompts=0)  # no composition ever gets its mixed step
+    rc = await _step_cli(engine, tmp_path / "t.json", "--step-contexts", "128")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err  # before: 2, nothing kept
+    assert engine.prompts == 5  # today's default kept: 4 reruns, not the profile mode's 2
+    assert [r["max_tokens"] for r in engine.decode_requests] == [256] * 2 + [512] * 2 + [872] * 6
+    assert "in 5 tries (decode caps [256, 512, 872, 872, 872] tokens)" in err[0]
+    assert f"partial step table written to {tmp_path / 't.partial.json'} (1 step buckets)" in err[0]
+
+
+@pytest.mark.asyncio
+async def test_retries_0_tries_a_composition_once(tmp_path: Path, capsys: Any) -> None:
+    engine = FakeEngine(mixed_on_try=2)  # the first try misses the mixed step, a rerun would find it
+    rc = await _step_cli(engine, tmp_path / "t.json", "--step-contexts", "64", "--retries", "0")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err  # before: the rerun measured it (exit 0): --retries 0 was ignored
+    assert engine.prompts == 1
+    assert "in 1 tries (decode caps [256] tokens)" in err[0]
+
+
+@pytest.mark.asyncio
+async def test_a_table_that_cannot_be_read_after_the_last_composition_is_kept_when_a_second_read_works(
+        tmp_path: Path, capsys: Any) -> None:
+    # the endpoint probe, before and after the composition, then the final read fails (the re-read works)
+    engine = FakeEngine(failing_metrics_reads={4})
+    out = tmp_path / "t.json"
+    rc = await _step_cli(engine, out, "--step-contexts", "64")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err  # before: exit 2, nothing kept
+    partial = tmp_path / "t.partial.json"
+    stopped = f"{engine_url_of(err[0])}/metrics answered HTTP 500"
+    assert err == [f"fulcrum profile: error: {stopped}; partial step table written to {partial} (2 step buckets); "
+                   f"PARTIAL: {stopped}; 1 of 1 compositions measured"]
+    assert _mixed_steps(StepLatencyTable.load(partial), 2, 256) == 1
+    assert not out.exists()
+
+
+def engine_url_of(line: str) -> str:
+    """The fake engine's base URL, as a message names it (its port is chosen at random)."""
+    start = line.index("http://127.0.0.1:")
+    end = line.index("/", start + len("http://"))
+    return line[start:end]
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--url", "http://127.0.0.1:9", "--scheduler-metrics", "http://127.0.0.1:9/metrics"], "http://127.0.0.1:9"),
+])
+def test_an_unreachable_engine_is_still_an_error_before_anything_is_sent(
+        tmp_path: Path, capsys: Any, argv: list[str], match: str) -> None:
+    from fulcrum.cli import main
+
+    rc = main(["profile", *argv, *STEP_FLAGS, "--step-table", str(tmp_path / "t.json"), "--step-contexts", "64",
+               "--request-timeout-s", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("fulcrum profile: error: ") and match in err[0]
+    assert "partial" not in err[0] and "nothing kept" not in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_model_the_engine_does_not_serve_is_still_an_error_before_anything_is_sent(
+        tmp_path: Path, capsys: Any) -> None:
+    from fulcrum.cli import main
+
+    engine = FakeEngine()
+    async with serve(engine) as url:
+        rc = await asyncio.to_thread(main, ["profile", "--url", url, "--scheduler-metrics", f"{url}/metrics",
+                                            *STEP_FLAGS, "--model", "other", "--step-table", str(tmp_path / "t.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("fulcrum profile: error: ") and "does not serve model 'other'" in err[0]
+    assert list(tmp_path.iterdir()) == [] and engine.prompts == 0 and engine.decode_requests == []
+
+
+@pytest.mark.parametrize(("flags", "retries"), [([], 2), (["--retries", "0"], 0), (["--retries", "5"], 5)])
+def test_the_profile_mode_keeps_its_retries_default_of_2(monkeypatch: pytest.MonkeyPatch, capsys: Any,
+                                                          tmp_path: Path, flags: list[str], retries: int) -> None:
+    from fulcrum.cli import main
+    from fulcrum.commands import profile as command
+
+    grids: list[Any] = []
+
+    async def measure(*args: Any, **_: Any) -> Any:
+        grids.append(args[3])
+        raise KeyboardInterrupt  # the run ends here: nothing measured
+
+    monkeypatch.setattr(command, "measure", measure)
+    rc = main(["profile", "--url", "http://127.0.0.1:9", "--model", "m", "--tp", "1", "--gpu", "H100",
+               "--weight-gib", "1", "--no-progress", "--out", str(tmp_path / "p.yaml"), *flags])
+    assert rc == 130, capsys.readouterr().err
+    assert [g.retries for g in grids] == [retries]

@@ -14,12 +14,14 @@ With ``--step-table FILE`` it runs the offline mode of the SLO-aware scheduler's
 fulcrum.worker.slo_scheduler.SLOAwareScheduler`` with ``FULCRUM_SCHEDULER_METRICS_PORT`` and no
 ``FULCRUM_TPOT_SLO_MS``; mixed loads over ``--step-prefill`` × ``--step-decodes`` × ``--step-contexts`` make it
 record every step, and the table it recorded (read from ``--scheduler-metrics``) is written as JSON, ready for
-``FULCRUM_STEP_TABLE``. Each composition has a wall-clock budget (``--point-timeout-s``, default 2 ×
+``FULCRUM_STEP_TABLE``. A composition whose mixed step is missing is rerun with a larger decode cap, ``--retries``
+times at most (default 4 in this mode). Each composition has a wall-clock budget (``--point-timeout-s``, default 2 ×
 ``--request-timeout-s``); one that spends it, or whose request times out, is abandoned, and ``--stop-after-timeouts``
-in a row stop the run (exit 1). A run that ends early (that, or Ctrl-C: exit 130) reads the table the engine
-recorded so far and writes it to ``<name>.partial.json`` beside ``--step-table``, marked partial (top-level
-``partial``, ``stopped``, ``note`` and ``notMeasured``, which the table loader ignores); one line says where, or
-that nothing was kept and why.
+in a row stop the run (exit 1); a composition that fails otherwise (an HTTP error, no mixed step after every
+rerun) ends it too (exit 1). A run that ends early once a composition was sent (those, or Ctrl-C: exit 130) reads
+the table the engine recorded so far and writes it to ``<name>.partial.json`` beside ``--step-table``, marked
+partial (top-level ``partial``, ``stopped``, ``note`` and ``notMeasured``, which the table loader ignores); one line
+says why, and where, or that nothing was kept and why.
 
 Each point has a wall-clock budget (``--point-timeout-s``, default ``(--repeats + 1) × --request-timeout-s``):
 when it is spent the point is abandoned and reported (kept if some repeats were measured, else skipped). After
@@ -35,8 +37,8 @@ it is written aborts.
 
 Exit codes: 0 written; 1 the run measured too little for a profile (fewer than 2 points on an axis; the
 message says which points failed and why), or the engine stopped answering (a partial profile may have been
-written); 2 bad input or an unreachable endpoint; 130 interrupted (Ctrl-C; a partial profile may have been
-written).
+written), or (``--step-table``) a composition failed (a partial step table may have been written); 2 bad input or
+an unreachable endpoint; 130 interrupted (Ctrl-C; a partial profile may have been written).
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--context", default="128,512,1024,2048", help="mean contexts of the TPOT grid, tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="measurements per point, median kept (default 3)")
     p.add_argument("--decode-tokens", type=int, default=64, help="output tokens per TPOT request (default 64)")
-    p.add_argument("--retries", type=int, default=2, help="extra attempts after a failed measurement (default 2)")
+    p.add_argument("--retries", type=int,
+                   help="extra attempts after a failed measurement (default 2); with --step-table: reruns of a "
+                        "composition whose mixed step is missing, each with twice the decode cap (default 4)")
     p.add_argument("--retry-backoff-s", type=float, default=0.5, help="pause before retry k: k × this, s (default 0.5)")
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="limit per request or batch, s (default 300)")
     p.add_argument("--point-timeout-s", type=float,
@@ -137,9 +141,11 @@ def _run_step_table(args: argparse.Namespace) -> int:
 
     Each composition has a wall-clock budget of ``--point-timeout-s`` (default 2 × ``--request-timeout-s``: the
     first try may use a whole request timeout, plus one rerun's worth); after ``--stop-after-timeouts``
-    compositions in a row failed by timeout the run stops. A run that ends early (Ctrl-C: 130; the engine stopped
-    answering: 1) keeps what the engine recorded (:func:`_keep_partial_steps`)."""
-    from fulcrum.worker.step_profiler import StepLog, StepProfileStopped, profile_steps
+    compositions in a row failed by timeout the run stops. A composition whose mixed step is missing is rerun
+    ``--retries`` times at most (default 4). A run that ends early once a composition was sent (Ctrl-C: 130; the
+    engine stopped answering, or a composition failed: 1) keeps what the engine recorded
+    (:func:`_keep_partial_steps`); one that fails before (bad flags, an unreachable engine) raises (exit 2)."""
+    from fulcrum.worker.step_profiler import StepLog, profile_steps
 
     if not args.scheduler_metrics or not args.scheduler_metrics.startswith(("http://", "https://")):
         raise ValueError("--step-table needs --scheduler-metrics http://HOST:PORT/metrics (the engine core's "
@@ -153,6 +159,9 @@ def _run_step_table(args: argparse.Namespace) -> int:
     budget = args.point_timeout_s if args.point_timeout_s is not None else 2 * args.request_timeout_s
     if args.stop_after_timeouts < 0:
         raise ValueError(f"--stop-after-timeouts must be >= 0, got {args.stop_after_timeouts}")
+    retries = args.retries if args.retries is not None else _STEP_RETRIES
+    if retries < 0:
+        raise ValueError(f"--retries must be >= 0, got {retries}")
     check_writable_file(args.step_table, "--step-table")
 
     def warn(msg: str) -> None:
@@ -165,14 +174,20 @@ def _run_step_table(args: argparse.Namespace) -> int:
             prefill_tokens=_ints("step-prefill", args.step_prefill),
             decode_counts=_ints("step-decodes", args.step_decodes),
             contexts=_ints("step-contexts", args.step_contexts),
-            timeout_s=args.request_timeout_s, point_timeout_s=budget, stop_after_timeouts=args.stop_after_timeouts,
-            log=log, warn=warn,
+            timeout_s=args.request_timeout_s, retries=retries, point_timeout_s=budget,
+            stop_after_timeouts=args.stop_after_timeouts, log=log, warn=warn,
         ))
     except KeyboardInterrupt:
         # asyncio.run has cancelled the run (its decodes are cancelled); a second Ctrl-C from here on aborts
         log.stopped = "interrupted (Ctrl-C)"
         return _keep_partial_steps(args, log, 130)
-    except StepProfileStopped:
+    except FulcrumError as err:
+        # the engine stopped answering (StepProfileStopped), a composition failed (an HTTP error, no mixed step
+        # after every rerun) or the table could not be read at the end; before anything was sent (an unreachable
+        # engine, a model it does not serve) it stays an error of the command (exit 2)
+        if not log.sent:
+            raise
+        log.stopped = log.stopped or str(err)
         return _keep_partial_steps(args, log, 1)
     _save_or_keep(args.step_table, "--step-table", "fulcrum-step-table-", table.save)
     abandoned = (f"; {len(log.abandoned)} of {len(log.compositions)} compositions abandoned by timeout, their mixed "
@@ -182,12 +197,17 @@ def _run_step_table(args: argparse.Namespace) -> int:
     return 0
 
 
+_STEP_RETRIES = 4
+"""``--retries`` of ``--step-table`` when the flag is not given: reruns of a composition whose mixed step is missing
+(``profile_steps``' default; the profile mode's default is :class:`ProfileGrid`'s, 2)."""
+
+
 def _keep_partial_steps(args: argparse.Namespace, log: StepLog, rc: int) -> int:
     """A step-table run that ended early (``log.stopped``, a :class:`~fulcrum.worker.step_profiler.StepLog`): read
     the table the engine recorded so far from ``--scheduler-metrics`` and write it beside ``--step-table`` as
     ``<name>.partial.json``, marked partial (top-level ``partial``, ``stopped``, ``note`` and ``notMeasured``, which
     the table loader ignores: JSON has no comments); print one line saying where, or that nothing was kept and
-    why. Returns ``rc`` (130 interrupted, 1 the engine stopped answering)."""
+    why. Returns ``rc`` (130 interrupted, 1 the engine stopped answering or a composition failed)."""
     from fulcrum.worker.step_profiler import read_table
 
     head = "interrupted" if rc == 130 else "error"
@@ -377,7 +397,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds, got {getattr(args, flag)}")
     grid = ProfileGrid(isl=_ints("isl", args.isl), batch=_ints("batch", args.batch),
                        context=_ints("context", args.context), repeats=args.repeats,
-                       decode_tokens=args.decode_tokens, retries=args.retries,
+                       decode_tokens=args.decode_tokens,
+                       retries=args.retries if args.retries is not None else ProfileGrid.retries,
                        retry_backoff_s=args.retry_backoff_s, request_timeout_s=args.request_timeout_s,
                        warmup=args.warmup, point_timeout_s=args.point_timeout_s,
                        stop_after_timeouts=args.stop_after_timeouts)
