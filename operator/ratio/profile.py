@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from fulcrum.errors import ProfileError, as_float, clipped, safe_yaml, yaml_problem
+from fulcrum.errors import ProfileError, as_float, clipped, number_in_text, safe_yaml, yaml_problem
 from fulcrum.target import ClusterTarget
 
 __all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict",
@@ -342,9 +342,16 @@ def _req(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def _num(v: Any, where: str) -> float:
+def _num(v: Any, where: str, *, text: bool = False) -> float:
+    """A finite number. ``text``: ``v`` is a CSV cell, whose numbers are text (``"20"``); otherwise ``v`` comes
+    from YAML or JSON, where a string is refused (a quoted number: ``ttftMs: "20"``), except an exponent number that
+    YAML 1.1 itself reads as text (:func:`fulcrum.errors.number_in_text`). A bool is refused either way."""
     if isinstance(v, bool):  # YAML's true/yes: float(True) would read 1
         raise ProfileError(f"{where}: expected a number, got {v!r}")
+    if isinstance(v, str) and not text:
+        number, hint = number_in_text(v)
+        if number is None:
+            raise ProfileError(f"{where}: expected a number, got {clipped(repr(v))}{hint}")
     try:
         f = as_float(v)  # an integer beyond float range: ±inf, refused below
     except (TypeError, ValueError):
@@ -366,9 +373,9 @@ def _text(d: dict[str, Any], key: str, default: str, where: str) -> str:
     return v
 
 
-def _whole(v: Any, where: str) -> int:
-    """A count (TP, a batch cap): a finite number with no fraction, as an int."""
-    f = _num(v, where)
+def _whole(v: Any, where: str, *, text: bool = False) -> int:
+    """A count (TP, a batch cap): a finite number with no fraction, as an int (``text``: as :func:`_num`)."""
+    f = _num(v, where, text=text)
     if not f.is_integer():
         raise ProfileError(f"{where}: expected a whole number, got {clipped(repr(v))}")
     return int(f)
@@ -383,16 +390,21 @@ def _at_least(v: Any, where: str, low: float, *, strict: bool = False) -> float:
     return f
 
 
-def _tp(v: Any, where: str) -> int:
-    tp = _whole(v, where)
+def _tp(v: Any, where: str, *, text: bool = False) -> int:
+    tp = _whole(v, where, text=text)
     if not 1 <= tp <= _MAX_TP:
         raise ProfileError(f"{where}: a TP must be from 1 to {_MAX_TP}, got {tp}")
     return tp
 
 
 def _tables(d: dict[str, Any], key: str, origin: str) -> list[tuple[str, dict[str, Any], int]]:
-    """The ``prefill`` or ``decode`` list: (where, entry, TP) per table, each entry a mapping, each TP once."""
-    entries = _req(d, key, origin) or []
+    """The ``prefill`` or ``decode`` list: (where, entry, TP) per table, at least one, each entry a mapping, each TP
+    once. An empty list or a key with no value (``prefill:``) is refused here, naming the file and the key."""
+    entries = _req(d, key, origin)
+    if entries is None or entries == []:
+        fields = "tp, isl, ttftMs" if key == "prefill" else "tp, batch, context, tpotMs"
+        got = "null (the key has no value)" if entries is None else "an empty list"
+        raise ProfileError(f"{origin}: {key}: expected a list of at least one table ({fields}), got {got}")
     if not isinstance(entries, list):
         raise ProfileError(f"{origin}: {key}: expected a list of tables, got {type(entries).__name__}")
     out: list[tuple[str, dict[str, Any], int]] = []
@@ -427,7 +439,8 @@ def profile_from_dict(d: Any, *, origin: str = "profile") -> PerformanceProfile:
         decode:  [{tp: int, batch: [n...], context: [tokens...], tpotMs: [[ms per context] per batch]}]
 
     Raises:
-        ProfileError: a field is missing or of the wrong type (a count with a fraction, a boolean for a number) or
+        ProfileError: a field is missing or of the wrong type (a count with a fraction, a boolean or a quoted
+            number such as ``"20"`` for a number, :func:`_num`), ``prefill`` or ``decode`` holds no table, or a field is
             out of range (memory, bandwidth, weight or KV bytes <= 0, a negative activation reserve, a graph batch cap
             below 1), a TP is outside 1..:data:`_MAX_TP` or has two tables, or a table is empty, non-monotone, ragged
             or has an axis point <= 0.
@@ -524,13 +537,14 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
                     raise ProfileError(f"{path}:{start}: malformed CSV: unterminated quote: the quoted field opened on "
                                        f"this line runs {runs}")
                 where = f"{path}:{n}"
-                tp = _tp(row["tp"], f"{where} tp")
-                ms = _num(row["ms"], f"{where} ms")
+                tp = _tp(row["tp"], f"{where} tp", text=True)
+                ms = _num(row["ms"], f"{where} ms", text=True)
                 if row["kind"] == "prefill":
-                    isl = _num(row["isl"], f"{where} isl")
+                    isl = _num(row["isl"], f"{where} isl", text=True)
                     _add_point(pre.setdefault(tp, {}), isl, (ms, n), f"{where}: prefill point TP={tp}, isl {isl:g}")
                 elif row["kind"] == "decode":
-                    key = (_num(row["batch"], f"{where} batch"), _num(row["context"], f"{where} context"))
+                    key = (_num(row["batch"], f"{where} batch", text=True),
+                           _num(row["context"], f"{where} context", text=True))
                     what = f"{where}: decode point TP={tp}, batch {key[0]:g}, context {key[1]:g}"
                     _add_point(dec.setdefault(tp, {}), key, (ms, n), what)
                 else:
@@ -540,6 +554,10 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
                 raise ProfileError(f"{path}:{lines.start}: malformed CSV: unterminated quote: the quoted field opened "
                                    f"on this line runs on to line {reader.reader.line_num} ({err})") from err
             raise ProfileError(f"{path}:{reader.reader.line_num}: malformed CSV: {err}") from err
+    for table, points in (("prefill", pre), ("decode", dec)):  # not the mapping format's "got an empty list"
+        if not points:
+            raise ProfileError(f"{path}: {table}: no {table} rows (kind={table}): a profile needs at least one "
+                               f"{table} point")
     d = dict(meta)
     d["prefill"] = [{"tp": tp, "isl": sorted(p), "ttftMs": [p[k][0] for k in sorted(p)]}
                     for tp, p in sorted(pre.items())]

@@ -14,10 +14,11 @@ Foreign errors (pydantic, yaml, json, csv, OS) are translated at the boundary wi
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 __all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "as_float", "clipped",
-           "safe_yaml", "yaml_problem"]
+           "number_in_text", "safe_yaml", "yaml_problem"]
 
 
 class FulcrumError(Exception):
@@ -65,6 +66,24 @@ def safe_yaml(text: str, *, documents: bool = False) -> Any:
         return list(yaml.safe_load_all(text)) if documents else yaml.safe_load(text)
     except ValueError as err:
         raise yaml.YAMLError(" ".join(str(err).split())) from err
+
+
+_NUMBER_TEXT = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?")
+_EXPONENT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE]([-+]?)[0-9]+")
+
+
+def number_in_text(text: str) -> tuple[float | None, str]:
+    """A string found where a YAML or JSON file must hold a number: (the number, "") when it is one that YAML 1.1
+    (PyYAML) reads as text even unquoted — an exponent number with no ``.`` in its mantissa or no sign in its
+    exponent (``weightBytes: 72.0e9``, ``1e9``, ``5e-3``; ``1.0e+9`` is a float): JSON and YAML 1.2 read it as a
+    number, so it is taken as one (a quoted ``"72.0e9"`` too: the reader cannot tell them apart); else (None, the
+    hint for the message: ``" (a string: write the number without quotes)"`` when the text is a number, else "").
+    """
+    s = text.strip()
+    m = _EXPONENT_TEXT.fullmatch(s)
+    if m is not None and ("." not in s or not m.group(1)):
+        return float(s), ""
+    return None, " (a string: write the number without quotes)" if _NUMBER_TEXT.fullmatch(s) else ""
 
 
 def clipped(text: str, keep: int = 40) -> str:

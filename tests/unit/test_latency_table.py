@@ -479,3 +479,14 @@ def test_the_slo_headroom_plans_steps_below_the_slo_and_is_read_from_the_environ
         SchedulerSettings.from_env({"FULCRUM_SCHEDULER_SLO_HEADROOM": "1.5"})
     with pytest.raises(ValueError, match="headroom"):
         StepPlanner(linear_table(), tpot_slo_s=0.015, headroom=0.0)
+
+
+def test_an_exponent_number_yaml_reads_as_text_is_taken_as_the_number(tmp_path) -> None:
+    # YAML 1.1 (PyYAML) reads 5e-3 and 1e-2 unquoted as text: a hand-written table must not be refused for them
+    path = tmp_path / "t.yaml"
+    path.write_text("entries:\n- " + YAML_ENTRY.replace("0.01", "5e-3") + "\nalpha: 1e-1\n")
+    table = StepLatencyTable.load(path)
+    assert table.to_dict()["entries"][0]["seconds"] == pytest.approx(5e-3)
+    path.write_text("entries:\n- " + YAML_ENTRY.replace("0.01", "lots") + "\n")  # text that is no number: no hint
+    with pytest.raises(ProfileError, match=r"seconds: expected a number, got 'lots'$"):
+        StepLatencyTable.load(path)

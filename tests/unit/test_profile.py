@@ -71,7 +71,7 @@ def test_batched_prefill_costs_less_than_the_sum_and_no_less_than_the_longest():
         (lambda d: d.pop("kvBytesPerToken"), "missing field 'kvBytesPerToken'"),
         (lambda d: d["prefill"][0].update(isl=["a", 2, 3]), "expected a number"),
         (lambda d: d["prefill"][0].update(ttftMs=[0, 1, 2]), "finite positive"),
-        (lambda d: d.update(prefill=[]), "no prefill table"),
+        (lambda d: d.update(prefill=[]), r"^profile: prefill: expected a list of at least one table .*empty list$"),
     ],
 )
 def test_bad_profiles_are_rejected_with_the_reason(mutate, message):
@@ -420,4 +420,138 @@ def test_a_yaml_timestamp_python_cannot_build_is_a_yaml_problem_naming_the_file(
         load_profile(tmp_path / "p.yaml")
     path = _csv_profile(tmp_path, CSV_ROWS, "name: tiny\nmeasured: 2024-13-45\n")
     with pytest.raises(ProfileError, match=r"^\S*p\.meta\.yaml: not valid YAML: month must be in 1\.\.12$"):
+        load_profile(path)
+
+
+# --- a quoted number in a YAML or JSON profile is refused (a CSV cell is text and may hold one) ---
+
+QUOTED = r" \(a string: write the number without quotes\)$"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        pytest.param(lambda d: d["prefill"][0]["ttftMs"].__setitem__(0, "20"), r"prefill\[0\]\.ttftMs\[0\]: expected "
+                     r"a number, got '20'", id="latency"),
+        pytest.param(lambda d: d["prefill"][0]["isl"].__setitem__(1, "1000"),
+                     r"prefill\[0\]\.isl\[1\]: expected a number, got '1000'", id="isl"),
+        pytest.param(lambda d: d["decode"][0]["tpotMs"][1].__setitem__(0, "20.5"),
+                     r"decode\[0\]\.tpotMs\[1\]\[0\]: expected a number, got '20\.5'", id="grid-cell"),
+        pytest.param(lambda d: d["decode"][0]["context"].__setitem__(0, "100"),
+                     r"decode\[0\]\.context\[0\]: expected a number, got '100'", id="context"),
+        pytest.param(lambda d: d["decode"][0].update(tp="1"), r"decode\[0\]\.tp: expected a number, got '1'", id="tp"),
+        pytest.param(lambda d: d["gpu"].update(memoryGiB="80"), r"gpu\.memoryGiB: expected a number, got '80'",
+                     id="memory"),
+        pytest.param(lambda d: d.update(kvBytesPerToken=" 100000 "),
+                     r"kvBytesPerToken: expected a number, got ' 100000 '", id="kv-bytes-spaced"),
+        pytest.param(lambda d: d.update(weightBytes="2.0e+10"), r"weightBytes: expected a number, got '2\.0e\+10'",
+                     id="weights-exponent"),
+        pytest.param(lambda d: d.update(activationReserveGiB="4"), r"activationReserveGiB: expected a number, got '4'",
+                     id="reserve"),
+        pytest.param(lambda d: d.update(cudaGraphMaxBatch="128"), r"cudaGraphMaxBatch: expected a number, got '128'",
+                     id="graph-batch"),
+    ],
+)
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+def test_a_quoted_number_in_a_yaml_or_json_profile_is_refused_naming_the_file_and_key(tmp_path, fmt, mutate, message):
+    d = small_profile_dict()
+    mutate(d)
+    path = tmp_path / f"p.{fmt}"
+    path.write_text(yaml.safe_dump(d) if fmt == "yaml" else json.dumps(d))  # safe_dump quotes the text "20"
+    with pytest.raises(ProfileError, match=rf"^\S*p\.{fmt}: {message}{QUOTED}"):
+        load_profile(path)
+
+
+def test_a_hand_written_quoted_number_is_refused_and_text_that_is_no_number_gets_no_hint(tmp_path):
+    path = tmp_path / "p.yaml"
+    text = yaml.safe_dump(small_profile_dict())
+    assert "ttftMs:\n  - 20\n" in text
+    path.write_text(text.replace("ttftMs:\n  - 20\n", 'ttftMs:\n  - "20"\n'))
+    with pytest.raises(ProfileError, match=rf"^\S*p\.yaml: prefill\[0\]\.ttftMs\[0\]: expected a number, got '20'"
+                                           rf"{QUOTED}"):
+        load_profile(path)
+    d = small_profile_dict()
+    d["prefill"][0]["ttftMs"][0] = "20 ms"
+    with pytest.raises(ProfileError, match=r"^profile: prefill\[0\]\.ttftMs\[0\]: expected a number, got '20 ms'$"):
+        profile_from_dict(d)
+
+
+def test_a_quoted_number_in_a_csv_profiles_meta_file_is_refused_naming_the_meta_file(tmp_path):
+    meta = _meta_with(kvBytesPerToken="100000")
+    assert "'100000'" in meta
+    with pytest.raises(ProfileError, match=rf"^\S*p\.meta\.yaml: kvBytesPerToken: expected a number, got '100000'"
+                                           rf"{QUOTED}"):
+        load_profile(_csv_profile(tmp_path, CSV_ROWS, meta))
+
+
+def test_a_csv_profiles_cells_are_text_and_may_hold_quoted_numbers(tmp_path):
+    rows = ['prefill,"1"," 100",,,"20"', *CSV_ROWS[1:4], 'decode,1,,"64","100",20.0', CSV_ROWS[5]]
+    p = load_profile(_csv_profile(tmp_path, rows))
+    assert p.ttft(100, 1) == pytest.approx(0.02)
+    assert p.tpot(64, 100, 1) == pytest.approx(0.02)
+
+
+def test_an_exponent_yaml_reads_as_text_unquoted_is_still_a_number(tmp_path):
+    """YAML 1.1 (PyYAML) reads ``72.0e9`` and ``1e9`` (no sign in the exponent, no dot) as text: the documented example
+    and a bundled profile write ``weightBytes: 72.0e9`` without quotes, so such text is the number."""
+    text = yaml.safe_dump(small_profile_dict())
+    assert "weightBytes: 20000000000.0\n" in text and "kvBytesPerToken: 100000\n" in text
+    path = tmp_path / "p.yaml"
+    path.write_text(text.replace("weightBytes: 20000000000.0", "weightBytes: 72.0e9")
+                    .replace("kvBytesPerToken: 100000", "kvBytesPerToken: 1e5"))
+    p = load_profile(path)
+    assert (p.weight_bytes, p.kv_bytes_per_token) == (72e9, 1e5)
+    assert builtin_profile("dopd-llama70b-fp8-h100").weight_bytes == 72e9
+
+
+def test_every_shipped_and_every_written_profile_holds_numbers_not_quoted_numbers(tmp_path):
+    from fulcrum.worker.profiler import render_profile_yaml
+
+    for name in BUILTIN_PROFILES:
+        p = resolve_profile(name)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(render_profile_yaml(p.to_dict()))  # as `fulcrum profile` writes it
+        assert load_profile(path).to_dict() == p.to_dict()
+    d = small_profile_dict()
+    d.update(weightBytes=1e20, kvBytesPerToken=1.5e-3 * 1e8)
+    d["prefill"][0]["ttftMs"] = [1e-5, 2e-5, 1e16]  # floats YAML writes in exponent notation
+    path.write_text(render_profile_yaml(d))
+    assert load_profile(path).prefill[1].seconds == pytest.approx((1e-8, 2e-8, 1e13))
+
+
+# --- a `prefill:` or `decode:` key with no table names the file and the key ---
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("prefill:\n", r"prefill: expected a list of at least one table \(tp, isl, ttftMs\), got null "
+                                   r"\(the key has no value\)$", id="prefill-null"),
+        pytest.param("prefill: []\n", r"prefill: expected a list of at least one table \(tp, isl, ttftMs\), got an "
+                                      r"empty list$", id="prefill-empty"),
+        pytest.param("decode:\n", r"decode: expected a list of at least one table \(tp, batch, context, tpotMs\), got "
+                                  r"null \(the key has no value\)$", id="decode-null"),
+        pytest.param("decode: []\n", r"decode: expected a list of at least one table \(tp, batch, context, tpotMs\), "
+                                     r"got an empty list$", id="decode-empty"),
+    ],
+)
+def test_an_empty_prefill_or_decode_key_names_the_file_and_the_key(tmp_path, text, message):
+    d = small_profile_dict()
+    key = text.split(":")[0]
+    d.pop(key)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(d) + text)
+    with pytest.raises(ProfileError, match=r"^\S*tiny\.yaml: " + message) as info:
+        load_profile(path)
+    assert "profile 'tiny'" not in str(info.value)
+    d[key] = [] if "[]" in text else None
+    (tmp_path / "tiny.json").write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"^\S*tiny\.json: " + message):
+        load_profile(tmp_path / "tiny.json")
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_a_csv_profile_without_rows_of_a_kind_names_the_csv_and_the_kind(tmp_path, kind):
+    path = _csv_profile(tmp_path, [r for r in CSV_ROWS if not r.startswith(kind)])
+    with pytest.raises(ProfileError, match=rf"^\S*p\.csv: {kind}: no {kind} rows \(kind={kind}\): a profile needs at "
+                                           rf"least one {kind} point$"):
         load_profile(path)
