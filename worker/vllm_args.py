@@ -70,8 +70,8 @@ KV_ROLES: dict[str, str] = {"both": "kv_both", "prefill": "kv_producer", "decode
 """NixlConnector ``kv_role`` per worker role (docs/vllm-cpu.md)."""
 
 MANAGED_FLAGS: dict[str, str] = VLLM_WORKER_FLAGS
-"""vLLM flags that ``fulcrum worker`` sets itself → the worker flag to use instead ("" = none: always set, e.g.
-``--enable-prefix-caching`` and its ``--no-`` twin); extra args may not repeat them. The one table of
+"""vLLM flags that ``fulcrum worker`` sets itself → the worker flag to use instead ("" = none: the ``--no-`` twin of
+``--enable-prefix-caching``, which the worker always turns on); extra args may not repeat them. The one table of
 ``fulcrum.api.llmserve`` (:data:`~fulcrum.api.llmserve.VLLM_WORKER_FLAGS`), which the LLMServe model's rule reads too
 (:data:`~fulcrum.api.llmserve.VLLM_MANAGED_FLAGS`)."""
 
@@ -190,7 +190,7 @@ def _problems(c: WorkerConfig) -> list[str]:
             shown = arg if arg.split("=", 1)[0] == flag else f"{arg} (= {flag})"
             instead = MANAGED_FLAGS[flag]
             out.append(f"extra vLLM argument {shown} is set by fulcrum worker"
-                       + (f": use {instead} instead" if instead else " (always; no worker flag changes it)"))
+                       + (f": use {instead} instead" if instead else " (always on; no worker flag turns it off)"))
     return out
 
 

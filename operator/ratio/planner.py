@@ -102,9 +102,10 @@ class PlannerSettings:
             few minutes on the Azure code trace (seven pool replacements in the first 37 minutes, issue 13);
             with 0.15 the same replay kept TP2 throughout.
         max_num_seqs: the engines' ``--max-num-seqs``, a bound on the requests one decode or unified instance
-            runs at once (cc_d); None = none (eq. 14's CUDA-graph cap alone). :meth:`from_spec` sets it from
-            ``spec.engine.maxNumSeqs`` (unset: the worker's 256, above every bundled profile's 0.9 × 256 graph cap,
-            so the bundled examples' plans do not change).
+            runs at once (cc_d); None = none (eq. 14's CUDA-graph cap alone). 256, the worker's default, as
+            :meth:`from_spec` gives for an unset ``spec.engine.maxNumSeqs`` (so ``fulcrum plan`` without an LLMServe
+            plans as the operator does); above every bundled profile's 0.9 × 256 graph cap, so their plans do not
+            change, while a measured profile's default cap of 512 meets it.
     """
 
     bandwidth_utilisation: float = 0.6
@@ -119,7 +120,7 @@ class PlannerSettings:
     kv_occupancy_quantile: float = 0.95
     infeasible_slo_slack: float = 0.1
     tp_switch_gain: float = 0.15
-    max_num_seqs: int | None = None
+    max_num_seqs: int | None = DEFAULT_MAX_NUM_SEQS
 
     @classmethod
     def from_spec(cls, spec: LLMServeSpec) -> "PlannerSettings":

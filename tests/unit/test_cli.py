@@ -629,6 +629,9 @@ def test_profile_out_that_cannot_be_written_fails_before_measuring(
     (["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--port", "99999"], "--port must be in 0..65535, got 99999"),
     (["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--drain-timeout-s", "nan"],
      "--drain-timeout-s must be a finite number of seconds >= 0, got nan"),
+    # vLLM refuses to start with a context its KV cache cannot hold; the emulator did start, then 400'd requests
+    (["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--kv-capacity-tokens", "4096", "--max-model-len", "8192"],
+     "--max-model-len 8192 is larger than the 4096 tokens the KV cache holds (profile dopd-llama70b-fp8-h100 at TP "),
     (["worker", "--model", "m", "--health-port", "70000"], "--health-port must be in 0..65535, got 70000"),
     (["worker", "--model", "m", "--drain-timeout-s", "nan"],
      "--drain-timeout-s must be a finite number of seconds >= 0, got nan"),

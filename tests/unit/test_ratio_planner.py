@@ -383,7 +383,8 @@ def test_an_llmserve_with_a_small_max_num_seqs_plans_more_decode_instances(table
     assert p_small.decode_concurrency <= 32 < p_default.decode_concurrency
     assert p_small.decode.replicas > p_default.decode.replicas
     # unset, the bundled profiles' CUDA-graph cap (230) binds first: the same plan as with no engine limit at all
+    assert PlannerSettings().max_num_seqs == 256  # fulcrum plan without an LLMServe plans as the operator does
     unbounded = plan(w, table_i, default, settings=PlannerSettings(
-        max_model_len=default.engine.max_model_len, max_tp=default.gpu.gpus_per_node))
+        max_model_len=default.engine.max_model_len, max_tp=default.gpu.gpus_per_node, max_num_seqs=None))
     assert (unbounded.decode.replicas, unbounded.decode_concurrency) == (p_default.decode.replicas,
                                                                           p_default.decode_concurrency)

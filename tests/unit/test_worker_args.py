@@ -235,7 +235,7 @@ def test_the_llmserve_model_refuses_extra_args_that_override_fulcrums_flags(
 
 @pytest.mark.parametrize(("kind", "extra"), [
     ("vllm", ["--enforce-eager", "--dtype", "float32", "--chat-template", ""]),
-    ("sim", ["--time-scale", "0.1", "--kv-capacity-tokens", "100000", "--max-num-seqs", "8"]),
+    ("sim", ["--time-scale", "0.1", "--kv-capacity-tokens", "100000"]),
 ])
 def test_the_llmserve_model_passes_extra_args_fulcrum_does_not_set(kind: str, extra: list[str]) -> None:
     from fulcrum.api import parse_llmserve
@@ -244,15 +244,24 @@ def test_the_llmserve_model_passes_extra_args_fulcrum_does_not_set(kind: str, ex
 
 
 @pytest.mark.parametrize("extra", [("--no-enable-prefix-caching",), ("--no_enable_prefix_caching",),
-                                   ("--no-enable-prefix",), ("--enable-prefix-caching",)])
-def test_the_no_twin_of_a_managed_boolean_flag_is_refused_like_the_flag(extra: tuple[str, ...]) -> None:
+                                   ("--no-enable-prefix",)])
+def test_the_no_twin_of_a_flag_the_worker_always_turns_on_is_refused(extra: tuple[str, ...]) -> None:
     """vLLM gives every boolean flag a ``--no-`` twin (BooleanOptionalAction): ``--no-enable-prefix-caching`` would
     silently turn off the prefix caching fulcrum worker turns on."""
     from fulcrum.api import parse_llmserve
-    with pytest.raises(SpecError, match=r"is set by fulcrum worker \(always; no worker flag changes it\)"):
+    with pytest.raises(SpecError, match=r"is set by fulcrum worker \(always on; no worker flag turns it off\)"):
         WorkerConfig(model="m", extra_args=extra)
-    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*sets --(no-)?enable-prefix-caching, which Fulcrum"):
+    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*sets --no-enable-prefix-caching, which Fulcrum"):
         parse_llmserve({"spec": {"model": {"name": "m"}, "engine": {"extraArgs": list(extra)}}})
+
+
+def test_repeating_a_flag_the_worker_always_turns_on_is_accepted() -> None:
+    # copied vLLM command lines carry it; it sets what the worker sets (refusing it broke such LLMServes on upgrade)
+    from fulcrum.api import parse_llmserve
+    extra = ("--enable-prefix-caching",)
+    assert tuple(vllm_argv(WorkerConfig(model="m", extra_args=extra), PY)[-1:]) == extra
+    spec = parse_llmserve({"spec": {"model": {"name": "m"}, "engine": {"extraArgs": list(extra)}}}).spec
+    assert spec.engine.extra_args == list(extra)
 
 
 def test_the_no_twin_of_an_unmanaged_boolean_flag_still_passes() -> None:
@@ -286,6 +295,10 @@ def test_the_default_batch_limits_are_unchanged() -> None:
      r"maxNumBatchedTokens 8192 \(unset\) is below maxModelLen 32768"),
     ({"kind": "sim", "maxNumSeqs": 8, "extraArgs": ["--max-num-seqs", "8"]},
      r"'--max-num-seqs' sets --max-num-seqs, which Fulcrum sets itself from spec\.engine\.maxNumSeqs"),
+    # unset field: the planner counts on 256 per instance, so a sim-worker flag behind its back is refused too
+    ({"kind": "sim", "extraArgs": ["--max-num-seqs", "64"]},
+     r"'--max-num-seqs' sets --max-num-seqs, which Fulcrum sets itself from spec\.engine\.maxNumSeqs \(unset: 256\)"),
+    ({"kind": "sim", "extraArgs": ["--max-num-batched-tokens=512"]}, r"sets --max-num-batched-tokens"),
 ])
 def test_the_llmserve_model_refuses_batch_limits_vllm_would_refuse(engine: dict[str, object], message: str) -> None:
     from fulcrum.api import parse_llmserve
@@ -298,7 +311,7 @@ def test_the_llmserve_model_refuses_batch_limits_vllm_would_refuse(engine: dict[
     {"maxNumBatchedTokens": 4096, "maxModelLen": 32768},
     {"maxNumBatchedTokens": 8192, "extraArgs": ["--no-enable-chunked-prefill"]},  # = maxModelLen
     {"maxNumBatchedTokens": 4096, "extraArgs": ["--no-enable-chunked-prefill", "--enable-chunked-prefill"]},
-    {"kind": "sim", "maxNumBatchedTokens": 4096, "extraArgs": ["--max-num-seqs", "8"]},
+    {"kind": "sim", "maxNumSeqs": 8, "maxNumBatchedTokens": 4096},
 ])
 def test_the_llmserve_model_takes_batch_limits_vllm_takes(engine: dict[str, object]) -> None:
     from fulcrum.api import parse_llmserve

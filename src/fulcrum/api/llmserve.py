@@ -401,27 +401,29 @@ _VLLM_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--max-num-seqs", "--max-num-seqs", f"spec.engine.maxNumSeqs (unset: {DEFAULT_MAX_NUM_SEQS})"),
     ("--max-num-batched-tokens", "--max-num-batched-tokens",
      f"spec.engine.maxNumBatchedTokens (unset: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"),
-    ("--enable-prefix-caching", "", "fulcrum worker (always on)"),
+    ("--enable-prefix-caching", "", "fulcrum worker (always on: the router's prefix-aware routing and prefix pulls "
+                                    "rely on cached prefixes)"),
     ("--kv-transfer-config", "--kv-connector", "the operator (NIXL, the pool's KV role)"),
     ("--scheduler-cls", "--scheduler", "the operator (the SLO-aware scheduler)"),
 )
 _VLLM_BOOLEAN_FLAGS = frozenset({"--enable-prefix-caching"})
-"""Managed flags that vLLM declares with ``argparse.BooleanOptionalAction``: each has a ``--no-`` twin (e.g.
-``--no-enable-prefix-caching``) that sets the same value, so the twin is managed too."""
+"""Boolean flags the worker always turns on, which vLLM declares with ``argparse.BooleanOptionalAction``: each has
+a ``--no-`` twin (``--no-enable-prefix-caching``) that would turn it off, so the twin is managed; the flag itself
+may be repeated (it sets the value the worker sets, as copied vLLM command lines often do)."""
 
 
 def _with_no_twins(table: Mapping[str, str]) -> dict[str, str]:
     out = dict(table)
     for flag in sorted(_VLLM_BOOLEAN_FLAGS):
-        out["--no-" + flag[2:]] = table[flag]
+        out["--no-" + flag[2:]] = out.pop(flag)
     return out
 
 
 VLLM_MANAGED_FLAGS: dict[str, str] = _with_no_twins({flag: source for flag, _, source in _VLLM_FLAGS})
 """vLLM flags that ``fulcrum worker`` always sets → what decides their value. ``engine.extraArgs`` of kind ``vllm``
 may not repeat them: vLLM's argument parser keeps the last value, so a repeat would silently override, e.g., the
-planner's TP while the registration still advertises the planned one. A boolean flag's ``--no-`` twin
-(``--no-enable-prefix-caching``) counts as the flag."""
+planner's TP while the registration still advertises the planned one. For a boolean flag the worker always turns
+on, only its ``--no-`` twin (``--no-enable-prefix-caching``) is managed: repeating the flag changes nothing."""
 
 VLLM_WORKER_FLAGS: dict[str, str] = _with_no_twins({flag: worker for flag, worker, _ in _VLLM_FLAGS})
 """The same vLLM flags → the ``fulcrum worker`` flag that sets them ("" = none: the worker always sets it); the
@@ -432,6 +434,9 @@ SIM_WORKER_MANAGED_FLAGS: dict[str, str] = {
        for flag in ("--profile", "--tp", "--model", "--host", "--port", "--role", "--pool", "--block-size", "--etcd",
                     "--nats", "--namespace", "--llmserve", "--drain-timeout-s")},
     "--max-model-len": "spec.engine.maxModelLen",
+    # the planner counts on these per instance (cc_d): set them through the fields, never behind its back
+    "--max-num-seqs": f"spec.engine.maxNumSeqs (unset: {DEFAULT_MAX_NUM_SEQS})",
+    "--max-num-batched-tokens": f"spec.engine.maxNumBatchedTokens (unset: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
 }
 """``fulcrum sim-worker`` flags that the operator sets; ``engine.extraArgs`` of kind ``sim`` may not repeat them."""
 
@@ -530,11 +535,6 @@ class EngineSpec(_Model):
         :data:`SIM_WORKER_MANAGED_FLAGS` for kind ``sim``) or is malformed (:func:`malformed_extra_arg`)."""
         sim = info.data.get("kind") is EngineKind.SIM
         managed = SIM_WORKER_MANAGED_FLAGS if sim else VLLM_MANAGED_FLAGS
-        if sim:  # the sim-worker gets these flags only when the fields are set
-            managed = {**managed, **{flag: f"spec.engine.{name}" for flag, attr, name in (
-                ("--max-num-seqs", "max_num_seqs", "maxNumSeqs"),
-                ("--max-num-batched-tokens", "max_num_batched_tokens", "maxNumBatchedTokens"),
-            ) if info.data.get(attr) is not None}}
         problems: list[str] = []
         for i, arg in enumerate(extra_args):
             bad = malformed_extra_arg(extra_args, i)

@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"profile {profile.name} leaves no KV cache at TP {tp} (the weights do not fit); "
                          f"pass --kv-capacity-tokens or a larger --tp")
     max_model_len = args.max_model_len if args.max_model_len is not None else min(kv, 32768)
+    if max_model_len > kv:  # vLLM refuses to start so ("larger than the maximum number of tokens ... in KV cache")
+        raise ValueError(f"--max-model-len {max_model_len} is larger than the {kv} tokens the KV cache holds (profile "
+                         f"{profile.name} at TP {tp}): lower maxModelLen, raise the TP, or pass --kv-capacity-tokens")
     engine_config = SimEngineConfig(tp=tp, kv_capacity_tokens=kv, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                                     time_scale=args.time_scale)
