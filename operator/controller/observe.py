@@ -17,8 +17,9 @@ Errors: Prometheus unreachable, answering an error, or holding no router series 
 :class:`fulcrum.cluster.ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
 So do answers that are no usable load: NaN or infinite arrivals, and finite values no deployment of one model
 reaches (:data:`MAX_ARRIVAL_RATE_RPS`, :data:`MAX_REQUESTS_IN_SYSTEM`, :data:`MAX_MEAN_TOKENS`): a one-scrape
-glitch or a counter mishap, planned as load, would scale to ``maxGPUs`` for several intervals; and a KV cache usage
-above :data:`MAX_KV_USAGE` (a share: an exporter reporting percent).
+glitch or a counter mishap, planned as load, would scale to ``maxGPUs`` for several intervals. A KV cache usage
+above :data:`MAX_KV_USAGE` (no share: an exporter reporting percent) is read as unknown (NaN, logged), not as a full
+cache: only the KV-based scale-out checks need it, so the rest of the observation still plans.
 
 History (:meth:`PrometheusObserver.history`): the same queries as range queries (``query_range``, step = the
 interval), one Observation per past interval, so a forecaster that starts with the operator (a restart, a new
@@ -28,6 +29,7 @@ past intervals before its ARIMA forecasts are its own).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ from typing import Any, Protocol
 
 from fulcrum.cluster import ObservationError
 from fulcrum.observation import QUANTILE_LEVELS, Observation, ReadyCounts
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "QueryClient",
@@ -82,8 +86,8 @@ MAX_REQUESTS_IN_SYSTEM = 1e9
 #: reader (``fulcrum.traces.reader``) puts on one request's lengths; no engine takes such a request.
 MAX_MEAN_TOKENS = 2**31 - 1
 #: KV cache usage above which the answer is no share (vLLM's ``kv_cache_usage_perc`` is a fraction, 0..1, despite its
-#: name): an exporter reporting percent, or a glitch. Read as a full cache it would set off the reactive guard's and
-#: dynamo-load's scale-outs. The 1% above 1 absorbs float rounding (read as 1).
+#: name): an exporter reporting percent, or a glitch, read as unknown (NaN). Read as a full cache it set off the
+#: reactive guard's and dynamo-load's scale-outs. The 1% above 1 absorbs float rounding (read as 1).
 MAX_KV_USAGE = 1.01
 
 # ------------------------------------------------------------------------------------------------ PromQL
@@ -366,7 +370,7 @@ class PrometheusObserver:
                 values no deployment reaches (``+Inf`` included): arrivals or completions above
                 :data:`MAX_ARRIVAL_RATE_RPS` per second, a prefill queue (either series), decode queue or
                 concurrency above :data:`MAX_REQUESTS_IN_SYSTEM`, a mean prompt or output length above
-                :data:`MAX_MEAN_TOKENS`, a KV cache usage above :data:`MAX_KV_USAGE` (a share in 0..1).
+                :data:`MAX_MEAN_TOKENS`. (A KV cache usage above :data:`MAX_KV_USAGE` is read as unknown, NaN.)
                 Negative values are still read as 0, and NaN or absent series other
                 than arrivals and the prefill queue as before (0, or no length).
         """
@@ -465,9 +469,14 @@ class PrometheusObserver:
         concurrency = bounded(Q_CONCURRENCY, MAX_REQUESTS_IN_SYSTEM, lambda v: (
             f"Prometheus answered a concurrency of {v:g} requests in flight (fulcrum_router_instance_inflight), "
             f"above the plausible {MAX_REQUESTS_IN_SYSTEM:g} requests: no usable load"))
-        kv_usage = bounded(Q_KV_USAGE, MAX_KV_USAGE, lambda v: (
-            f"Prometheus answered a KV cache usage of {v:g} (vllm:kv_cache_usage_perc), above 1: it is a share in "
-            f"0..1 (does an exporter report percent?): no usable KV usage"))
+        kv_res = fetch(Q_KV_USAGE)
+        kv_usage = _value(kv_res[0]) if kv_res else math.nan
+        if kv_usage > MAX_KV_USAGE:  # +Inf too: no share, whatever it is; NaN as read (unknown) for the KV checks
+            log.warning("Prometheus answered a KV cache usage of %g (vllm:kv_cache_usage_perc), above 1: it is a share "
+                        "in 0..1 (does an exporter report percent?); read as unknown", kv_usage)
+            kv_usage = math.nan
+        elif not math.isfinite(kv_usage):
+            kv_usage = 0.0  # absent, NaN or -Inf: no usage, as before
         max_completed = MAX_ARRIVAL_RATE_RPS * interval_s if interval_s > 0 else math.inf
         completed = bounded(Q_COMPLETED, max_completed, lambda v: (
             f"Prometheus answered {v:g} completions in {interval_s:g} s ({v / interval_s:g} requests/s; "
@@ -490,6 +499,6 @@ class PrometheusObserver:
             tpot_p_s=histogram_quantile(level, tpot_b),
             prefill_queue=max(int(round(prefill_queue)), 0),
             decode_queue=max(int(round(decode_queue)), 0),
-            kv_utilisation=min(max(kv_usage, 0.0), 1.0),
+            kv_utilisation=min(max(kv_usage, 0.0), 1.0) if not math.isnan(kv_usage) else math.nan,
             ready=ready,
         )

@@ -66,7 +66,8 @@ class Observation:
         tpot_p_s: TPOT at the SLO percentile over finished requests, seconds; NaN if none.
         prefill_queue: requests waiting for prefill at the end of the interval.
         decode_queue: requests waiting for a decode slot (KV memory) at the end of the interval.
-        kv_utilisation: mean KV cache usage of decode-capable instances, 0..1.
+        kv_utilisation: mean KV cache usage of decode-capable instances, 0..1; NaN when unknown (an exporter
+            answered no share, e.g. percent: the KV-based scale-out checks then skip it).
         ready: instances ready per pool at the end of the interval.
     """
 
