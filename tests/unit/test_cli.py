@@ -675,6 +675,13 @@ def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(
     dated.write_text("apiVersion: v1\nkind: Config\ncreated: 2024-13-45\n")
     line = run_error(capsys, ["operator", "--kubeconfig", str(dated)])
     assert line == f"fulcrum operator: error: no Kubernetes credentials: {dated}: not valid YAML: month must be in 1..12"
+    # a ValueError that is no YAML problem (certificate data that is not base64) is not called one
+    b64 = tmp_path / "b64.yaml"
+    b64.write_text("apiVersion: v1\nkind: Config\ncurrent-context: c\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
+                   "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:6443', "
+                   "certificate-authority-data: 'not*base64'}}]\nusers: [{name: u, user: {token: t}}]\n")
+    line = run_error(capsys, ["operator", "--kubeconfig", str(b64)])
+    assert line.startswith("fulcrum operator: error: no Kubernetes credentials: ") and "YAML" not in line, line
 
 
 def test_a_folder_given_as_a_trace_or_a_profile_is_named_as_a_folder(

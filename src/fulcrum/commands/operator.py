@@ -58,6 +58,16 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _raised_in_yaml(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside PyYAML (a value its constructor cannot build), not by the caller of it."""
+    tb = err.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("yaml."):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _api_client(kubeconfig: str | None) -> Any:
     from kubernetes import client, config
 
@@ -102,9 +112,12 @@ def run(args: argparse.Namespace) -> int:
         where, what = yaml_problem(err)
         source = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
         raise ValueError(f"no Kubernetes credentials: {source}{where}: not valid YAML: {what}") from err
-    except ValueError as err:  # a timestamp PyYAML matches but cannot build (2024-13-45): no YAMLError, no mark
-        source = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        raise ValueError(f"no Kubernetes credentials: {source}: not valid YAML: {' '.join(str(err).split())}") from err
+    except ValueError as err:
+        text = " ".join(str(err).split())
+        if _raised_in_yaml(err):  # a timestamp PyYAML matches but cannot build (2024-13-45): no YAMLError, no mark
+            source = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+            raise ValueError(f"no Kubernetes credentials: {source}: not valid YAML: {text}") from err
+        raise ValueError(f"no Kubernetes credentials: {text}") from err  # e.g. certificate data that is no base64
     except Exception as err:  # kubernetes.config.ConfigException, a missing or malformed file
         raise ValueError(f"no Kubernetes credentials: {' '.join(str(err).split())}") from err
     # Only once the command line and the credentials are good: kopf.configure adds a handler to the root logger
