@@ -629,9 +629,6 @@ def test_profile_out_that_cannot_be_written_fails_before_measuring(
     (["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--port", "99999"], "--port must be in 0..65535, got 99999"),
     (["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--drain-timeout-s", "nan"],
      "--drain-timeout-s must be a finite number of seconds >= 0, got nan"),
-    # vLLM refuses to start with a context its KV cache cannot hold; the emulator did start, then 400'd requests
-    (["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--kv-capacity-tokens", "4096", "--max-model-len", "8192"],
-     "--max-model-len 8192 is larger than the 4096 tokens the KV cache holds (profile dopd-llama70b-fp8-h100 at TP "),
     (["worker", "--model", "m", "--health-port", "70000"], "--health-port must be in 0..65535, got 70000"),
     (["worker", "--model", "m", "--drain-timeout-s", "nan"],
      "--drain-timeout-s must be a finite number of seconds >= 0, got nan"),
@@ -896,3 +893,20 @@ def test_sim_worker_on_a_port_in_use_says_so_in_one_line_and_leaves_nothing_open
     assert rc == 2
     assert err == [f"fulcrum sim-worker: error: cannot listen on 127.0.0.1:{port}: "
                    f"error while attempting to bind on address ('127.0.0.1', {port}): address already in use"]
+
+
+def test_sim_worker_serves_what_its_kv_cache_holds_when_max_model_len_is_larger(
+        capsys: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # the operator passes spec.engine.maxModelLen, and its TP choice does not check it against the KV cache: the
+    # emulator warns and serves the whole blocks it holds, instead of 400-ing every request (or refusing to start)
+    import socket
+
+    with socket.socket() as taken, caplog.at_level("WARNING", logger="fulcrum.sim_worker"):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        rc = main(["sim-worker", "--profile", "dopd-llama70b-fp8-h100", "--tp", "1", "--host", "127.0.0.1",
+                   "--port", str(port), "--kv-capacity-tokens", "100", "--block-size", "16", "--max-model-len", "8192"])
+    assert rc == 2  # the port in use ends the run after the start-up checks
+    assert "--max-model-len 8192 is larger than the 96 tokens the KV cache holds" in caplog.text
+    assert "serving with a context of 96 tokens" in caplog.text

@@ -113,10 +113,15 @@ def run(args: argparse.Namespace) -> int:
     if kv < args.block_size:
         raise ValueError(f"profile {profile.name} leaves no KV cache at TP {tp} (the weights do not fit); "
                          f"pass --kv-capacity-tokens or a larger --tp")
-    max_model_len = args.max_model_len if args.max_model_len is not None else min(kv, 32768)
-    if max_model_len > kv:  # vLLM refuses to start so ("larger than the maximum number of tokens ... in KV cache")
-        raise ValueError(f"--max-model-len {max_model_len} is larger than the {kv} tokens the KV cache holds (profile "
-                         f"{profile.name} at TP {tp}): lower maxModelLen, raise the TP, or pass --kv-capacity-tokens")
+    kv_whole = kv // args.block_size * args.block_size  # the engine allocates whole blocks
+    max_model_len = args.max_model_len if args.max_model_len is not None else min(kv_whole, 32768)
+    if max_model_len > kv_whole:
+        # vLLM refuses to start so; the emulator serves what its KV cache holds, so that a plan the operator made
+        # (its TP choice does not check maxModelLen against the KV cache) still runs, and says so
+        log.warning("--max-model-len %d is larger than the %d tokens the KV cache holds (profile %s at TP %d): serving "
+                    "with a context of %d tokens (vLLM would refuse to start: lower maxModelLen or raise the TP)",
+                    max_model_len, kv_whole, profile.name, tp, kv_whole)
+        max_model_len = kv_whole
     engine_config = SimEngineConfig(tp=tp, kv_capacity_tokens=kv, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                                     time_scale=args.time_scale)
