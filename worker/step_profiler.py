@@ -468,6 +468,9 @@ async def profile_steps(
             if too_long:
                 raise ValueError(f"the engine's max_model_len is {max_model_len} tokens: contexts + 8 decode tokens and "
                                  f"prompts must fit in it (got {max(too_long)})")
+        # the scheduler's metrics once before anything is sent: a wrong --scheduler-metrics is bad input (exit 2),
+        # not a composition that failed mid-run
+        await fetch_table(session, metrics_url, allow_empty=True)
         in_a_row = 0
         for comp in log.compositions:
             c, d, p = comp

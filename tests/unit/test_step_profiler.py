@@ -525,8 +525,9 @@ async def test_retries_0_tries_a_composition_once(tmp_path: Path, capsys: Any) -
 @pytest.mark.asyncio
 async def test_a_table_that_cannot_be_read_after_the_last_composition_is_kept_when_a_second_read_works(
         tmp_path: Path, capsys: Any) -> None:
-    # the endpoint probe, before and after the composition, then the final read fails (the re-read works)
-    engine = FakeEngine(failing_metrics_reads={4})
+    # the endpoint probe, the scheduler's metrics checked before anything is sent, before and after the composition,
+    # then the final read fails (the re-read works)
+    engine = FakeEngine(failing_metrics_reads={5})
     out = tmp_path / "t.json"
     rc = await _step_cli(engine, out, "--step-contexts", "64")
     err = capsys.readouterr().err.strip().splitlines()
@@ -574,6 +575,23 @@ async def test_a_model_the_engine_does_not_serve_is_still_an_error_before_anythi
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("fulcrum profile: error: ") and "does not serve model 'other'" in err[0]
+    assert list(tmp_path.iterdir()) == [] and engine.prompts == 0 and engine.decode_requests == []
+
+
+@pytest.mark.asyncio
+async def test_unreachable_scheduler_metrics_are_an_error_before_anything_is_sent(tmp_path: Path, capsys: Any) -> None:
+    # a wrong --scheduler-metrics is bad input (exit 2, as documented), not "composition ... failed" (exit 1)
+    from fulcrum.cli import main
+
+    engine = FakeEngine()
+    async with serve(engine) as url:
+        rc = await asyncio.to_thread(main, ["profile", "--url", url, "--scheduler-metrics", "http://127.0.0.1:9/metrics",
+                                            *STEP_FLAGS, "--step-contexts", "64", "--step-table",
+                                            str(tmp_path / "t.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and "cannot read the scheduler metrics at http://127.0.0.1:9/metrics" in err[0]
+    assert "partial" not in err[0] and "composition" not in err[0]
     assert list(tmp_path.iterdir()) == [] and engine.prompts == 0 and engine.decode_requests == []
 
 
