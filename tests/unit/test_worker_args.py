@@ -219,12 +219,12 @@ def test_the_worker_and_the_llmserve_model_refuse_the_same_vllm_flags() -> None:
     ("vllm", ["--tensor-parallel-size", "8"], r"'--tensor-parallel-size' sets --tensor-parallel-size, which Fulcrum "
                                                r"sets itself from the planner's TP"),
     ("vllm", ["--port=9"], r"'--port=9' sets --port"),
-    ("vllm", ["--max_model_len", "9"], r"sets --max-model-len, which Fulcrum sets itself from spec\.engine\.maxModelLen"),
+    ("vllm", ["--max_model_len", "9"], r"sets --max-model-len: set spec\.engine\.maxModelLen instead"),
     ("vllm", ["--dtype half"], "whitespace in the flag"),
     ("vllm", [""], "item 0 is empty"),
     ("sim", ["--port", "9"], r"'--port' sets --port"),
     # the operator passes the spec's maxModelLen to the sim-worker as to vLLM
-    ("sim", ["--max-model-len", "4096"], r"sets --max-model-len, which Fulcrum sets itself from spec\.engine\.maxModelLen"),
+    ("sim", ["--max-model-len", "4096"], r"sets --max-model-len: set spec\.engine\.maxModelLen instead"),
 ])
 def test_the_llmserve_model_refuses_extra_args_that_override_fulcrums_flags(
         kind: str, extra: list[str], message: str) -> None:
@@ -251,7 +251,7 @@ def test_the_no_twin_of_a_flag_the_worker_always_turns_on_is_refused(extra: tupl
     from fulcrum.api import parse_llmserve
     with pytest.raises(SpecError, match=r"is set by fulcrum worker \(always on; no worker flag turns it off\)"):
         WorkerConfig(model="m", extra_args=extra)
-    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*sets --no-enable-prefix-caching, which Fulcrum"):
+    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*turns off --enable-prefix-caching, which Fulcrum always turns on"):
         parse_llmserve({"spec": {"model": {"name": "m"}, "engine": {"extraArgs": list(extra)}}})
 
 
@@ -294,10 +294,10 @@ def test_the_default_batch_limits_are_unchanged() -> None:
     ({"maxModelLen": 32768, "extraArgs": ["--no_enable_chunked_prefill"]},
      r"maxNumBatchedTokens 8192 \(unset\) is below maxModelLen 32768"),
     ({"kind": "sim", "maxNumSeqs": 8, "extraArgs": ["--max-num-seqs", "8"]},
-     r"'--max-num-seqs' sets --max-num-seqs, which Fulcrum sets itself from spec\.engine\.maxNumSeqs"),
+     r"'--max-num-seqs' sets --max-num-seqs: set spec\.engine\.maxNumSeqs"),
     # unset field: the planner counts on 256 per instance, so a sim-worker flag behind its back is refused too
     ({"kind": "sim", "extraArgs": ["--max-num-seqs", "64"]},
-     r"'--max-num-seqs' sets --max-num-seqs, which Fulcrum sets itself from spec\.engine\.maxNumSeqs \(unset: 256\)"),
+     r"'--max-num-seqs' sets --max-num-seqs: set spec\.engine\.maxNumSeqs \(unset: 256\) instead"),
     ({"kind": "sim", "extraArgs": ["--max-num-batched-tokens=512"]}, r"sets --max-num-batched-tokens"),
 ])
 def test_the_llmserve_model_refuses_batch_limits_vllm_would_refuse(engine: dict[str, object], message: str) -> None:

@@ -539,7 +539,11 @@ class EngineSpec(_Model):
         for i, arg in enumerate(extra_args):
             bad = malformed_extra_arg(extra_args, i)
             flag = None if bad else extra_arg_flag(arg, managed)
-            if flag is not None:
+            if flag is not None and managed[flag].startswith("spec.engine."):  # a field decides it: point there
+                bad = f"{arg!r} sets {flag}: set {managed[flag]} instead (Fulcrum passes it to the engine)"
+            elif flag is not None and flag.startswith("--no-"):
+                bad = (f"{arg!r} turns off --{flag[5:]}, which Fulcrum always turns on ({managed[flag]})")
+            elif flag is not None:
                 bad = (f"{arg!r} sets {flag}, which Fulcrum sets itself from {managed[flag]} (the engine would "
                        "silently keep the last value)")
             if bad:
