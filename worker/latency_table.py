@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fulcrum.errors import ProfileError, as_float, clipped, number_in_text, safe_yaml, yaml_problem
+from fulcrum.errors import ProfileError, as_float, clipped, quoted_number_hint, safe_yaml, yaml_problem
 from fulcrum.ratio.step_cost import StepCost
 
 if TYPE_CHECKING:  # only for the annotation: the engine's environment need not import scipy
@@ -124,13 +124,10 @@ def _file_number(name: str, value: Any) -> float | int:
     """A number as a table file holds it: a JSON/YAML int or float, as :meth:`StepLatencyTable.to_dict` writes it.
     A bool (YAML's ``true``/``yes``: ``float(True)`` would read 1) or a string (``"0.5"``: text where a number
     belongs), a null (``seconds:`` with no value), a list or a mapping is refused, worded as the profile loader
-    words it (``expected a number, got True``). An exponent number that YAML 1.1 reads as text even unquoted
-    (``seconds: 5e-3``) is taken as the number (:func:`fulcrum.errors.number_in_text`)."""
-    if isinstance(value, str):
-        number, hint = number_in_text(value)
-        if number is not None:
-            return number
-        raise ValueError(f"{name}: expected a number, got {clipped(repr(value))}{hint}")
+    words it (``expected a number, got True``). A plain exponent number (``seconds: 5e-3``) is a float already
+    (:func:`fulcrum.errors.safe_yaml`)."""
+    if isinstance(value, str):  # YAML's plain 5e-3 is a float already (fulcrum.errors.safe_yaml)
+        raise ValueError(f"{name}: expected a number, got {clipped(repr(value))}{quoted_number_hint(value)}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: expected a number, got {clipped(repr(value))}")
     return value

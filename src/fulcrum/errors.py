@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 __all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "as_float", "clipped",
-           "number_in_text", "safe_yaml", "yaml_problem"]
+           "quoted_number_hint", "safe_yaml", "yaml_problem"]
 
 
 class FulcrumError(Exception):
@@ -51,10 +51,36 @@ def yaml_problem(err: Any) -> tuple[str, str]:
     return where, ", ".join(parts) if parts else " ".join(str(err).split())
 
 
+_YAML12_FLOAT = re.compile(r"^[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?$")
+"""A float as YAML 1.2 (and JSON, and kubectl's YAML) reads it, beside YAML 1.1's: ``72.0e9``, ``1e9``, ``5e-3``
+and ``+.5`` are numbers there, while PyYAML's YAML 1.1 resolver reads them as text."""
+_SAFE_LOADER: Any = None
+
+
+def _loader() -> Any:
+    """``yaml.SafeLoader`` that also resolves :data:`_YAML12_FLOAT` plain scalars as floats (built once)."""
+    global _SAFE_LOADER
+    if _SAFE_LOADER is None:
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        # checked after YAML 1.1's own resolvers (bool, int, float, ...), so ints stay ints; a quoted scalar is
+        # never resolved, so "72.0e9" in quotes stays text
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+        _SAFE_LOADER = Loader
+    return _SAFE_LOADER
+
+
 def safe_yaml(text: str, *, documents: bool = False) -> Any:
-    """``yaml.safe_load(text)`` (``documents``: the list of ``yaml.safe_load_all``'s documents), with the
-    ``ValueError`` of a timestamp PyYAML matches but cannot build (``2024-13-45``: "month must be in 1..12") raised
-    as a ``yaml.YAMLError``, so that a reader names the file for it as for any other YAML problem.
+    """``yaml.safe_load(text)`` (``documents``: the list of ``yaml.safe_load_all``'s documents), with two changes
+    every Fulcrum YAML reader shares:
+
+    - plain exponent numbers that YAML 1.1 leaves as text are floats, as in YAML 1.2, JSON and ``kubectl``
+      (``weightBytes: 72.0e9``, ``seconds: 5e-3``, ``+.5``; :data:`_YAML12_FLOAT`);
+    - the ``ValueError`` of a timestamp PyYAML matches but cannot build (``2024-13-45``: "month must be in 1..12")
+      is raised as a ``yaml.YAMLError``, so that a reader names the file for it as for any other YAML problem.
 
     Raises:
         yaml.YAMLError: not valid YAML (with :func:`yaml_problem`'s mark when PyYAML gives one).
@@ -63,27 +89,18 @@ def safe_yaml(text: str, *, documents: bool = False) -> Any:
     import yaml
 
     try:
-        return list(yaml.safe_load_all(text)) if documents else yaml.safe_load(text)
+        return list(yaml.load_all(text, Loader=_loader())) if documents else yaml.load(text, Loader=_loader())
     except ValueError as err:
         raise yaml.YAMLError(" ".join(str(err).split())) from err
 
 
 _NUMBER_TEXT = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?")
-_EXPONENT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE]([-+]?)[0-9]+")
 
 
-def number_in_text(text: str) -> tuple[float | None, str]:
-    """A string found where a YAML or JSON file must hold a number: (the number, "") when it is one that YAML 1.1
-    (PyYAML) reads as text even unquoted — an exponent number with no ``.`` in its mantissa or no sign in its
-    exponent (``weightBytes: 72.0e9``, ``1e9``, ``5e-3``; ``1.0e+9`` is a float): JSON and YAML 1.2 read it as a
-    number, so it is taken as one (a quoted ``"72.0e9"`` too: the reader cannot tell them apart); else (None, the
-    hint for the message: ``" (a string: write the number without quotes)"`` when the text is a number, else "").
-    """
-    s = text.strip()
-    m = _EXPONENT_TEXT.fullmatch(s)
-    if m is not None and ("." not in s or not m.group(1)):
-        return float(s), ""
-    return None, " (a string: write the number without quotes)" if _NUMBER_TEXT.fullmatch(s) else ""
+def quoted_number_hint(text: str) -> str:
+    """The end of a message for a string found where a YAML or JSON file must hold a number: ``" (a string: write
+    the number without quotes)"`` when the text is a number (a quoted ``"20"``), else "" (``"lots"``)."""
+    return " (a string: write the number without quotes)" if _NUMBER_TEXT.fullmatch(text.strip()) else ""
 
 
 def clipped(text: str, keep: int = 40) -> str:

@@ -492,16 +492,26 @@ def test_a_csv_profiles_cells_are_text_and_may_hold_quoted_numbers(tmp_path):
 
 
 def test_an_exponent_yaml_reads_as_text_unquoted_is_still_a_number(tmp_path):
-    """YAML 1.1 (PyYAML) reads ``72.0e9`` and ``1e9`` (no sign in the exponent, no dot) as text: the documented example
-    and a bundled profile write ``weightBytes: 72.0e9`` without quotes, so such text is the number."""
+    """YAML 1.1 (PyYAML) reads ``72.0e9``, ``1e9`` and ``+.5`` as text; YAML 1.2, JSON and kubectl read numbers, and
+    the documented example and a bundled profile write ``weightBytes: 72.0e9``: plain, they are numbers
+    (fulcrum.errors.safe_yaml); quoted, they are the text the file says, refused with the hint."""
     text = yaml.safe_dump(small_profile_dict())
     assert "weightBytes: 20000000000.0\n" in text and "kvBytesPerToken: 100000\n" in text
     path = tmp_path / "p.yaml"
     path.write_text(text.replace("weightBytes: 20000000000.0", "weightBytes: 72.0e9")
-                    .replace("kvBytesPerToken: 100000", "kvBytesPerToken: 1e5"))
+                    .replace("kvBytesPerToken: 100000", "kvBytesPerToken: 1e5")
+                    .replace("activationReserveGiB: 4\n", "activationReserveGiB: +.5\n"))
     p = load_profile(path)
-    assert (p.weight_bytes, p.kv_bytes_per_token) == (72e9, 1e5)
+    assert (p.weight_bytes, p.kv_bytes_per_token, p.activation_reserve_gib) == (72e9, 1e5, 0.5)
     assert builtin_profile("dopd-llama70b-fp8-h100").weight_bytes == 72e9
+    path.write_text(text.replace("weightBytes: 20000000000.0", "weightBytes: '72.0e9'"))
+    with pytest.raises(ProfileError, match=r"weightBytes: expected a number, got '72\.0e9' \(a string: write the "):
+        load_profile(path)
+    d = small_profile_dict()
+    d["weightBytes"] = "72e9"  # JSON: a quoted value is always deliberate text
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"weightBytes: expected a number, got '72e9' \(a string"):
+        load_profile(tmp_path / "p.json")
 
 
 def test_every_shipped_and_every_written_profile_holds_numbers_not_quoted_numbers(tmp_path):
