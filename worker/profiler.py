@@ -133,7 +133,8 @@ class ProfileGrid:
         warmup: unrecorded requests before measuring (first requests pay one-off start-up costs).
         point_timeout_s: wall-clock budget of one point (all its repeats and retries), seconds; None =
             ``(repeats + 1) × request_timeout_s`` (:attr:`point_budget_s`).
-        stop_after_timeouts: stop the run after this many points in a row failed by timeout (0 = never).
+        stop_after_timeouts: stop the run after this many points in a row failed by timeout or a refused
+            connection (a dead engine; 0 = never).
     """
 
     isl: tuple[int, ...]
@@ -748,11 +749,18 @@ class _Unmeasurable(Exception):
 
 
 class _Failed(Exception):
-    """One attempt failed (HTTP error, timeout, broken stream): retry. ``timeout``: it failed by a timeout."""
+    """One attempt failed (HTTP error, timeout, broken stream): retry. ``timeout``: the engine did not answer (a
+    timeout, or a refused connection: a dead engine), which counts toward ``--stop-after-timeouts``."""
 
     def __init__(self, msg: str, *, timeout: bool = False) -> None:
         super().__init__(msg)
         self.timeout = timeout
+
+
+def _unanswered(err: BaseException) -> bool:
+    """Whether an attempt's error means the engine did not answer: a timeout, or no connection at all (refused,
+    reset before an answer: an engine that died), as opposed to an answer that was wrong (HTTP error, bad JSON)."""
+    return isinstance(err, (asyncio.TimeoutError, aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
 
 
 def _is_context_error(status: int, text: str) -> bool:
@@ -781,7 +789,7 @@ class _Client:
                 ids = json.loads(raw).get("tokens")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as err:
             raise _Failed(f"/tokenize failed: {type(err).__name__}: {err}",
-                          timeout=isinstance(err, asyncio.TimeoutError)) from err
+                          timeout=_unanswered(err)) from err
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise _Failed("/tokenize answered without a token list")
         return ids
@@ -883,7 +891,7 @@ class _Client:
                     if on_first is not None and len(marks) == 1:
                         on_first()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
-            raise _Failed(f"{type(err).__name__}: {err}", timeout=isinstance(err, asyncio.TimeoutError)) from err
+            raise _Failed(f"{type(err).__name__}: {err}", timeout=_unanswered(err)) from err
         if not marks or marks[-1][1] < max_tokens:
             raise _Failed(f"stream ended after {marks[-1][1] if marks else 0} of {max_tokens} tokens")
         return marks
@@ -1132,8 +1140,8 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
             elif not (limit is not None and need > limit):
                 in_a_row = 0  # the engine answered (a point dropped before sending anything tells nothing)
             if grid.stop_after_timeouts and in_a_row >= grid.stop_after_timeouts:
-                stopped = (f"the engine stopped answering ({in_a_row} points in a row failed by timeout, the last "
-                           f"{kind} {key})")
+                stopped = (f"the engine stopped answering ({in_a_row} points in a row failed by timeout or a refused "
+                           f"connection, the last {kind} {key})")
                 say(f"{stopped}; stopping")
                 return False
             return True

@@ -584,7 +584,8 @@ async def test_an_engine_that_stops_answering_stops_the_run_and_keeps_what_was_m
     assert took < 15, took
     partial = tmp_path / "p.partial.yaml"
     assert err[-1].startswith("fulcrum profile: error: the engine stopped answering (2 points in a row failed by "
-                              "timeout, the last decode (5, 120)); partial profile written to " + str(partial))
+                              "timeout or a refused connection, the last decode (5, 120)); partial profile written to "
+                              + str(partial))
     assert "not measured: decode (7, 40), decode (7, 120)" in err[-1]
     assert out.read_text() == "old: profile\n"  # an older profile is not replaced by a partial one
     profile = load_profile(partial)
@@ -595,6 +596,36 @@ async def test_an_engine_that_stops_answering_stops_the_run_and_keeps_what_was_m
     meas = yaml.safe_load(text)["measurement"]
     assert meas["partial"] is True and meas["stopped"].startswith("the engine stopped answering")
     assert meas["notMeasured"] == {"prefill": [], "decode": [[7, 40], [7, 120]]}
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_dies_stops_the_run_and_keeps_what_was_measured_not_a_cut_profile_over_out(
+        tmp_path: Path, capsys: Any) -> None:
+    # a dead engine refuses connections at once: before, no point counted as "stopped answering", the run walked the
+    # rest of the grid and ended rc 0, writing a silently cut profile over an older --out (seen against a killed
+    # sim-worker)
+    eng = await _engine()
+    seen = {"decodes": 0}
+
+    @web.middleware
+    async def die(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/v1/completions" and (await request.json()).get("max_tokens") == 8:
+            seen["decodes"] += 1
+            if seen["decodes"] == 17:  # after the first complete grid (batch 1 and 3): the engine dies
+                asyncio.get_running_loop().create_task(eng.stop())
+        return await handler(request)
+
+    eng.app.middlewares.append(die)
+    out = tmp_path / "p.yaml"
+    out.write_text("old: profile\n")
+    rc = await _profile_cli(eng, out, "--batch", "1,3,5,7", "--request-timeout-s", "20", "--stop-after-timeouts", "2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err
+    assert err[-1].startswith("fulcrum profile: error: the engine stopped answering (2 points in a row failed by "
+                              "timeout or a refused connection")
+    assert out.read_text() == "old: profile\n"
+    partial = tmp_path / "p.partial.yaml"
+    assert load_profile(partial).decode[1].batch == (1.0, 3.0)
 
 
 def _interrupt_after(monkeypatch: pytest.MonkeyPatch, streams: int) -> None:

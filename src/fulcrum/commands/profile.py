@@ -25,8 +25,8 @@ says why, and where, or that nothing was kept and why.
 
 Each point has a wall-clock budget (``--point-timeout-s``, default ``(--repeats + 1) × --request-timeout-s``):
 when it is spent the point is abandoned and reported (kept if some repeats were measured, else skipped). After
-``--stop-after-timeouts`` points in a row failed by timeout (default 3; 0 = never) the run stops: the engine
-stopped answering.
+``--stop-after-timeouts`` points in a row failed by timeout or a refused connection (default 3; 0 = never) the run
+stops: the engine stopped answering.
 
 A run that ends early — Ctrl-C, or the engine stopped answering — keeps what it measured: when that is enough
 for a profile (2 ISLs, a complete 2 × 2 decode grid) it is written to ``<out>.partial.yaml`` beside ``--out``
@@ -107,7 +107,8 @@ def add_parser(sub: Any) -> None:
                         "composition (every rerun; default 2 × --request-timeout-s)")
     p.add_argument("--stop-after-timeouts", type=int, default=3, metavar="N",
                    help="stop the run, keeping what was measured, after N points (--step-table: compositions) in a "
-                        "row failed by timeout (the engine stopped answering; default 3, 0 = never)")
+                        "row failed by timeout or, for points, a refused connection (the engine stopped answering; default 3, "
+                        "0 = never)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests (default 1)")
     p.add_argument("--out", default="profile.yaml", help="profile file to write, .yaml (default profile.yaml; - = stdout)")
     p.add_argument("--name", help="profile name (default <model>-tp<tp>, made a valid name)")
