@@ -1020,13 +1020,13 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                 return PointResult(kind, key, dropped=msg)
             samples: list[float] = []
             failures: list[str] = []
-            timeouts = [0]  # failed attempts that were timeouts
-            done = [0]  # repeats finished (measured or given up)
+            failed = unanswered = done = 0  # failed attempts, those the engine did not answer, repeats finished
 
             def note() -> None:  # the point so far, for an interrupted run
                 log.current = PointResult(kind, key, tuple(samples), tuple(failures))
 
             async def repeats() -> PointResult | None:
+                nonlocal failed, unanswered, done
                 for rep in range(grid.repeats):
                     for attempt in range(grid.retries + 1):
                         if attempt:
@@ -1039,12 +1039,13 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                             return PointResult(kind, key, tuple(samples), tuple(failures), dropped=str(err))
                         except _Failed as err:
                             failures.append(f"attempt {attempt + 1}: {err}")
-                            timeouts[0] += err.timeout
+                            failed += 1
+                            unanswered += err.timeout
                         finally:
                             note()
                     else:
                         failures.append(f"repeat {rep + 1}: gave up after {grid.retries + 1} attempts")
-                    done[0] += 1
+                    done += 1
                     bar.update(1)
                 return None
 
@@ -1052,7 +1053,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
             # the budget runs in its own task, stopped for sure (within) when spent or when this one is
             # cancelled (Ctrl-C): a hung engine costs a point at most ``budget`` seconds
             task = await within(repeats(), budget)
-            bar.update(grid.repeats - done[0])
+            bar.update(grid.repeats - done)
             if task is not None:
                 dropped = task.result()
                 if dropped is not None:
@@ -1060,10 +1061,9 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                 expired = False
             else:
                 expired = True
-                failures.append(f"point budget of {budget:g} s spent (--point-timeout-s) after {done[0]} of "
+                failures.append(f"point budget of {budget:g} s spent (--point-timeout-s) after {done} of "
                                 f"{grid.repeats} repeat(s); abandoned")
-            timed_out = not samples and (expired or (bool(failures) and timeouts[0] == sum(
-                f.startswith("attempt ") for f in failures)))
+            timed_out = not samples and (expired or 0 < failed == unanswered)
             if not samples:
                 last = failures[-1] if expired or len(failures) < 2 else failures[-2]
                 say(f"{kind} {key}: every repeat failed ({last}); skipped")
