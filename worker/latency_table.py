@@ -40,11 +40,11 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 
-from fulcrum.errors import ProfileError, as_float, clipped, quoted_number_hint, safe_yaml, yaml_problem
+from fulcrum.errors import ProfileError, as_float, clipped, number_problem, safe_yaml, yaml_problem
 from fulcrum.ratio.step_cost import StepCost
 
 if TYPE_CHECKING:  # only for the annotation: the engine's environment need not import scipy
@@ -126,11 +126,10 @@ def _file_number(name: str, value: Any) -> float | int:
     belongs), a null (``seconds:`` with no value), a list or a mapping is refused, worded as the profile loader
     words it (``expected a number, got True``). A plain exponent number (``seconds: 5e-3``) is a float already
     (:func:`fulcrum.errors.safe_yaml`)."""
-    if isinstance(value, str):  # YAML's plain 5e-3 is a float already (fulcrum.errors.safe_yaml)
-        raise ValueError(f"{name}: expected a number, got {clipped(repr(value))}{quoted_number_hint(value)}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a number, got {clipped(repr(value))}")
-    return value
+    problem = number_problem(value)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
+    return cast("float | int", value)  # number_problem let through an int or a float only
 
 
 def _file_non_negative(name: str, value: Any) -> float:

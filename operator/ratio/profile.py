@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from fulcrum.errors import ProfileError, as_float, clipped, quoted_number_hint, safe_yaml, yaml_problem
+from fulcrum.errors import ProfileError, as_float, clipped, number_problem, safe_yaml, yaml_problem
 from fulcrum.target import ClusterTarget
 
 __all__ = ["PrefillTable", "DecodeTable", "PerformanceProfile", "load_profile", "profile_from_dict",
@@ -346,10 +346,9 @@ def _num(v: Any, where: str, *, text: bool = False) -> float:
     """A finite number. ``text``: ``v`` is a CSV cell, whose numbers are text (``"20"``); otherwise ``v`` comes
     from YAML or JSON, where a string is refused (a quoted number: ``ttftMs: "20"``; a plain ``72.0e9`` is read as a
     number, :func:`fulcrum.errors.safe_yaml`). A bool is refused either way."""
-    if isinstance(v, bool):  # YAML's true/yes: float(True) would read 1
-        raise ProfileError(f"{where}: expected a number, got {v!r}")
-    if isinstance(v, str) and not text:  # YAML's plain 72.0e9 is a float already (fulcrum.errors.safe_yaml)
-        raise ProfileError(f"{where}: expected a number, got {clipped(repr(v))}{quoted_number_hint(v)}")
+    problem = number_problem(v, text=text)
+    if problem is not None:
+        raise ProfileError(f"{where}: {problem}")
     try:
         f = as_float(v)  # an integer beyond float range: ±inf, refused below
     except (TypeError, ValueError):

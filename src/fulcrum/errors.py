@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 __all__ = ["FulcrumError", "SpecError", "ProfileError", "TraceError", "PlanningError", "as_float", "clipped",
-           "quoted_number_hint", "safe_yaml", "yaml_problem"]
+           "number_problem", "safe_yaml", "yaml_problem"]
 
 
 class FulcrumError(Exception):
@@ -97,10 +97,24 @@ def safe_yaml(text: str, *, documents: bool = False) -> Any:
 _NUMBER_TEXT = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?")
 
 
-def quoted_number_hint(text: str) -> str:
-    """The end of a message for a string found where a YAML or JSON file must hold a number: ``" (a string: write
-    the number without quotes)"`` when the text is a number (a quoted ``"20"``), else "" (``"lots"``)."""
-    return " (a string: write the number without quotes)" if _NUMBER_TEXT.fullmatch(text.strip()) else ""
+def number_problem(value: Any, *, text: bool = False) -> str | None:
+    """What is wrong with ``value`` where a file must hold a number, as the profile loader and the step table word
+    it (``"expected a number, got True"``), or None when it is a number. A bool is refused (``float(True)`` would
+    read 1: YAML's ``true``/``yes``), and so is a string unless ``text`` (a CSV cell, whose numbers are text: the
+    caller converts it); a quoted number in YAML or JSON (``"20"``) gets the hint ``(a string: write the number
+    without quotes)`` — a plain ``72.0e9`` is a float already (:func:`safe_yaml`). Anything else that is no int or
+    float (a list, a mapping, null) is refused too.
+    """
+    if isinstance(value, bool):
+        return f"expected a number, got {value!r}"
+    if isinstance(value, str):
+        if text:
+            return None
+        hint = " (a string: write the number without quotes)" if _NUMBER_TEXT.fullmatch(value.strip()) else ""
+        return f"expected a number, got {clipped(repr(value))}{hint}"
+    if not isinstance(value, (int, float)):
+        return f"expected a number, got {clipped(repr(value))}"
+    return None
 
 
 def clipped(text: str, keep: int = 40) -> str:
