@@ -15,11 +15,14 @@ so any SLO works, not only one that falls on a bucket boundary.
 
 Errors: Prometheus unreachable, answering an error, or holding no router series at all raises
 :class:`fulcrum.cluster.ObservationError`; the loop then keeps its last plan and reports Degraded (never scales in blind).
-So do answers that are no usable load: NaN or infinite arrivals, and finite values no deployment of one model
-reaches (:data:`MAX_ARRIVAL_RATE_RPS`, :data:`MAX_REQUESTS_IN_SYSTEM`, :data:`MAX_MEAN_TOKENS`): a one-scrape
-glitch or a counter mishap, planned as load, would scale to ``maxGPUs`` for several intervals. A KV cache usage
-above :data:`MAX_KV_USAGE` (no share: an exporter reporting percent) is read as unknown (NaN, logged), not as a full
-cache: only the KV-based scale-out checks need it, so the rest of the observation still plans.
+So do answers that are no usable load: NaN or infinite arrivals; a prefill queue, decode queue, concurrency or
+completions series that is present but answers NaN or ±Inf (each moves the plan or the reactive guard, and read as
+0 it would move them wrongly; an absent one is 0: nothing waiting, in flight or finished); and finite values no
+deployment of one model reaches (:data:`MAX_ARRIVAL_RATE_RPS`, :data:`MAX_REQUESTS_IN_SYSTEM`,
+:data:`MAX_MEAN_TOKENS`): a one-scrape glitch or a counter mishap, planned as load, would scale to ``maxGPUs`` for
+several intervals. A KV cache usage answering NaN or ±Inf, or above :data:`MAX_KV_USAGE` (no share: an exporter
+reporting percent), is read as unknown (NaN, logged), not as an empty or a full cache: only the KV-based scale-out
+checks need it and they take NaN as no signal, so the rest of the observation still plans.
 
 History (:meth:`PrometheusObserver.history`): the same queries as range queries (``query_range``, step = the
 interval), one Observation per past interval, so a forecaster that starts with the operator (a restart, a new
@@ -366,13 +369,15 @@ class PrometheusObserver:
                 router series; arrivals NaN, infinite or without a value; arrivals but no usable mean prompt or
                 output length (series missing, 0 or NaN: planning them as 1-token requests would empty the
                 prefill pool); a mean prompt that is not finite or longer than ``max_model_len``; a prefill
-                queue series answering a value that is not finite (NaN included; an absent series is no queue);
-                values no deployment reaches (``+Inf`` included): arrivals or completions above
+                queue (either series), decode queue, concurrency or completions series answering a value that
+                is not finite (NaN, ``±Inf`` or no value; the error names the series and the value; an absent
+                series is 0); values no deployment reaches (``+Inf`` included): arrivals or completions above
                 :data:`MAX_ARRIVAL_RATE_RPS` per second, a prefill queue (either series), decode queue or
                 concurrency above :data:`MAX_REQUESTS_IN_SYSTEM`, a mean prompt or output length above
-                :data:`MAX_MEAN_TOKENS`. (A KV cache usage above :data:`MAX_KV_USAGE` is read as unknown, NaN.)
-                Negative values are still read as 0, and NaN or absent series other
-                than arrivals and the prefill queue as before (0, or no length).
+                :data:`MAX_MEAN_TOKENS`. (A KV cache usage answering NaN or ``±Inf``, or above
+                :data:`MAX_KV_USAGE`, is read as unknown, NaN; an absent one as 0.) Negative values are still
+                read as 0; a token sum or count answering NaN or absent reads as 0 (no length; with arrivals,
+                the "no usable mean length" error above).
         """
 
         def scalar(template: str, default: float = 0.0) -> float:
@@ -380,14 +385,23 @@ class PrometheusObserver:
             v = _value(res[0]) if res else math.nan
             return v if math.isfinite(v) else default
 
-        def bounded(template: str, bound: float, message: Callable[[float], str]) -> float:
-            """``scalar(template)``, but a value above ``bound`` (``+Inf`` included) is no load: the error
-            ``message(value)``."""
+        def reading(template: str, bound: float, bound_text: str, describe: Callable[[float], str],
+                    unusable: str) -> float:
+            """A gauge or count the plan or the reactive guard decides on: an absent series is 0 (nothing
+            waiting, nothing in flight, nothing finished); a present one answering NaN or ±Inf (or no value), or
+            a value above ``bound`` (``+Inf`` included), is the error "Prometheus answered ``describe(value)``
+            [, above the plausible ``bound_text``]: ``unusable``". Negative values are returned as they are
+            (the caller clamps them to 0)."""
             res = fetch(template)
-            v = _value(res[0]) if res else math.nan
+            if not res:
+                return 0.0
+            v = _value(res[0])
             if v > bound:
-                raise ObservationError(message(v))
-            return v if math.isfinite(v) else 0.0
+                raise ObservationError(
+                    f"Prometheus answered {describe(v)}, above the plausible {bound_text}: {unusable}")
+            if not math.isfinite(v):
+                raise ObservationError(f"Prometheus answered {describe(v)}: {unusable}")
+            return v
 
         arrivals_res = fetch(Q_ARRIVALS)
         if not arrivals_res:
@@ -447,41 +461,51 @@ class PrometheusObserver:
                 raise ObservationError(
                     f"Prometheus answered a mean {what} length of {mean:g} tokens ({tokens} tokens sum {total:g} over "
                     f"count {n:g}), above the plausible {MAX_MEAN_TOKENS} tokens: no usable load")
-        # an absent series is no queue (no engine waiting, or no NATS queue); a series answering NaN or ±inf is a
-        # backlog nobody knows, as arrivals answering NaN are a load nobody knows; so is one above the bound
-        queues = [(_value(res[0]), series) for res, series in (
-            (fetch(Q_PREFILL_QUEUE), "vllm:num_requests_waiting"),
-            (fetch(Q_PREFILL_QUEUE_NATS), "fulcrum_router_prefill_queue_depth")) if res]
-        for q, series in queues:
-            if not math.isfinite(q):
-                raise ObservationError(f"Prometheus answered a prefill queue of {q:g} requests: no usable backlog")
-            if q > MAX_REQUESTS_IN_SYSTEM:
-                raise ObservationError(
-                    f"Prometheus answered a prefill queue of {q:g} requests ({series}), above the plausible "
-                    f"{MAX_REQUESTS_IN_SYSTEM:g} requests: no usable backlog")
-        prefill_queue = sum(q for q, _ in queues)  # at most two bounded gauges: finite
-        # the other series keep their reading of NaN (0) and negatives (0); a value above the bound, +Inf included,
-        # is a glitch: planned on, it would scale out (queues, concurrency) or outweigh every past interval's SLO
-        # attainment (completions)
-        decode_queue = bounded(Q_DECODE_QUEUE, MAX_REQUESTS_IN_SYSTEM, lambda v: (
-            f"Prometheus answered a decode queue of {v:g} requests (vllm:num_requests_waiting), above the "
-            f"plausible {MAX_REQUESTS_IN_SYSTEM:g} requests: no usable backlog"))
-        concurrency = bounded(Q_CONCURRENCY, MAX_REQUESTS_IN_SYSTEM, lambda v: (
-            f"Prometheus answered a concurrency of {v:g} requests in flight (fulcrum_router_instance_inflight), "
-            f"above the plausible {MAX_REQUESTS_IN_SYSTEM:g} requests: no usable load"))
+        # An absent series is 0: no engine waiting (no pod of the pool yet), no NATS queue, no request in flight or
+        # finished. A present series answering NaN or ±Inf is no such 0 but a value nobody knows, as arrivals
+        # answering NaN are a load nobody knows; so is one above the bound. Each of these moves a decision if read
+        # as 0 (or as the glitch), so the interval is an ObservationError and the loop holds:
+        # - prefill queue (either series): the reactive guard's prefill/unified scale-out, dynamo-load's prefill load;
+        # - decode queue: the reactive guard's decode/unified scale-out (``decode_queue > 0``), its backlog-draining
+        #   check, dynamo-load's decode load (0 reads as a cache with room: a scale-in);
+        # - concurrency: dynamo-sla's decode correction factor (the ITL expected at 0 requests per instance is the
+        #   lowest, so the observed ITL over it inflates the decode plan) and the concurrency series the forecasters
+        #   learn (a 0 dragged into their forecast);
+        # - completions: the reactive guard's sample count (0 silences it), dynamo-sla's demand (``completed``: a 0
+        #   fed to its rate predictor plans the next intervals low), the weight of the interval's SLO attainment.
+        # Above the bound, planned as load, each would scale out (queues, concurrency) or outweigh every past
+        # interval's SLO attainment (completions).
+        def queue(template: str, pool: str, series: str) -> float:
+            return reading(template, MAX_REQUESTS_IN_SYSTEM, f"{MAX_REQUESTS_IN_SYSTEM:g} requests", lambda v: (
+                f"a {pool} queue of {v:g} requests ({series})"), "no usable backlog")
+
+        prefill_queue = (queue(Q_PREFILL_QUEUE, "prefill", "vllm:num_requests_waiting")  # two bounded gauges: finite
+                         + queue(Q_PREFILL_QUEUE_NATS, "prefill", "fulcrum_router_prefill_queue_depth"))
+        decode_queue = queue(Q_DECODE_QUEUE, "decode", "vllm:num_requests_waiting")
+        concurrency = reading(Q_CONCURRENCY, MAX_REQUESTS_IN_SYSTEM, f"{MAX_REQUESTS_IN_SYSTEM:g} requests", lambda v: (
+            f"a concurrency of {v:g} requests in flight (fulcrum_router_instance_inflight)"), "no usable load")
+        # KV usage is the one gauge read as unknown (NaN) instead: only the KV-based scale-out checks need it and
+        # they take NaN as no signal (the reactive guard's ``> 0.9`` is False, dynamo-load holds the decode pool),
+        # so the rest of the observation still plans. Read as 0 a NaN was an empty cache (dynamo-load's scale-in);
+        # an absent series (no decode-capable pod yet) is still 0.
         kv_res = fetch(Q_KV_USAGE)
-        kv_usage = _value(kv_res[0]) if kv_res else math.nan
-        if kv_usage > MAX_KV_USAGE:  # +Inf too: no share, whatever it is; NaN as read (unknown) for the KV checks
+        kv_usage = _value(kv_res[0]) if kv_res else 0.0
+        if kv_usage > MAX_KV_USAGE:  # +Inf too: no share, whatever it is
             log.warning("Prometheus answered a KV cache usage of %g (vllm:kv_cache_usage_perc), above 1: it is a share "
                         "in 0..1 (does an exporter report percent?); read as unknown", kv_usage)
             kv_usage = math.nan
-        elif not math.isfinite(kv_usage):
-            kv_usage = 0.0  # absent, NaN or -Inf: no usage, as before
+        elif not math.isfinite(kv_usage):  # NaN, -Inf or no value
+            log.warning("Prometheus answered a KV cache usage of %g (vllm:kv_cache_usage_perc); read as unknown",
+                        kv_usage)
+            kv_usage = math.nan
         max_completed = MAX_ARRIVAL_RATE_RPS * interval_s if interval_s > 0 else math.inf
-        completed = bounded(Q_COMPLETED, max_completed, lambda v: (
-            f"Prometheus answered {v:g} completions in {interval_s:g} s ({v / interval_s:g} requests/s; "
-            f"fulcrum_router_e2e_seconds_count), above the plausible {MAX_ARRIVAL_RATE_RPS:g} requests/s: "
-            f"no usable completion count"))
+
+        def completions(v: float) -> str:
+            rate = f"{v / interval_s:g} requests/s; " if interval_s > 0 else ""
+            return f"{v:g} completions in {interval_s:g} s ({rate}fulcrum_router_e2e_seconds_count)"
+
+        completed = reading(Q_COMPLETED, max_completed, f"{MAX_ARRIVAL_RATE_RPS:g} requests/s", completions,
+                            "no usable completion count")
         return Observation(
             time_s=time_s,
             interval_s=interval_s,

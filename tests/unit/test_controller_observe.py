@@ -254,6 +254,65 @@ def test_an_absent_prefill_queue_series_is_no_queue() -> None:
     assert o.prefill_queue == 4
 
 
+def _answer(raw: str) -> list[dict[str, Any]]:
+    return [{"metric": {}, "value": [1700000000.0, raw]}]
+
+
+@pytest.mark.parametrize("series, raw, match", [
+    ("decode_queue", "NaN", r"decode queue of nan requests \(vllm:num_requests_waiting\): no usable backlog"),
+    ("decode_queue", "-Inf", r"decode queue of -inf requests \(vllm:num_requests_waiting\): no usable backlog"),
+    ("concurrency", "NaN", r"concurrency of nan requests in flight \(fulcrum_router_instance_inflight\): "
+                           r"no usable load"),
+    ("concurrency", "-Inf", r"concurrency of -inf requests in flight \(fulcrum_router_instance_inflight\)"),
+    ("completed", "NaN", r"nan completions in 60 s \(nan requests/s; fulcrum_router_e2e_seconds_count\): no usable "
+                         r"completion count"),
+    ("completed", "-Inf", r"-inf completions in 60 s \(.*fulcrum_router_e2e_seconds_count\)"),
+    ("prefill_queue", "-Inf", r"prefill queue of -inf requests \(vllm:num_requests_waiting\): no usable backlog"),
+    ("prefill_queue_nats", "NaN", r"prefill queue of nan requests \(fulcrum_router_prefill_queue_depth\)"),
+], ids=["decode-queue-NaN", "decode-queue--Inf", "concurrency-NaN", "concurrency--Inf", "completed-NaN",
+        "completed--Inf", "prefill-queue--Inf", "nats-queue-NaN"])
+def test_a_present_series_answering_nan_or_inf_is_an_observation_error_naming_series_and_value(series, raw,
+                                                                                                match) -> None:
+    # each moves a decision when read as 0: a decode queue the reactive guard's decode scale-out and dynamo-load's
+    # decode load, concurrency dynamo-sla's decode correction, completions the guard's sample count and dynamo-sla's
+    # demand; a value nobody knows is no 0 (the loop holds, as on NaN arrivals or a NaN prefill queue)
+    with pytest.raises(ObservationError, match=match):
+        _observe(**{series: _answer(raw)})
+
+
+@pytest.mark.parametrize("series", ["decode_queue", "concurrency", "completed"])
+def test_a_present_series_without_a_value_is_an_observation_error(series: str) -> None:
+    with pytest.raises(ObservationError, match="Prometheus answered .*nan"):
+        _observe(**{series: [{"metric": {}}]})
+
+
+def test_an_absent_decode_queue_concurrency_or_completions_series_is_zero() -> None:
+    # no decode-capable pod yet, no request in flight, none finished: 0 is what is there
+    o = _observe(decode_queue=[], concurrency=[], completed=[])
+    assert (o.decode_queue, o.concurrency, o.completed) == (0, 0.0, 0)
+    assert o.prefill_queue == 7 and o.arrivals == 600  # the rest is read as usual
+
+
+def test_nan_completions_with_no_interval_are_an_observation_error_not_a_division_by_zero() -> None:
+    answers = dict(ANSWERS)
+    answers.update(completed=_answer("NaN"), arrivals=[vec(0)])
+    with pytest.raises(ObservationError, match=r"nan completions in 0 s \(fulcrum_router_e2e_seconds_count\)"):
+        observer(CannedPrometheus(answers, window="1s")).observe(0.0, 0.0, ReadyCounts())
+
+
+@pytest.mark.parametrize("raw", ["NaN", "-Inf"])
+def test_a_kv_cache_usage_answering_nan_is_unknown_not_an_empty_cache(raw: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # read as 0 it was an empty cache: dynamo-load's decode load under its boundary, a scale-in; unknown is no
+    # signal for the KV checks (as a usage above 1), and the rest of the observation still plans
+    with caplog.at_level("WARNING", logger="fulcrum.controller.observe"):
+        o = _observe(kv_usage=_answer(raw))
+    assert math.isnan(o.kv_utilisation)
+    assert o.arrivals == 600 and o.decode_queue == 2
+    assert "KV cache usage of" in caplog.text and "read as unknown" in caplog.text
+    assert _observe(kv_usage=[]).kv_utilisation == 0.0  # absent: no decode-capable pod, no usage
+
+
 @pytest.mark.parametrize("over, match", [
     ({"arrivals": [vec(60 * 1e12)]}, r"6e\+13 arrivals in 60 s \(1e\+12 requests/s.*above the plausible 1e\+06"),
     ({"arrivals": [vec(60 * 1e6 + 60)]}, r"arrivals in 60 s .*above the plausible 1e\+06 requests/s"),
@@ -303,16 +362,13 @@ def test_values_at_the_plausibility_bounds_are_taken_as_they_are() -> None:
     assert o.concurrency == 1e9 and o.completed == 60_000_000
 
 
-def test_negative_nan_and_absent_answers_other_than_arrivals_and_prefill_queue_read_as_before() -> None:
-    nan = [{"metric": {}, "value": [1700000000.0, "NaN"]}]
+def test_negative_and_absent_answers_read_as_zero() -> None:
     o = _observe(decode_queue=[vec(-1e300)], concurrency=[vec(-1e300)], completed=[vec(-1e300)],
                  prefill_queue=[vec(-1e300)], prefill_queue_nats=[], arrivals=[vec(-1e300)],
                  kv_usage=[vec(-1e300)])
     assert (o.arrivals, o.decode_queue, o.concurrency, o.completed, o.prefill_queue) == (0, 0, 0.0, 0, 0)
     assert o.kv_utilisation == 0.0  # a share: clamped to 0..1, as before
     assert _observe(kv_usage=[vec(1.004)]).kv_utilisation == 1.0  # float rounding above a full cache
-    o = _observe(decode_queue=nan, concurrency=nan, completed=nan)
-    assert (o.decode_queue, o.concurrency, o.completed) == (0, 0.0, 0)
     o = _observe(decode_queue=[], concurrency=[], completed=[], kv_usage=[])
     assert (o.decode_queue, o.concurrency, o.completed, o.kv_utilisation) == (0, 0.0, 0, 0.0)
 
@@ -327,6 +383,19 @@ def test_history_leaves_out_an_interval_with_an_arrivals_spike() -> None:
     })
     hist = observer(prom).history(1320.0, 60.0, 3, ReadyCounts())
     assert [(o.time_s, o.arrivals) for o in hist] == [(1200.0, 60), (1320.0, 120)]  # the forecaster never sees it
+
+
+def test_history_leaves_out_an_interval_with_a_nan_decode_queue() -> None:
+    prom = CannedRange({
+        "arrivals": {1200.0: 60, 1260.0: 60, 1320.0: 120},
+        "input_tokens_sum": {1200.0: 60_000, 1260.0: 60_000, 1320.0: 240_000},
+        "input_tokens_count": {1200.0: 60, 1260.0: 60, 1320.0: 120},
+        "predicted_output_sum": {1200.0: 6_000, 1260.0: 6_000, 1320.0: 24_000},
+        "predicted_output_count": {1200.0: 60, 1260.0: 60, 1320.0: 120},
+        "decode_queue": {1200.0: 1, 1260.0: math.nan},  # absent at 1320: no queue
+    })
+    hist = observer(prom).history(1320.0, 60.0, 3, ReadyCounts())
+    assert [(o.time_s, o.decode_queue) for o in hist] == [(1200.0, 1), (1320.0, 0)]
 
 
 def test_a_bucket_whose_le_is_no_number_is_skipped() -> None:
@@ -380,8 +449,11 @@ class _PromCluster:
     {"arrivals": [vec(10 * 1e12)]},
     {"prefill_queue": [vec(1e300)]},
     {"decode_queue": [vec(1e300)]},
+    {"decode_queue": [{"metric": {}, "value": [1700000000.0, "NaN"]}]},
+    {"concurrency": [{"metric": {}, "value": [1700000000.0, "NaN"]}]},
+    {"completed": [{"metric": {}, "value": [1700000000.0, "NaN"]}]},
 ], ids=["arrivals-NaN", "arrivals-Inf", "isl-missing", "isl-beyond-context", "queue-overflow", "arrivals-1e12-rps",
-        "prefill-queue-1e300", "decode-queue-1e300"])
+        "prefill-queue-1e300", "decode-queue-1e300", "decode-queue-NaN", "concurrency-NaN", "completed-NaN"])
 def test_unusable_answers_hold_the_pools_and_report_degraded_in_the_loop(bad, table_i) -> None:
     from fulcrum.api.llmserve import parse_llmserve
     from fulcrum.scaling.loop import ControlLoop
