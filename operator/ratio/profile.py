@@ -28,10 +28,9 @@ total tokens minus the attention cross-terms that separate sequences do not comp
 from __future__ import annotations
 
 import bisect
-import csv
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
+from fulcrum.csv_records import CsvRecords
 from fulcrum.errors import ProfileError, as_float, clipped, number_problem, safe_yaml, yaml_problem
 from fulcrum.target import ClusterTarget
 
@@ -516,41 +516,34 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
     pre: dict[int, dict[float, tuple[float, int]]] = {}  # TP → ISL → (ms, line)
     dec: dict[int, dict[tuple[float, float], tuple[float, int]]] = {}  # TP → (batch, context) → (ms, line)
     with path.open(newline="", encoding="utf-8-sig") as f:
-        lines = _LineWatch(f)
-        reader = csv.DictReader(lines)
-        try:
-            need = {"kind", "tp", "isl", "batch", "context", "ms"}
-            if reader.fieldnames is None:
-                raise ProfileError(f"{path}: the file is empty (a CSV profile needs the columns {sorted(need)})")
-            if not need <= set(reader.fieldnames):
-                raise ProfileError(f"{path}: CSV needs columns {sorted(need)}, got {reader.fieldnames}")
-            lines.mark()
-            for row in reader:
-                n = reader.line_num
-                start, lines_left = lines.start or n, lines.at_end
-                lines.mark()
-                if lines_left or any(v is not None and ("\n" in v or "\r" in v) for k, v in row.items() if k in need):
-                    runs = "to the end of the file" if lines_left else f"on to line {n}"
-                    raise ProfileError(f"{path}:{start}: malformed CSV: unterminated quote: the quoted field opened on "
-                                       f"this line runs {runs}")
-                where = f"{path}:{n}"
-                tp = _tp(row["tp"], f"{where} tp", text=True)
-                ms = _num(row["ms"], f"{where} ms", text=True)
-                if row["kind"] == "prefill":
-                    isl = _num(row["isl"], f"{where} isl", text=True)
-                    _add_point(pre.setdefault(tp, {}), isl, (ms, n), f"{where}: prefill point TP={tp}, isl {isl:g}")
-                elif row["kind"] == "decode":
-                    key = (_num(row["batch"], f"{where} batch", text=True),
-                           _num(row["context"], f"{where} context", text=True))
-                    what = f"{where}: decode point TP={tp}, batch {key[0]:g}, context {key[1]:g}"
-                    _add_point(dec.setdefault(tp, {}), key, (ms, n), what)
-                else:
-                    raise ProfileError(f"{where}: kind must be prefill or decode, got {row['kind']!r}")
-        except csv.Error as err:  # e.g. a field over the csv module's 128 KiB limit
-            if lines.start and reader.reader.line_num > lines.start:  # a quoted field opened there runs on
-                raise ProfileError(f"{path}:{lines.start}: malformed CSV: unterminated quote: the quoted field opened "
-                                   f"on this line runs on to line {reader.reader.line_num} ({err})") from err
-            raise ProfileError(f"{path}:{reader.reader.line_num}: malformed CSV: {err}") from err
+        records = CsvRecords(f, path, ProfileError)
+        need = {"kind", "tp", "isl", "batch", "context", "ms"}
+        header = next(records, None)
+        if header is None:
+            raise ProfileError(f"{path}: the file is empty (a CSV profile needs the columns {sorted(need)})")
+        if not need <= set(header):
+            raise ProfileError(f"{path}: CSV needs columns {sorted(need)}, got {header}")
+        for record in records:
+            if not record:  # a blank line
+                continue
+            # as csv.DictReader: a short record's missing cells are None, cells past the header's are ignored
+            row = dict(zip(header, record)) | dict.fromkeys(header[len(record):])
+            n = records.end_line
+            if any(v is not None and ("\n" in v or "\r" in v) for k, v in row.items() if k in need):
+                raise records.unterminated(f"on to line {n}")
+            where = f"{path}:{n}"
+            tp = _tp(row["tp"], f"{where} tp", text=True)
+            ms = _num(row["ms"], f"{where} ms", text=True)
+            if row["kind"] == "prefill":
+                isl = _num(row["isl"], f"{where} isl", text=True)
+                _add_point(pre.setdefault(tp, {}), isl, (ms, n), f"{where}: prefill point TP={tp}, isl {isl:g}")
+            elif row["kind"] == "decode":
+                key = (_num(row["batch"], f"{where} batch", text=True),
+                       _num(row["context"], f"{where} context", text=True))
+                what = f"{where}: decode point TP={tp}, batch {key[0]:g}, context {key[1]:g}"
+                _add_point(dec.setdefault(tp, {}), key, (ms, n), what)
+            else:
+                raise ProfileError(f"{where}: kind must be prefill or decode, got {row['kind']!r}")
     for table, points in (("prefill", pre), ("decode", dec)):  # not the mapping format's "got an empty list"
         if not points:
             raise ProfileError(f"{path}: {table}: no {table} rows (kind={table}): a profile needs at least one "
@@ -570,36 +563,6 @@ def _from_csv(path: Path, meta: Any, meta_path: Path) -> PerformanceProfile:
              "tpotMs": [[cells[(b, c)][0] for c in contexts] for b in batches]}
         )
     return _build_profile(d, str(path), str(meta_path))
-
-
-class _LineWatch:
-    """A CSV file's lines for ``csv.reader``, noting the line the record being read starts on (its first non-blank
-    line since :meth:`mark`, 1-based; 0 before it) and whether the reader asked for a line past the last one (a
-    quoted field still open at the end of the file)."""
-
-    def __init__(self, lines: Iterator[str]) -> None:
-        self._lines = lines
-        self.count = 0
-        self.start = 0
-        self.at_end = False
-
-    def __iter__(self) -> _LineWatch:
-        return self
-
-    def __next__(self) -> str:
-        try:
-            line = next(self._lines)
-        except StopIteration:
-            self.at_end = True
-            raise
-        self.count += 1
-        if not self.start and line.strip():
-            self.start = self.count
-        return line
-
-    def mark(self) -> None:
-        """The next record starts after the lines read so far."""
-        self.start = 0
 
 
 def _add_point(points: dict[Any, tuple[float, int]], key: Any, value: tuple[float, int], what: str) -> None:

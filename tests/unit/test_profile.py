@@ -327,6 +327,25 @@ def test_malformed_csv_profiles_are_one_line_naming_the_file_and_line(tmp_path, 
         load_profile(_csv_profile(tmp_path, rows, meta))
 
 
+def test_csv_profile_rows_read_as_dict_reader_did(tmp_path):
+    # blank lines are skipped (a bad row's line is still its own), cells past the header's are ignored, and a
+    # short row's missing cells are None
+    rows = [r + ",extra" for r in CSV_ROWS[:3]] + ["", ""] + CSV_ROWS[3:]
+    assert load_profile(_csv_profile(tmp_path, rows)).ttft(100, 1) == pytest.approx(0.02)
+    with pytest.raises(ProfileError, match=r"p\.csv:10 tp: expected a number, got 'x'$"):
+        load_profile(_csv_profile(tmp_path, [*CSV_ROWS, "", "", "prefill,x,1,,,2"]))
+    with pytest.raises(ProfileError, match=r"p\.csv:8 ms: expected a number, got None$"):
+        load_profile(_csv_profile(tmp_path, [*CSV_ROWS, "prefill,1"]))
+
+
+def test_a_quote_in_a_csv_profiles_header_left_open_is_named_at_line_1(tmp_path):
+    path = _csv_profile(tmp_path, CSV_ROWS)
+    path.write_text('kind,tp,isl,batch,context,ms,"note\n' + "\n".join(CSV_ROWS) + "\n")
+    with pytest.raises(ProfileError, match=r"p\.csv:1: malformed CSV: unterminated quote: the quoted field opened on "
+                                           r"this line runs to the end of the file$"):
+        load_profile(path)
+
+
 def test_a_csv_profile_saved_with_a_byte_order_mark_loads(tmp_path):
     path = _csv_profile(tmp_path, CSV_ROWS)
     path.write_text(path.read_text(), encoding="utf-8-sig")  # Excel's "CSV UTF-8"

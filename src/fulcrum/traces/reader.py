@@ -46,6 +46,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from fulcrum.csv_records import CsvRecords
 from fulcrum.data import BUNDLED_TRACES, bundled_trace_path
 from fulcrum.errors import TraceError, as_float, clipped
 from fulcrum.traces.synthetic import SYNTHETIC_TRACES, synthetic_trace
@@ -286,12 +287,12 @@ def load_rate_series(path: str | Path) -> RateSeries:
     starts: list[float] = []
     values: list[float] = []
     with _open_text(file) as fh:
-        reader = _CsvReader(_guard(fh, file), file)
+        reader = CsvRecords(_guard(fh, file), file, TraceError)
         index = _csv_header(reader, file, _SERVEGEN_COLUMNS)
         for record in reader:
             if not record or all(not c.strip() for c in record):
                 continue
-            line = reader.start_line
+            line = reader.line
             start = _float_field(record, index["window_start_s"], "window_start_s", file, line)
             rate = _float_field(record, index["total_rate_rps"], "total_rate_rps", file, line)
             if rate < 0:
@@ -363,49 +364,6 @@ def _guard(lines: IO[str], file: Path) -> Iterator[str]:
         raise TraceError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start})") from err
 
 
-class _CsvReader:
-    """``csv.reader`` over a file's lines whose ``csv.Error`` (e.g. a field over the module's 128 KiB limit) is a
-    TraceError naming the file and line, and which refuses a quoted field still open at the end of the file
-    ("unterminated quote", naming the line the field starts on, not the last line of the file it swallowed)."""
-
-    def __init__(self, lines: Iterator[str], file: Path) -> None:
-        self._at_end = False
-        self._reader = csv.reader(self._watch(lines))
-        self._file = file
-        self._start = 0
-
-    def _watch(self, lines: Iterator[str]) -> Iterator[str]:
-        yield from lines
-        self._at_end = True  # csv.reader asked for a line past the last one
-
-    @property
-    def start_line(self) -> int:
-        """The line the record last returned starts on (1-based; a quoted field may carry it over later lines)."""
-        return self._start
-
-    def __iter__(self) -> _CsvReader:
-        return self
-
-    def __next__(self) -> list[str]:
-        start = self._reader.line_num + 1
-        try:
-            record = next(self._reader)
-        except csv.Error as err:  # raised on a later line than ``start``: a quoted field opened there runs on
-            if self._reader.line_num > start:
-                raise TraceError(
-                    f"{self._file}:{start}: malformed CSV: unterminated quote: the quoted field opened on this line "
-                    f"runs on to line {self._reader.line_num} ({err})"
-                ) from err
-            raise TraceError(f"{self._file}:{self._reader.line_num}: malformed CSV: {err}") from err
-        self._start = start
-        if self._at_end:  # a record is complete at the end of a line; one that needed the end of the file is open
-            raise TraceError(
-                f"{self._file}:{start}: malformed CSV: unterminated quote: the quoted field opened on this line runs "
-                "to the end of the file"
-            )
-        return record
-
-
 # ---------------------------------------------------------------------------------------------------
 # Azure CSV
 
@@ -414,12 +372,12 @@ def _read_azure(file: Path) -> list[_Row]:
     rows: list[_Row] = []
     first_time: datetime | None = None
     with _open_text(file) as fh:
-        reader = _CsvReader(_guard(fh, file), file)
+        reader = CsvRecords(_guard(fh, file), file, TraceError)
         index = _csv_header(reader, file, _AZURE_COLUMNS)
         for record in reader:
             if not record or all(not c.strip() for c in record):
                 continue
-            line = reader.start_line
+            line = reader.line
             when = _parse_timestamp(_field(record, index["TIMESTAMP"], "TIMESTAMP", file, line), file, line)
             if first_time is None:
                 first_time = when
@@ -429,7 +387,7 @@ def _read_azure(file: Path) -> list[_Row]:
     return rows
 
 
-def _csv_header(reader: _CsvReader, file: Path, required: tuple[str, ...]) -> dict[str, int]:
+def _csv_header(reader: CsvRecords, file: Path, required: tuple[str, ...]) -> dict[str, int]:
     """Read the header row; return column name → index for the required columns, each present exactly once."""
     header = next((r for r in reader if r and any(c.strip() for c in r)), None)
     if header is None:
@@ -438,12 +396,12 @@ def _csv_header(reader: _CsvReader, file: Path, required: tuple[str, ...]) -> di
     missing = [c for c in required if c not in names]
     if missing:
         raise TraceError(
-            f"{file}:{reader.start_line}: missing column(s) {', '.join(missing)} "
+            f"{file}:{reader.line}: missing column(s) {', '.join(missing)} "
             f"(header has {', '.join(names)})"
         )
     for c in required:
         if names.count(c) > 1:
-            raise TraceError(f"{file}:{reader.start_line}: column {c} appears {names.count(c)} times: which is meant?")
+            raise TraceError(f"{file}:{reader.line}: column {c} appears {names.count(c)} times: which is meant?")
     return {c: names.index(c) for c in required}
 
 
