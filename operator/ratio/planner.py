@@ -47,7 +47,7 @@ from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.queueing import batching_timeout, mean_wait, min_servers_for_ttft, wait_quantile
 from fulcrum.ratio.step_cost import StepCost
-from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
+from fulcrum.ratio.tp import check_fixed_tp, choose_decode_tp, choose_prefill_tp, fits_max_model_len
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams
 
 __all__ = [
@@ -83,7 +83,10 @@ class PlannerSettings:
         kv_link_gbps: KV transfer bandwidth between instances, GB/s (NIXL over RDMA; 25 GB/s = 200 Gb/s NIC).
         kv_transfer_overhead_s: fixed cost of one KV transfer; DOPD §II-C measures 15–80 ms with NIXL.
         batching_alpha: α of eq. (18), the share of the expected wait a short prompt may spend being grouped.
-        max_model_len: longest context, tokens; a P-instance must hold one such prompt's KV.
+        max_model_len: longest context, tokens (the engines' ``--max-model-len``, ``spec.engine.maxModelLen``):
+            every planned instance, P, D or unified, must hold one sequence of this length in its KV cache,
+            V_mem/M_token of DOPD eq. (11) (:meth:`~fulcrum.ratio.profile.PerformanceProfile.kv_capacity_tokens`),
+            or vLLM refuses to start; TPs that do not are never planned (:mod:`fulcrum.ratio.tp`).
         max_tp: largest TP considered (GPUs per node).
         kv_occupancy_quantile: level of the KV-cache demand a decode (or unified) pool must hold
             (:func:`fulcrum.ratio.capacity.kv_instances_needed`; eq. (13) alone sizes for the mean). An overflow
@@ -336,11 +339,17 @@ def plan_disaggregated(
     """Plan P and D pools for ``workload`` (see module doc, steps 1–7).
 
     Raises:
-        PlanningError: no TP of the profile holds the model, or a fixed TP is not in the profile.
+        PlanningError: no TP of the profile holds the model, or a fixed TP is not in the profile, or no TP up to
+            ``settings.max_tp`` holds one ``settings.max_model_len``-token sequence in its KV cache, or a fixed
+            TP (``tp_prefill``/``tp_decode``, from ``spec.scaling.tpPrefill``/``tpDecode``) does not
+            (:func:`fulcrum.ratio.tp.fits_max_model_len`, :func:`~fulcrum.ratio.tp.check_fixed_tp`).
     """
     q = _q(slo)
-    infeasible = slo_feasibility(
-        profile, slo, workload.isl, workload.osl, prefill_tps=profile.prefill_tps, decode_tps=profile.decode_tps,
+    mml = settings.max_model_len
+    infeasible = slo_feasibility(  # judged at the TPs that can be planned: those that hold maxModelLen
+        profile, slo, workload.isl, workload.osl,
+        prefill_tps=[tp for tp in profile.prefill_tps if profile.kv_capacity_tokens(tp) >= mml],
+        decode_tps=[tp for tp in profile.decode_tps if profile.kv_capacity_tokens(tp) >= mml],
         fixed_prefill=tp_prefill, fixed_decode=tp_decode, max_tp=settings.max_tp, kv_link_gbps=settings.kv_link_gbps,
         kv_transfer_overhead_s=settings.kv_transfer_overhead_s, slack=settings.infeasible_slo_slack,
     )
@@ -351,7 +360,7 @@ def plan_disaggregated(
     cap = choose_decode_tp(
         profile, mean_isl, mean_osl, tpot_slo, fixed=tp_decode, max_tp=settings.max_tp,
         bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
-        max_num_seqs=settings.max_num_seqs,
+        max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
     )
     tp_p = choose_prefill_tp(
         profile, workload.isl, ttft_slo, q, fixed=tp_prefill, max_tp=settings.max_tp, max_model_len=settings.max_model_len
@@ -670,12 +679,19 @@ def plan_unified(
     The TP is the one that serves the most requests per GPU, except that the TP the pool already runs
     (``current_tp``, None for a new pool) is kept unless another serves ``settings.tp_switch_gain`` more.
 
+    Only TPs whose KV cache holds one ``settings.max_model_len``-token sequence are candidates
+    (:mod:`fulcrum.ratio.tp`).
+
     Raises:
-        PlanningError: the profile has no TP measured for both prefill and decode, or none holds the model.
+        PlanningError: the profile has no TP measured for both prefill and decode, or none holds the model, or
+            none up to ``settings.max_tp`` holds one ``settings.max_model_len``-token sequence in its KV cache
+            (:func:`fulcrum.ratio.tp.fits_max_model_len`), or ``tp_unified`` (``spec.scaling.tpUnified``) does not
+            (:func:`fulcrum.ratio.tp.check_fixed_tp`).
     """
     q = _q(slo)
     tpot_slo = slo.tpot_ms / 1e3
-    common = sorted(set(profile.prefill) & set(profile.decode))
+    measured = sorted(set(profile.prefill) & set(profile.decode))
+    common = measured
     if tp_unified is not None:
         common = [tp for tp in common if tp == tp_unified]
     common = [tp for tp in common if tp <= settings.max_tp or tp == tp_unified]
@@ -684,6 +700,10 @@ def plan_unified(
             f"profile {profile.name!r} has no TP measured for both prefill {profile.prefill_tps} and decode "
             f"{profile.decode_tps}{f' equal to {tp_unified}' if tp_unified else ''}: Unified mode needs one"
         )
+    if tp_unified is not None:
+        check_fixed_tp(profile, tp_unified, settings.max_model_len, "spec.scaling.tpUnified", measured)
+    else:
+        common = fits_max_model_len(profile, common, settings.max_model_len, phase="unified", max_tp=settings.max_tp)
     infeasible = slo_feasibility(
         profile, slo, workload.isl, workload.osl, prefill_tps=common, decode_tps=common,
         max_tp=max(common), slack=settings.infeasible_slo_slack,
@@ -841,13 +861,16 @@ def plan_ratio(
         concurrency: total concurrent requests to serve; one D-instance when None.
 
     Raises:
-        PlanningError: a fixed TP is not in the profile, or no TP holds the model.
+        PlanningError: a fixed TP is not in the profile, or no TP holds the model, or no TP up to
+            ``settings.max_tp`` holds one ``settings.max_model_len``-token sequence in its KV cache, or a fixed TP
+            does not (:mod:`fulcrum.ratio.tp`).
     """
     isl_d = LengthDistribution.point(isl)
     tp_p = choose_prefill_tp(
         profile, isl_d, math.inf, 0.9, fixed=tp_prefill, max_tp=settings.max_tp, max_model_len=settings.max_model_len
     )
     if tp_decode is not None:
+        check_fixed_tp(profile, tp_decode, settings.max_model_len, "spec.scaling.tpDecode", profile.decode_tps)
         cap = decode_capacity(
             profile, tp_decode, isl, osl, tpot_slo_s, bandwidth_utilisation=settings.bandwidth_utilisation,
             graph_headroom=settings.graph_headroom, override_cc=decode_concurrency, max_num_seqs=settings.max_num_seqs,
@@ -855,7 +878,7 @@ def plan_ratio(
     else:
         cap = choose_decode_tp(profile, isl, osl, tpot_slo_s, max_tp=settings.max_tp,
                                bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,
-                               max_num_seqs=settings.max_num_seqs)
+                               max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
         if decode_concurrency is not None:
             cap = decode_capacity(profile, cap.tp, isl, osl, tpot_slo_s, override_cc=decode_concurrency,
                                   bandwidth_utilisation=settings.bandwidth_utilisation, graph_headroom=settings.graph_headroom,

@@ -6,10 +6,18 @@
   request E[T_prefill]·TP whose prefill at the SLO percentile meets the TTFT SLO; if none meets it, the fastest.
 - Decode (eqs. 11–14): the measured TP with the highest decode throughput per GPU cc_d/(t_d·TP) at a batch
   that meets the TPOT SLO; ties go to the smaller TP (fewer GPUs per step of scaling).
+- Every role (prefill, decode, unified): a TP is a candidate only if its KV cache holds one sequence of
+  ``maxModelLen`` tokens, V_mem/M_token ≥ maxModelLen (DOPD eq. 11: V_mem = M_gpu·TP − M_model − M'·TP bytes,
+  M_token bytes of KV per token; :meth:`~fulcrum.ratio.profile.PerformanceProfile.kv_capacity_tokens`). vLLM
+  refuses to start otherwise ("The model's max seq len (X) is larger than the maximum number of tokens that can
+  be stored in KV cache (Y)"), so a plan with such a TP would crash-loop its pods. When no TP up to ``max_tp``
+  fits, or a TP the user fixed (``spec.scaling.tpPrefill``/``tpDecode``/``tpUnified``) does not, the choice
+  raises :class:`~fulcrum.errors.PlanningError` naming the numbers and the fix (:func:`fits_max_model_len`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from fulcrum.errors import PlanningError
@@ -17,19 +25,89 @@ from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity
 from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.profile import GiB, PerformanceProfile
 
-__all__ = ["choose_decode_tp", "choose_prefill_tp"]
+__all__ = ["check_fixed_tp", "choose_decode_tp", "choose_prefill_tp", "fits_max_model_len"]
 
 
-def _candidates(available: Iterable[int], fixed: int | None, max_tp: int, phase: str, name: str) -> list[int]:
+def _fmt_tokens(tokens: float) -> str:
+    return f"{math.floor(tokens):,}"
+
+
+def _fix(have: float, other: str) -> str:
+    """The fixes of a maxModelLen the KV cache (``have`` tokens) cannot hold: lower it to ``have``, or ``other``."""
+    if have >= 1:
+        return f"Lower spec.engine.maxModelLen to at most {_fmt_tokens(have)} or {other}"
+    return f"The weights leave no KV cache there, so lowering spec.engine.maxModelLen cannot help: {other}"
+
+
+def check_fixed_tp(profile: PerformanceProfile, tp: int, max_model_len: int, field: str,
+                   available: Iterable[int] | None = None) -> None:
+    """Check that a TP the user fixed (``field``, e.g. ``spec.scaling.tpPrefill``) holds one ``max_model_len``-token
+    sequence in its KV cache: ``profile.kv_capacity_tokens(tp) >= max_model_len`` (tokens; DOPD eq. 11, V_mem/M_token).
+    ``available``: the TPs the profile measures for this role (for the hint; every measured TP when None).
+
+    Raises:
+        PlanningError: it does not (vLLM would refuse to start, so the pods would crash-loop); the message names
+            ``field``, both token counts, the KV cache ``max_model_len`` needs in GiB, and the smallest measured TP
+            that would hold it, if any.
+    """
+    have = profile.kv_capacity_tokens(tp)
+    if have >= max_model_len:
+        return
+    need_gib = max_model_len * profile.kv_bytes_per_token / GiB
+    measured = sorted(available if available is not None else set(profile.prefill_tps) | set(profile.decode_tps))
+    larger = [t for t in measured if profile.kv_capacity_tokens(t) >= max_model_len]
+    shown = ", ".join(map(str, measured))
+    hint = (f"set {field} to a TP that holds it (TP {larger[0]} does)" if larger else
+            f"use a profile that measures a larger TP (none it measures for this role, TP {shown}, holds it)")
+    raise PlanningError(
+        f"{field}={tp} cannot serve maxModelLen {max_model_len:,} tokens: one such sequence needs {need_gib:.1f} GiB of "
+        f"KV cache, but a TP-{tp} instance of profile {profile.name!r} holds only {_fmt_tokens(have)} tokens "
+        f"(weights {profile.weight_bytes / 1e9:.1f} GB on {tp} × {profile.gpu_memory_gib:g} GiB GPUs); vLLM would "
+        f"refuse to start and the pods would crash-loop. {_fix(have, hint)}"
+    )
+
+
+def fits_max_model_len(profile: PerformanceProfile, tps: Iterable[int], max_model_len: int, *, phase: str,
+                       max_tp: int) -> list[int]:
+    """The TPs of ``tps`` (candidates of one role, ``phase``: "prefill", "decode" or "unified", all ≤ ``max_tp``)
+    whose KV cache holds one ``max_model_len``-token sequence: ``profile.kv_capacity_tokens(tp) >= max_model_len``
+    (tokens; DOPD eq. 11: V_mem = M_gpu·TP − M_model − M'·TP bytes over M_token = ``kv_bytes_per_token``).
+
+    Raises:
+        PlanningError: none does; the message names the KV cache ``max_model_len`` needs (GiB), what the largest
+            candidate holds (tokens) and the fix (lower ``spec.engine.maxModelLen`` or allow a larger TP).
+    """
+    cands = sorted(tps)
+    out = [tp for tp in cands if profile.kv_capacity_tokens(tp) >= max_model_len]
+    if out:
+        return out
+    need_gib = max_model_len * profile.kv_bytes_per_token / GiB
+    largest = cands[-1] if cands else 0
+    have = profile.kv_capacity_tokens(largest) if cands else 0.0
+    raise PlanningError(
+        f"profile {profile.name!r}: maxModelLen {max_model_len:,} tokens needs {need_gib:.1f} GiB of KV cache for one "
+        f"sequence; the largest {phase} TP ≤ {max_tp} the profile measures (TP {largest}) holds only "
+        f"{_fmt_tokens(have)} tokens (weights {profile.weight_bytes / 1e9:.1f} GB on {profile.gpu_memory_gib:g} GiB "
+        f"GPUs), and vLLM refuses to start when one sequence does not fit. "
+        f"{_fix(have, 'allow a larger TP (spec.gpu.gpusPerNode, or a profile that measures one)')}"
+    )
+
+
+def _candidates(profile: PerformanceProfile, available: Iterable[int], fixed: int | None, max_tp: int, phase: str,
+                max_model_len: int, field: str) -> list[int]:
+    """The TPs of one role to choose from: ``fixed`` alone (it must be measured and hold ``max_model_len``), else
+    the measured TPs ≤ ``max_tp`` that hold ``max_model_len`` (:func:`fits_max_model_len`)."""
+    name = profile.name
     avail = sorted(available)
     if fixed is not None:
         if fixed not in avail:
             raise PlanningError(f"profile {name!r} has no {phase} measurements for TP={fixed} (has {tuple(avail)})")
+        check_fixed_tp(profile, fixed, max_model_len, field, avail)
         return [fixed]
     out = [tp for tp in avail if tp <= max_tp]
     if not out:
         raise PlanningError(f"profile {name!r}: no {phase} TP ≤ {max_tp} GPUs per node (has {tuple(avail)})")
-    return out
+    return fits_max_model_len(profile, out, max_model_len, phase=phase, max_tp=max_tp)
 
 
 def choose_decode_tp(
@@ -43,16 +121,21 @@ def choose_decode_tp(
     bandwidth_utilisation: float = 0.6,
     graph_headroom: float = 0.9,
     max_num_seqs: int | None = None,
+    max_model_len: int = 8192,
+    fixed_field: str = "spec.scaling.tpDecode",
 ) -> DecodeCapacity:
     """The D-instance TP and its capacity (see module doc); ``max_num_seqs``: the engine's ``--max-num-seqs``, a
-    bound on cc_d (:func:`fulcrum.ratio.capacity.decode_capacity`).
+    bound on cc_d (:func:`fulcrum.ratio.capacity.decode_capacity`); ``max_model_len``: the engine's
+    ``--max-model-len``, tokens, which one instance's KV cache must hold (module doc); ``fixed_field``: where
+    ``fixed`` came from, for the error message.
 
     Raises:
-        PlanningError: no candidate TP holds the model weights and one request's KV cache at this context, or
-            ``fixed`` is not in the profile.
+        PlanningError: no candidate TP ≤ ``max_tp`` holds one ``max_model_len``-token sequence in its KV cache
+            (:func:`fits_max_model_len`), ``fixed`` does not (:func:`check_fixed_tp`), none holds the model
+            weights and one request's KV cache at this context, or ``fixed`` is not in the profile.
     """
     best: DecodeCapacity | None = None
-    tps = _candidates(profile.decode_tps, fixed, max_tp, "decode", profile.name)
+    tps = _candidates(profile, profile.decode_tps, fixed, max_tp, "decode", max_model_len, fixed_field)
     for tp in tps:
         cap = decode_capacity(
             profile, tp, mean_isl, mean_osl, tpot_slo_s,
@@ -82,21 +165,17 @@ def choose_prefill_tp(
     fixed: int | None = None,
     max_tp: int = 8,
     max_model_len: int = 8192,
+    fixed_field: str = "spec.scaling.tpPrefill",
 ) -> int:
-    """The P-instance TP by eq. (16) plus memory (see module doc).
+    """The P-instance TP by eq. (16) plus memory (see module doc): only TPs whose KV cache holds one
+    ``max_model_len``-token sequence (tokens; the engine's ``--max-model-len``) are candidates. ``fixed_field``:
+    where ``fixed`` came from, for the error message.
 
     Raises:
-        PlanningError: no candidate TP holds the weights plus one prompt's KV, or ``fixed`` is unknown.
+        PlanningError: no candidate TP ≤ ``max_tp`` holds the weights plus one ``max_model_len``-token sequence's KV
+            (:func:`fits_max_model_len`), ``fixed`` does not (:func:`check_fixed_tp`), or ``fixed`` is unknown.
     """
-    cands = _candidates(profile.prefill_tps, fixed, max_tp, "prefill", profile.name)
-    need_tokens = min(float(max_model_len), isl.quantile(0.99))
-    fits = [tp for tp in cands if profile.kv_capacity_tokens(tp) >= need_tokens]
-    if not fits:
-        if fixed is not None:
-            return fixed  # the user chose it; the plan notes the memory risk
-        raise PlanningError(
-            f"profile {profile.name!r}: no prefill TP ≤ {max_tp} holds the weights plus a {need_tokens:.0f}-token prompt"
-        )
+    fits = _candidates(profile, profile.prefill_tps, fixed, max_tp, "prefill", max_model_len, fixed_field)
     tail_isl = isl.quantile(q)
 
     def cost(tp: int) -> tuple[bool, float, float]:

@@ -40,6 +40,12 @@ class DopdPlanner:
     horizon_steps = 1  # Alg. 2 plans for the next interval's point forecast
 
     def __init__(self, spec: LLMServeSpec, profile: PerformanceProfile, *, settings: PlannerSettings | None = None) -> None:
+        """Fix the P and D TPs once (:mod:`fulcrum.ratio.tp`, at 1024/256 tokens).
+
+        Raises:
+            PlanningError: no TP up to ``settings.max_tp`` holds one ``settings.max_model_len``-token sequence in
+                its KV cache, or a TP ``spec.scaling`` fixes does not (vLLM would refuse to start).
+        """
         self.spec = spec
         self.profile = profile
         self.tick_s = float(spec.scaling.interval_seconds)
@@ -47,7 +53,9 @@ class DopdPlanner:
         fspec = spec.scaling.forecaster.model_copy(update={"method": ForecasterMethod.ARIMA})
         self.forecaster = WorkloadForecaster(fspec)
         tpot_slo = spec.slo.tpot_ms / 1e3
-        self.tp_d = choose_decode_tp(profile, 1024, 256, tpot_slo, fixed=spec.scaling.tp_decode, max_tp=self.settings.max_tp).tp
+        # TPs whose KV cache cannot hold one maxModelLen sequence are never chosen (vLLM would not start)
+        self.tp_d = choose_decode_tp(profile, 1024, 256, tpot_slo, fixed=spec.scaling.tp_decode, max_tp=self.settings.max_tp,
+                                     max_model_len=self.settings.max_model_len).tp
         self.tp_p = choose_prefill_tp(
             profile, LengthDistribution.point(1024), spec.slo.ttft_ms / 1e3, 0.9,
             fixed=spec.scaling.tp_prefill, max_tp=self.settings.max_tp, max_model_len=self.settings.max_model_len,

@@ -839,10 +839,11 @@ async def test_a_prompt_beyond_the_context_holds_the_pools_and_reports_degraded(
 
 
 async def test_a_planning_error_holds_the_pools_and_reports_degraded_instead_of_failing_the_interval(
-        objs: InMemoryObjects) -> None:
-    body = llmserve()
-    body["spec"]["engine"] = {**body["spec"]["engine"], "maxModelLen": 2_000_000}  # the observer lets it through
-    seed(objs, body)
+        objs: InMemoryObjects, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fulcrum.scaling.fulcrum as fulcrum_planner
+    from fulcrum.errors import PlanningError
+
+    seed(objs, llmserve())
     prom = FakePrometheus(rate=20.0)
     clock = Clock()
     c = make_controller(objs, prom, clock=clock)
@@ -850,16 +851,37 @@ async def test_a_planning_error_holds_the_pools_and_reports_degraded_instead_of_
     clock.t += 10
     await c.interval(live(objs))
     before = {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()}
-    prom.isl = 300_000.0  # no TP's KV memory holds one such request: plan() raises PlanningError
+
+    # every planned TP holds maxModelLen (checked when the planner is built), so no observed prompt can make the
+    # plan fail for memory any more; a planning error mid-run is made by the planner itself here
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise PlanningError("profile 'p': no prefill TP holds the forecast prompt")
+
+    monkeypatch.setattr(fulcrum_planner, "plan", refuse)
+    monkeypatch.setattr(fulcrum_planner, "plan_modes", refuse)
     for _ in range(3):
         clock.t += 10
         assert await c.interval(live(objs))
     assert {p: v["desired"] for p, v in live(objs)["status"]["pools"].items()} == before
     d = cond(live(objs), "Degraded")
     assert d["status"] == "True" and d["reason"] == "PlanningFailed" and d["message"].startswith("planning failed: ")
-    assert "no KV memory for one request" in d["message"]
+    assert "no prefill TP holds the forecast prompt" in d["message"]
     events = objs.by_reason("PlanningFailed")
     assert len(events) == 1 and events[0]["type"] == "Warning"
+
+
+async def test_a_max_model_len_no_planned_tp_holds_is_an_invalid_spec_before_any_pod(objs: InMemoryObjects) -> None:
+    # vLLM refuses to start when one maxModelLen sequence does not fit its KV cache: the pods would crash-loop
+    body = llmserve()
+    body["spec"]["engine"] = {**body["spec"]["engine"], "maxModelLen": 2_000_000}
+    seed(objs, body)
+    c = make_controller(objs)
+    assert await c.reconcile(live(objs)) is False
+    assert names(objs, "Deployment") == set()
+    d = cond(live(objs), "Degraded")
+    assert d["status"] == "True" and d["reason"] == "InvalidSpec"
+    assert "maxModelLen 2,000,000 tokens" in d["message"] and "spec.engine.maxModelLen" in d["message"]
+    assert len(objs.by_reason("InvalidSpec")) == 1
 
 
 async def test_extra_args_that_override_the_planners_tp_are_an_invalid_spec_naming_the_flag(objs: InMemoryObjects) -> None:

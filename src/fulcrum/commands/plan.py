@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         r = plan_ratio(profile, args.isl, args.osl, tp_prefill=got.tp_prefill, tp_decode=got.tp_decode,
                        tpot_slo_s=slo.tpot_ms / 1e3, decode_concurrency=args.decode_concurrency,
-                       concurrency=args.concurrency)
+                       concurrency=args.concurrency, settings=got.settings)
         c = r.capacity
         out = {
             "ratio": r.ratio, "prefill_replicas": r.prefill_replicas, "decode_replicas": r.decode_replicas,
