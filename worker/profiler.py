@@ -83,6 +83,8 @@ __all__ = [
     "assemble_profile",
     "profile_document",
     "partial_note",
+    "partial_line",
+    "point_name",
     "render_profile_yaml",
     "dump_yaml",
     "render_configmap",
@@ -190,6 +192,16 @@ class ProfileGrid:
 
 
 # --------------------------------------------------------------------------------------------- results
+def point_name(kind: str, key: Sequence[int]) -> str:
+    """A point as messages name it: ``prefill ISL 128`` (key ``(isl,)``), ``decode batch 8 context 1024`` (key
+    ``(batch, context)``); any other key as ``<kind> <values>``."""
+    if kind == "prefill" and len(key) == 1:
+        return f"prefill ISL {key[0]}"
+    if kind == "decode" and len(key) == 2:
+        return f"decode batch {key[0]} context {key[1]}"
+    return f"{kind} {' '.join(str(k) for k in key)}"
+
+
 @dataclass(frozen=True)
 class PointResult:
     """One measured point.
@@ -220,10 +232,15 @@ class PointResult:
         return bool(self.samples)
 
     @property
+    def name(self) -> str:
+        """The point as messages name it (:func:`point_name`)."""
+        return point_name(self.kind, self.key)
+
+    @property
     def median(self) -> float:
         """Median latency in seconds. Raises ``ValueError`` when no repeat succeeded."""
         if not self.samples:
-            raise ValueError(f"{self.kind} point {self.key} has no samples")
+            raise ValueError(f"{self.name} has no samples")
         return float(statistics.median(self.samples))
 
     def summary(self) -> dict[str, Any]:
@@ -297,6 +314,12 @@ class Measurements:
     def unmeasured(self) -> tuple[PointResult, ...]:
         """The points the run never reached (empty for a complete run)."""
         return tuple(p for p in (*self.prefill, *self.decode) if not p.attempted)
+
+    @property
+    def not_measured(self) -> tuple[PointResult, ...]:
+        """The points with no measured repeat: never reached, abandoned (every attempt failed, or the point's
+        budget spent first) or dropped (beyond ``max_model_len``)."""
+        return tuple(p for p in (*self.prefill, *self.decode) if not p.ok)
 
 
 @dataclass
@@ -643,7 +666,7 @@ def _why(points: Sequence[PointResult]) -> str:
     parts = []
     for p in bad[:4]:
         reason = p.dropped or (p.failures[-1] if p.failures else "no result")
-        parts.append(f"{p.key}: {reason}")
+        parts.append(f"{p.name}: {reason}")
     more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
     return "failed: " + "; ".join(parts) + more
 
@@ -677,22 +700,29 @@ def profile_document(assembled: AssembledProfile, measured: Measurements, memory
         # a run that ended early: marked here (the loader ignores this section) and in ``source`` (which it keeps)
         doc["measurement"]["partial"] = True
         doc["measurement"]["stopped"] = measured.stopped
-        doc["measurement"]["notMeasured"] = {
-            kind: [list(p.key) for p in points if not p.attempted]
+        doc["measurement"]["notMeasured"] = {  # never reached, and reached but abandoned or dropped
+            kind: [list(p.key) for p in points if not p.ok]
             for kind, points in (("prefill", measured.prefill), ("decode", measured.decode))
         }
     return doc
 
 
+def partial_line(stopped: str | None, total: int, what: str, missing: Sequence[str], shown: int) -> str:
+    """``PARTIAL: <stopped>; <n> of <total> <what> measured, not measured: <the first shown of missing> (+k more)``:
+    the one line that marks a partial profile (:func:`partial_note`) or step table
+    (:meth:`fulcrum.worker.step_profiler.StepLog.partial_note`). ``missing``: the names of the items not measured."""
+    names = ", ".join(missing[:shown]) + (f" (+{len(missing) - shown} more)" if len(missing) > shown else "")
+    return (f"PARTIAL: {stopped}; {total - len(missing)} of {total} {what} measured"
+            + (f", not measured: {names}" if missing else ""))
+
+
 def partial_note(measured: Measurements) -> str:
-    """One line saying that a run ended early, why, and which points it did not measure ("" for a complete run)."""
+    """One line saying that a run ended early, why, and which points it did not measure (never reached, or
+    reached but abandoned or dropped: ``measurement.notMeasured``); "" for a complete run."""
     if not measured.stopped:
         return ""
-    missing = measured.unmeasured
-    total = len(measured.prefill) + len(measured.decode)
-    shown = ", ".join(f"{p.kind} {p.key}" for p in missing[:6]) + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")
-    return (f"PARTIAL: {measured.stopped}; {total - len(missing)} of {total} points reached"
-            + (f", not measured: {shown}" if missing else ""))
+    return partial_line(measured.stopped, len(measured.prefill) + len(measured.decode), "points",
+                        [p.name for p in measured.not_measured], 6)
 
 
 def _sig(v: Any) -> Any:
@@ -1015,7 +1045,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
         async def point(kind: str, key: tuple[int, ...], need: int, once: Callable[[], Any]) -> PointResult:
             if limit is not None and need > limit:
                 bar.update(grid.repeats)
-                msg = f"{kind} {key}: needs {need} tokens > max_model_len {limit}; dropped"
+                msg = f"{point_name(kind, key)}: needs {need} tokens > max_model_len {limit}; dropped"
                 say(msg)
                 return PointResult(kind, key, dropped=msg)
             samples: list[float] = []
@@ -1035,7 +1065,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                             samples.append(await once())
                             break
                         except _Unmeasurable as err:
-                            say(f"{kind} {key}: {err}; dropped")
+                            say(f"{point_name(kind, key)}: {err}; dropped")
                             return PointResult(kind, key, tuple(samples), tuple(failures), dropped=str(err))
                         except _Failed as err:
                             failures.append(f"attempt {attempt + 1}: {err}")
@@ -1066,11 +1096,11 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
             timed_out = not samples and (expired or 0 < failed == unanswered)
             if not samples:
                 last = failures[-1] if expired or len(failures) < 2 else failures[-2]
-                say(f"{kind} {key}: every repeat failed ({last}); skipped")
+                say(f"{point_name(kind, key)}: every repeat failed ({last}); skipped")
             elif expired:
-                say(f"{kind} {key}: {failures[-1]}; {len(samples)}/{grid.repeats} repeats measured")
+                say(f"{point_name(kind, key)}: {failures[-1]}; {len(samples)}/{grid.repeats} repeats measured")
             elif failures:
-                say(f"{kind} {key}: {len(failures)} failed attempt(s), {len(samples)}/{grid.repeats} repeats measured")
+                say(f"{point_name(kind, key)}: {len(failures)} failed attempt(s), {len(samples)}/{grid.repeats} repeats measured")
             return PointResult(kind, key, tuple(samples), tuple(failures), timed_out=timed_out)
 
         async def ttft_once(isl: int) -> float:
@@ -1141,7 +1171,7 @@ async def measure(url: str, model: str, tp: int, grid: ProfileGrid, *, progress:
                 in_a_row = 0  # the engine answered (a point dropped before sending anything tells nothing)
             if grid.stop_after_timeouts and in_a_row >= grid.stop_after_timeouts:
                 stopped = (f"the engine stopped answering ({in_a_row} points in a row failed by timeout or a refused "
-                           f"connection, the last {kind} {key})")
+                           f"connection, the last {point_name(kind, key)})")
                 say(f"{stopped}; stopping")
                 return False
             return True

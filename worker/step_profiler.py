@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fulcrum.cancellation import cancel_and_wait, within
 from fulcrum.errors import FulcrumError
 from fulcrum.worker.latency_table import StepLatencyTable
-from fulcrum.worker.profiler import probe_endpoint
+from fulcrum.worker.profiler import partial_line, probe_endpoint
 
 __all__ = [
     "MixedLoadResult",
@@ -114,11 +114,8 @@ class StepLog:
 
     def partial_note(self) -> str:
         """One line saying that the run ended early, why, and which compositions it did not measure."""
-        missing = self.not_measured
-        shown = ", ".join(composition_name(comp) for comp in missing[:4]) + (
-            f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
-        return (f"PARTIAL: {self.stopped}; {len(self.measured)} of {len(self.compositions)} compositions measured"
-                + (f", not measured: {shown}" if missing else ""))
+        return partial_line(self.stopped, len(self.compositions), "compositions",
+                            [composition_name(comp) for comp in self.not_measured], 4)
 
     def partial_marker(self) -> dict[str, object]:
         """The keys that mark a partial table file (the loader ignores them): ``partial``, ``stopped``, ``note``
@@ -180,6 +177,11 @@ async def fetch_table(session: aiohttp.ClientSession, metrics_url: str, *, allow
     Raises:
         FulcrumError: the endpoint is unreachable, answers non-200, or holds no table (unless ``allow_empty``).
     """
+    return table_from_metrics_text(await _metrics_text(session, metrics_url), allow_empty=allow_empty)
+
+
+async def _metrics_text(session: aiohttp.ClientSession, metrics_url: str) -> str:
+    """GET ``metrics_url``'s exposition. Raises :class:`FulcrumError` (:class:`StepTimeout`) as :func:`fetch_table`."""
     try:
         async with session.get(metrics_url) as resp:
             text = await resp.text()
@@ -189,7 +191,27 @@ async def fetch_table(session: aiohttp.ClientSession, metrics_url: str, *, allow
         raise StepTimeout(f"the scheduler metrics at {metrics_url} did not answer in time") from err
     except aiohttp.ClientError as err:
         raise FulcrumError(f"cannot read the scheduler metrics at {metrics_url}: {err}") from err
-    return table_from_metrics_text(text, allow_empty=allow_empty)
+    return text
+
+
+async def _check_scheduler_metrics(session: aiohttp.ClientSession, metrics_url: str) -> None:
+    """Fail fast unless ``metrics_url`` serves the SLO-aware scheduler's metrics (some ``fulcrum_scheduler_*``
+    family: it serves them from its start, before any step).
+
+    Raises:
+        FulcrumError: the endpoint cannot be read (as :func:`fetch_table`), or it serves no such metrics (another
+            engine's or server's, e.g. vLLM's own ``/metrics`` or ``fulcrum sim-worker``'s, which has no scheduler).
+    """
+    text = await _metrics_text(session, metrics_url)
+    try:
+        ours = any(f.name.startswith("fulcrum_scheduler_") for f in text_string_to_metric_families(text))
+    except ValueError:  # not a Prometheus exposition at all
+        ours = False
+    if not ours:
+        raise FulcrumError(
+            f"{metrics_url} serves no fulcrum_scheduler_* metrics: the step table needs an engine running --scheduler-cls "
+            "fulcrum.worker.slo_scheduler.SLOAwareScheduler with FULCRUM_SCHEDULER_METRICS_PORT, and --scheduler-metrics "
+            "at that port (fulcrum sim-worker has no such scheduler)")
 
 
 async def read_table(metrics_url: str, *, allow_empty: bool = False, timeout_s: float = 60.0) -> StepLatencyTable:
@@ -428,13 +450,16 @@ async def profile_steps(
     (``log.sent``: whether any request went out); the table itself stays in the engine (:func:`read_table`).
 
     Raises:
-        ValueError: an empty or non-positive grid, ``decode_tokens`` < 8, ``stream_interval`` < 1, ``retries`` < 0,
-            a budget that is not a positive number, ``stop_after_timeouts`` < 0, or a context or prompt that the
+        ValueError: an empty or non-positive grid, ``decode_tokens`` < 8, ``stream_interval`` < 1, a ``timeout_s``
+            or ``point_timeout_s`` that is not a positive number of seconds, ``stop_after_timeouts`` < 0,
+            ``retries`` < 0 (these four named by the flags of ``fulcrum profile``: ``--request-timeout-s``,
+            ``--point-timeout-s``, ``--stop-after-timeouts``, ``--retries``), or a context or prompt that the
             engine's ``max_model_len`` cannot hold.
         ProfileError: the endpoint does not answer ``/v1/models`` or does not serve ``model``.
         StepProfileStopped: ``stop_after_timeouts`` compositions in a row failed by timeout.
-        FulcrumError: a request fails otherwise, a composition's mixed step was still missing after ``retries``
-            reruns (``log.stopped`` says which composition, for both), or the metrics hold no table.
+        FulcrumError: ``metrics_url`` cannot be read or serves no ``fulcrum_scheduler_*`` metrics (before anything is
+            sent), a request fails otherwise, a composition's mixed step was still missing after ``retries`` reruns
+            (``log.stopped`` says which composition, for both), or the metrics hold no table.
     """
     grids = {"prefill_tokens": prefill_tokens, "decode_counts": decode_counts, "contexts": contexts}
     for name, grid in grids.items():
@@ -444,12 +469,15 @@ async def profile_steps(
         raise ValueError(f"decode_tokens must be >= 8 (the decodes stream before and after the prompt), got {decode_tokens}")
     if stream_interval < 1:
         raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
-    if retries < 0:
-        raise ValueError(f"retries must be >= 0, got {retries}")
-    if point_timeout_s is not None and not (math.isfinite(point_timeout_s) and point_timeout_s > 0):
-        raise ValueError(f"point_timeout_s must be a positive number of seconds, got {point_timeout_s}")
+    # the budget and retry values, checked here once for this function and ``fulcrum profile --step-table``: the
+    # messages name the command's flags (as ProfileGrid's do for the profile mode)
+    for flag, v in (("--request-timeout-s", timeout_s), ("--point-timeout-s", point_timeout_s)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{flag} must be a positive number of seconds, got {v}")
     if stop_after_timeouts < 0:
-        raise ValueError(f"stop_after_timeouts must be >= 0, got {stop_after_timeouts}")
+        raise ValueError(f"--stop-after-timeouts must be >= 0, got {stop_after_timeouts}")
+    if retries < 0:
+        raise ValueError(f"--retries must be >= 0, got {retries}")
     log = log if log is not None else StepLog()
     log.compositions = [(int(c), int(d), int(p)) for c in contexts for d in decode_counts for p in prefill_tokens]
 
@@ -468,9 +496,9 @@ async def profile_steps(
             if too_long:
                 raise ValueError(f"the engine's max_model_len is {max_model_len} tokens: contexts + 8 decode tokens and "
                                  f"prompts must fit in it (got {max(too_long)})")
-        # the scheduler's metrics once before anything is sent: a wrong --scheduler-metrics is bad input (exit 2),
-        # not a composition that failed mid-run
-        await fetch_table(session, metrics_url, allow_empty=True)
+        # the scheduler's metrics once before anything is sent: a wrong --scheduler-metrics, or an engine without the
+        # scheduler, is bad input (exit 2), not a composition that failed mid-run
+        await _check_scheduler_metrics(session, metrics_url)
         in_a_row = 0
         for comp in log.compositions:
             c, d, p = comp
@@ -498,8 +526,8 @@ async def profile_steps(
                         raise FulcrumError(
                             f"the {p}-token prompt did not prefill beside the {d} decodes (context {c}) in {retries + 1} "
                             f"tries (decode caps {caps} tokens): the engine's table has no such step. Is the engine "
-                            f"overloaded (raise retries, --retries, or decode_tokens), or --max-num-batched-tokens "
-                            f"below {p + d} (the prompt was chunked)?")
+                            f"overloaded (raise --retries: each rerun doubles the decode cap), or "
+                            f"--max-num-batched-tokens below {p + d} (the prompt was chunked)?")
                 except StepTimeout as err:
                     why = str(err)
                 except FulcrumError as err:

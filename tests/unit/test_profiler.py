@@ -31,6 +31,8 @@ from fulcrum.worker.profiler import (
     endpoint_facts,
     model_dir_facts,
     parse_cache_config_info,
+    partial_note,
+    point_name,
     profile_document,
     render_configmap,
     render_profile_yaml,
@@ -97,7 +99,8 @@ def test_an_unmeasured_cell_drops_its_context_column_so_the_decode_grid_stays_co
 
 def test_fewer_than_two_measured_points_on_an_axis_is_a_clear_error_naming_the_failures() -> None:
     pre = [_pre(128, 30), PointResult("prefill", (512,), failures=("attempt 3: HTTP 500: boom",))]
-    with pytest.raises(ProfileError, match=r"prefill: only 1 ISL point\(s\) measured.*\(512,\): attempt 3: HTTP 500"):
+    with pytest.raises(ProfileError, match=r"prefill: only 1 ISL point\(s\) measured.*failed: prefill ISL 512: attempt 3: "
+                                           r"HTTP 500"):
         assemble_profile(_measurements(pre, _grid_points()), MEMORY, name="x", model="m", source="t")
     dec = [_dec(1, 128, 10), _dec(4, 128, 12)]
     with pytest.raises(ProfileError, match=r"decode: the complete measured grid has 2 batch\(es\) × 1 context"):
@@ -557,7 +560,7 @@ async def test_a_point_the_engine_never_answers_is_abandoned_after_its_budget_no
     assert rc == 0, err
     assert took < 15, took
     assert seen["hung"] >= 2
-    assert "decode (1, 120): every repeat failed (point budget of 0.5 s spent (--point-timeout-s) after 0 of 2 " \
+    assert "decode batch 1 context 120: every repeat failed (point budget of 0.5 s spent (--point-timeout-s) after 0 of 2 " \
            "repeat(s); abandoned); skipped" in err
     assert load_profile(out).decode[1].context == (40.0, 80.0)  # the abandoned column is cut from the grid
     meas = yaml.safe_load(out.read_text())["measurement"]
@@ -584,9 +587,11 @@ async def test_an_engine_that_stops_answering_stops_the_run_and_keeps_what_was_m
     assert took < 15, took
     partial = tmp_path / "p.partial.yaml"
     assert err[-1].startswith("fulcrum profile: error: the engine stopped answering (2 points in a row failed by "
-                              "timeout or a refused connection, the last decode (5, 120)); partial profile written to "
-                              + str(partial))
-    assert "not measured: decode (7, 40), decode (7, 120)" in err[-1]
+                              "timeout or a refused connection, the last decode batch 5 context 120); partial profile "
+                              "written to " + str(partial))
+    # the abandoned points (batch 5) are named beside those never reached (batch 7); before: only batch 7
+    assert err[-1].endswith("7 of 11 points measured, not measured: decode batch 5 context 40, decode batch 5 context "
+                            "120, decode batch 7 context 40, decode batch 7 context 120")
     assert out.read_text() == "old: profile\n"  # an older profile is not replaced by a partial one
     profile = load_profile(partial)
     assert profile.decode[1].batch == (1.0, 3.0) and profile.decode[1].context == (40.0, 120.0)
@@ -595,7 +600,12 @@ async def test_an_engine_that_stops_answering_stops_the_run_and_keeps_what_was_m
     assert text.startswith("# PARTIAL: the engine stopped answering")
     meas = yaml.safe_load(text)["measurement"]
     assert meas["partial"] is True and meas["stopped"].startswith("the engine stopped answering")
-    assert meas["notMeasured"] == {"prefill": [], "decode": [[7, 40], [7, 120]]}
+    assert meas["notMeasured"] == {"prefill": [], "decode": [[5, 40], [5, 120], [7, 40], [7, 120]]}
+    assert [w for w in meas["warnings"] if w.startswith("decode batch 5 ")] == [
+        "decode batch 5 context 40: every repeat failed (point budget of 0.3 s spent (--point-timeout-s) after 0 of 2 "
+        "repeat(s); abandoned); skipped",
+        "decode batch 5 context 120: every repeat failed (point budget of 0.3 s spent (--point-timeout-s) after 0 of 2 "
+        "repeat(s); abandoned); skipped"]
 
 
 @pytest.mark.asyncio
@@ -657,8 +667,8 @@ async def test_ctrl_c_writes_what_was_measured_as_a_partial_profile_and_exits_13
     assert rc == 130, err
     partial = tmp_path / "p.partial.yaml"
     assert err[-1] == (f"fulcrum profile: interrupted: interrupted (Ctrl-C); partial profile written to {partial} "
-                       "(no ConfigMap: the profile is partial); PARTIAL: interrupted (Ctrl-C); 7 of 9 points reached, "
-                       "not measured: decode (5, 40), decode (5, 120)")
+                       "(no ConfigMap: the profile is partial); PARTIAL: interrupted (Ctrl-C); 7 of 9 points measured, "
+                       "not measured: decode batch 5 context 40, decode batch 5 context 120")
     assert out.read_text() == "old: profile\n" and not (tmp_path / "cm.yaml").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.partial.yaml", "p.yaml"]  # no temporary file left
     profile = load_profile(partial)
@@ -728,3 +738,16 @@ def test_the_log_of_an_interrupted_run_marks_the_points_not_reached_and_keeps_th
                                                   current=PointResult("decode", (1, 512))).measurements(2, grid, "x").unmeasured]
     assert MeasureLog(prefill=log.prefill, decode=_grid_points()).measurements(
         2, ProfileGrid(isl=(128, 512), batch=(1, 4), context=(128, 512))).unmeasured == ()
+
+
+def test_the_partial_note_names_points_readably_and_lists_the_abandoned_ones_beside_those_never_reached() -> None:
+    grid = ProfileGrid(isl=(128, 512), batch=(1, 4), context=(128, 512), repeats=3)
+    abandoned = PointResult("prefill", (512,), failures=("attempt 3: HTTP 500: boom",))
+    m = MeasureLog(prefill=[_pre(128, 30), abandoned], decode=[_dec(1, 128, 10)]).measurements(
+        2, grid, stopped="interrupted (Ctrl-C)")
+    # before: "2 of 6 points reached" (sic: 3 were) and "not measured: decode (1, 512), decode (4, 128), ..."
+    assert partial_note(m) == ("PARTIAL: interrupted (Ctrl-C); 2 of 6 points measured, not measured: prefill ISL 512, "
+                               "decode batch 1 context 512, decode batch 4 context 128, decode batch 4 context 512")
+    assert point_name("prefill", (128,)) == "prefill ISL 128"
+    assert point_name("decode", (8, 1024)) == "decode batch 8 context 1024"
+    assert partial_note(MeasureLog(prefill=[_pre(128, 30)]).measurements(2, grid)) == ""

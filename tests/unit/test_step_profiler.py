@@ -40,12 +40,15 @@ class FakeEngine:
     fail_after_prompts: int | None = None  # prompts sent after this many answer HTTP 500 (an engine error)
     unmixed_after_prompts: int | None = None  # prompts after this many prefill alone: no mixed step recorded
     failing_metrics_reads: set[int] = field(default_factory=set)  # these metrics reads (1 = the first) answer 500
+    scheduler: bool = True  # False: /metrics serves an engine's metrics without the scheduler's (fulcrum sim-worker)
     decode_requests: list[dict[str, Any]] = field(default_factory=list)
     prompts: int = 0
     hung: int = 0
     metrics_reads: int = 0
 
     def metrics(self) -> str:
+        if not self.scheduler:
+            return 'vllm:num_requests_running{model_name="tiny"} 0.0\n'
         lines = ['fulcrum_scheduler_step_table_seconds{prefill_tokens="0",context_tokens="64",decodes="2"} 0.002',
                  'fulcrum_scheduler_step_table_samples{prefill_tokens="0",context_tokens="64",decodes="2"} 10']
         mixing = self.prompts if self.unmixed_after_prompts is None else min(self.prompts, self.unmixed_after_prompts)
@@ -126,9 +129,13 @@ def test_a_composition_whose_mixed_step_is_missing_is_rerun_with_twice_the_cap_u
 def test_a_composition_still_missing_after_the_reruns_is_an_error_naming_its_caps() -> None:
     engine = FakeEngine(mixed_on_try=10)
     with pytest.raises(FulcrumError, match=r"256-token prompt did not prefill beside the 2 decodes .* 3 tries "
-                                           r"\(decode caps \[240, 480, 936\] tokens\)"):
+                                           r"\(decode caps \[240, 480, 936\] tokens\)") as err:
         profile(engine, retries=2)
     assert engine.prompts == 3
+    # what to change is a flag the command has (before: "raise retries, --retries, or decode_tokens", no such flag)
+    assert "Is the engine overloaded (raise --retries: each rerun doubles the decode cap), or " \
+           "--max-num-batched-tokens below 258 (the prompt was chunked)?" in str(err.value)
+    assert "decode_tokens" not in str(err.value)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -240,10 +247,14 @@ def test_a_request_timeout_is_a_timeout_and_by_default_the_first_one_stops_the_r
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"point_timeout_s": 0.0}, "point_timeout_s must be a positive number"),
-    ({"point_timeout_s": float("inf")}, "point_timeout_s must be a positive number"),
-    ({"stop_after_timeouts": -1}, "stop_after_timeouts must be >= 0"),
-    ({"retries": -1}, "retries must be >= 0"),
+    # named by the flags of fulcrum profile, which checks them only here (before: by parameter names, and again by
+    # the command with the flag names)
+    ({"point_timeout_s": 0.0}, "^--point-timeout-s must be a positive number of seconds, got 0.0$"),
+    ({"point_timeout_s": float("inf")}, "^--point-timeout-s must be a positive number of seconds, got inf$"),
+    ({"timeout_s": float("nan")}, "^--request-timeout-s must be a positive number of seconds, got nan$"),
+    ({"timeout_s": 0.0, "point_timeout_s": 0.0}, "^--request-timeout-s must be"),
+    ({"stop_after_timeouts": -1}, "^--stop-after-timeouts must be >= 0, got -1$"),
+    ({"retries": -1}, "^--retries must be >= 0, got -1$"),
 ])
 def test_a_bad_budget_is_rejected_before_any_request(kwargs: dict[str, Any], match: str) -> None:
     engine = FakeEngine()
@@ -289,6 +300,48 @@ async def test_a_complete_cli_run_writes_the_table_as_before_and_no_partial_file
     assert err == [f"wrote {out}: 2 step buckets measured"]
     assert list(json.loads(out.read_text())) == ["version", "alpha", "minPrefillTokens", "entries"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+@pytest.mark.asyncio
+async def test_a_complete_table_whose_write_fails_midway_leaves_the_older_file_whole_and_no_temporary_file(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spare))
+    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
+    out = folder / "t.json"
+    out.write_text('{"old": "table"}')
+    real_write = Path.write_text
+
+    def write_text(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        if self.parent == folder:  # the disk fills up halfway through the file
+            real_write(self, data[: len(data) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real_write(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    rc = await _step_cli(FakeEngine(), out, "--step-contexts", "64")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    saved = list(spare.glob("fulcrum-step-table-*.json"))
+    assert len(saved) == 1
+    assert err == [f"fulcrum profile: error: --step-table {out}: cannot write (No space left on device); saved to "
+                   f"{saved[0]} instead"]
+    assert out.read_text() == '{"old": "table"}'
+    # before: table.save left its half-written .t.json.tmp beside the table
+    assert sorted(p.name for p in folder.iterdir()) == ["t.json"]
+    assert _mixed_steps(StepLatencyTable.load(saved[0]), 2, 256) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_complete_table_is_written_byte_for_byte_as_the_table_saves_itself(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "t.json"
+    assert await _step_cli(FakeEngine(), out, "--step-contexts", "64") == 0, capsys.readouterr().err
+    table = StepLatencyTable.load(out)
+    table.save(tmp_path / "again.json")
+    assert out.read_bytes() == (tmp_path / "again.json").read_bytes()
 
 
 @pytest.mark.asyncio
@@ -399,10 +452,11 @@ async def test_compositions_abandoned_without_stopping_are_named_when_the_comple
 
 
 @pytest.mark.parametrize(("flags", "match"), [
-    (["--point-timeout-s", "0"], "--point-timeout-s must be a positive number"),
-    (["--request-timeout-s", "nan"], "--request-timeout-s must be a positive number"),
-    (["--point-timeout-s", "inf"], "--point-timeout-s must be a positive number"),
-    (["--stop-after-timeouts", "-1"], "--stop-after-timeouts must be >= 0"),
+    (["--point-timeout-s", "0"], "--point-timeout-s must be a positive number of seconds, got 0.0"),
+    (["--request-timeout-s", "nan"], "--request-timeout-s must be a positive number of seconds, got nan"),
+    (["--request-timeout-s", "-1"], "--request-timeout-s must be a positive number of seconds, got -1.0"),
+    (["--point-timeout-s", "inf"], "--point-timeout-s must be a positive number of seconds, got inf"),
+    (["--stop-after-timeouts", "-1"], "--stop-after-timeouts must be >= 0, got -1"),
     (["--retries", "-1"], "--retries must be >= 0, got -1"),  # before: ignored, the run went on
 ])
 def test_the_step_table_mode_checks_its_budget_flags_before_measuring(tmp_path: Path, capsys: Any,
@@ -412,7 +466,8 @@ def test_the_step_table_mode_checks_its_budget_flags_before_measuring(tmp_path: 
     rc = main(["profile", "--url", "http://127.0.0.1:9", "--scheduler-metrics", "http://127.0.0.1:9/metrics",
                *STEP_FLAGS, "--step-table", str(tmp_path / "t.json"), *flags])
     assert rc == 2
-    assert match in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().splitlines() == [f"fulcrum profile: error: {match}"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.asyncio
@@ -612,3 +667,24 @@ def test_the_profile_mode_keeps_its_retries_default_of_2(monkeypatch: pytest.Mon
                "--weight-gib", "1", "--no-progress", "--out", str(tmp_path / "p.yaml"), *flags])
     assert rc == 130, capsys.readouterr().err
     assert [g.retries for g in grids] == [retries]
+
+
+@pytest.mark.asyncio
+async def test_an_engine_without_the_schedulers_metrics_is_one_line_before_anything_is_sent(
+        tmp_path: Path, capsys: Any) -> None:
+    # e.g. fulcrum sim-worker, whose /metrics has vLLM's names only: before, every composition was sent (and against
+    # the sim answered HTTP 400: its vocabulary is 0..255), then the run failed with no mixed step
+    from fulcrum.cli import main
+
+    engine = FakeEngine(scheduler=False)
+    async with serve(engine) as url:
+        rc = await asyncio.to_thread(main, ["profile", "--url", url, "--scheduler-metrics", f"{url}/metrics",
+                                            *STEP_FLAGS, "--step-contexts", "64", "--step-table",
+                                            str(tmp_path / "t.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [f"fulcrum profile: error: {url}/metrics serves no fulcrum_scheduler_* metrics: the step table needs "
+                   "an engine running --scheduler-cls fulcrum.worker.slo_scheduler.SLOAwareScheduler with "
+                   "FULCRUM_SCHEDULER_METRICS_PORT, and --scheduler-metrics at that port (fulcrum sim-worker has no "
+                   "such scheduler)"]
+    assert list(tmp_path.iterdir()) == [] and engine.prompts == 0 and engine.decode_requests == []

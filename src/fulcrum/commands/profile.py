@@ -153,16 +153,10 @@ def _run_step_table(args: argparse.Namespace) -> int:
                          "FULCRUM_SCHEDULER_METRICS_PORT)")
     if Path(args.step_table).suffix.lower() != ".json":
         raise ValueError(f"--step-table must be a .json file, got {args.step_table!r}")
-    for flag in ("request_timeout_s", "point_timeout_s"):
-        v = getattr(args, flag)
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {v}")
+    # --request-timeout-s, --point-timeout-s, --stop-after-timeouts and --retries are checked by profile_steps,
+    # before anything is sent (a bad --request-timeout-s is named before the budget derived from it)
     budget = args.point_timeout_s if args.point_timeout_s is not None else 2 * args.request_timeout_s
-    if args.stop_after_timeouts < 0:
-        raise ValueError(f"--stop-after-timeouts must be >= 0, got {args.stop_after_timeouts}")
     retries = args.retries if args.retries is not None else _STEP_RETRIES
-    if retries < 0:
-        raise ValueError(f"--retries must be >= 0, got {retries}")
     check_writable_file(args.step_table, "--step-table")
 
     def warn(msg: str) -> None:
@@ -190,7 +184,10 @@ def _run_step_table(args: argparse.Namespace) -> int:
             raise
         log.stopped = log.stopped or str(err)
         return _keep_partial_steps(args, log, 1)
-    _save_or_keep(args.step_table, "--step-table", "fulcrum-step-table-", table.save)
+    # what table.save writes (the suffix is .json), through _write: a write that fails or is interrupted leaves an
+    # older --step-table whole and no temporary file beside it
+    _write(args.step_table, json.dumps(table.to_dict(), indent=1), "--step-table", announce=False,
+           prefix="fulcrum-step-table-")
     abandoned = (f"; {len(log.abandoned)} of {len(log.compositions)} compositions abandoned by timeout, their mixed "
                  "steps may be missing" if log.abandoned else "")
     print(f"wrote {args.step_table}: {len(table.to_dict().get('entries', []))} step buckets measured{abandoned}",
