@@ -870,7 +870,8 @@ def plan_ratio(
         profile, isl_d, math.inf, 0.9, fixed=tp_prefill, max_tp=settings.max_tp, max_model_len=settings.max_model_len
     )
     if tp_decode is not None:
-        check_fixed_tp(profile, tp_decode, settings.max_model_len, "spec.scaling.tpDecode", profile.decode_tps)
+        if tp_decode in profile.decode_tps:  # an unmeasured one: decode_capacity's "no decode table" error
+            check_fixed_tp(profile, tp_decode, settings.max_model_len, "spec.scaling.tpDecode", profile.decode_tps)
         cap = decode_capacity(
             profile, tp_decode, isl, osl, tpot_slo_s, bandwidth_utilisation=settings.bandwidth_utilisation,
             graph_headroom=settings.graph_headroom, override_cc=decode_concurrency, max_num_seqs=settings.max_num_seqs,

@@ -177,3 +177,67 @@ def test_fulcrum_plan_checks_the_specs_max_model_len_in_both_of_its_ways(
     err = capsys.readouterr().err
     assert code == 2
     assert "maxModelLen 100,000 tokens" in err and "holds only 29,310 tokens" in err
+
+
+def _profile_measuring(prefill_tps: list[int], decode_tps: list[int], name: str):
+    """The Splitwise H100 profile with its TP-2 tables copied to the TPs given (KV: TP2 76,931, TP4 575,004, TP8
+    1,571,151 tokens), so that only some roles have a TP holding a long maxModelLen."""
+    import copy
+
+    from fulcrum.ratio.profile import profile_from_dict
+
+    d = builtin_profile("splitwise-llama2-70b-h100").to_dict()
+    pre = next(e for e in d["prefill"] if e["tp"] == 2)
+    dec = next(e for e in d["decode"] if e["tp"] == 2)
+    d["prefill"] = [dict(copy.deepcopy(pre), tp=t) for t in prefill_tps]
+    d["decode"] = [dict(copy.deepcopy(dec), tp=t) for t in decode_tps]
+    d["name"] = name
+    return profile_from_dict(d)
+
+
+def test_static_best_in_auto_mode_leaves_out_a_unified_no_tp_can_plan_as_the_fulcrum_planner_does() -> None:
+    # unified instances need a TP both roles measure: only TP2 here, which cannot hold 100,000 tokens; the
+    # Fulcrum planner plans Auto as Disaggregated alone, and static-best raised after every policy had run
+    from fulcrum.api import Mode
+    from fulcrum.ratio.planner import plan_modes
+    from fulcrum.replay.driver import ReplayOptions
+    from fulcrum.replay.static_best import static_best
+    from fulcrum.workload import Request
+
+    p = _profile_measuring([2, 8], [2, 4], "p2-8-d2-4")
+    spec = parse_llmserve({"apiVersion": "fulcrum.dev/v1alpha1", "kind": "LLMServe", "metadata": {"name": "a"},
+                           "spec": {"model": {"name": "m"}, "mode": "Auto", "engine": {"maxModelLen": 100_000},
+                                    "gpu": {"type": "H100", "gpusPerNode": 8},
+                                    "scaling": {"minGPUs": 1, "maxGPUs": 16}}}).spec
+    assert list(plan_modes(WORKLOAD, p, spec)) == [Mode.DISAGGREGATED.value]
+    window = [Request(float(i), 800, 100) for i in range(60)]
+    best = static_best(window, spec, p, 0.5, ReplayOptions(warmup_s=0.0))
+    assert "U" not in best.label and best.label.endswith("D")
+    with pytest.raises(PlanningError, match="unified"):
+        static_best(window, spec.model_copy(update={"mode": Mode.UNIFIED}), p, 0.5, ReplayOptions(warmup_s=0.0))
+
+
+def test_fulcrum_plan_takes_max_model_len_as_a_flag_and_names_its_flags_in_the_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from fulcrum.cli import main
+
+    base = ["plan", "--profile", "dopd-llama70b-fp8-h100", "--isl", "1100", "--osl", "230", "--concurrency", "64"]
+    assert main([*base, "--json"]) == 0  # the default 8192 tokens: TP1 holds 29,310
+    capsys.readouterr()
+    assert main([*base, "--max-model-len", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "maxModelLen 100,000 tokens" in err and "Lower --max-model-len to at most 29,310" in err
+    assert "spec.engine.maxModelLen" not in err
+    assert main([*base, "--max-model-len", "30000", "--tp-decode", "2", "--tp-prefill", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp-prefill=1 cannot serve maxModelLen 30,000 tokens" in err and "spec.scaling" not in err
+    assert main([*base, "--max-model-len", "0"]) == 2
+    assert "--max-model-len must be a positive number of tokens, got 0" in capsys.readouterr().err
+
+
+def test_an_unmeasured_fixed_decode_tp_is_named_as_unmeasured_not_as_too_small() -> None:
+    from fulcrum.errors import FulcrumError
+
+    splitwise = builtin_profile("splitwise-llama2-70b-h100")
+    with pytest.raises(FulcrumError, match="no decode table for TP=1"):
+        plan_ratio(splitwise, 1100, 230, tp_decode=1)

@@ -15,7 +15,9 @@
 
 ``--llmserve FILE`` takes the profile, SLOs, mode, TP pins, GPU limits, ``engine.maxModelLen`` and
 ``gpu.gpusPerNode`` from an ``LLMServe``: what the operator would plan for that resource at this load. A flag given
-as well overrides the file's value.
+as well overrides the file's value. Every TP planned must hold one ``--max-model-len`` sequence (default 8192, or
+the LLMServe's ``engine.maxModelLen``) in its KV cache, as vLLM requires to start (docs/planner.md, "TP and
+``maxModelLen``"); a profile measured on a memory-tight engine is planned with the engine's own ``--max-model-len``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,8 @@ def add_parser(sub: Any) -> None:
                    "scaling.minGPUs; default 0)")
     p.add_argument("--max-gpus", type=int, help="with --rate: most GPUs of the plan (an LLMServe's scaling.maxGPUs); "
                    "over it the pools shrink and the plan is marked infeasible (default: no bound)")
+    p.add_argument("--max-model-len", type=int, help="the engines' --max-model-len, tokens: every TP planned must "
+                   "hold one such sequence in its KV cache (default 8192, or the LLMServe's engine.maxModelLen)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -114,6 +118,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--percentile must be in (0, 100], got {args.percentile}")
     if args.min_gpus is not None and args.min_gpus < 0:
         raise ValueError(f"--min-gpus must be >= 0, got {args.min_gpus}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be a positive number of tokens, got {args.max_model_len}")
     if args.max_gpus is not None and args.max_gpus < 1:
         raise ValueError(f"--max-gpus must be >= 1, got {args.max_gpus}")
     if args.rate is None and (args.min_gpus is not None or args.max_gpus is not None):
@@ -159,15 +165,34 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     hi = _pick(args.max_gpus, sc.max_gpus if sc is not None else None, NO_GPU_BOUND)
     if lo > hi:
         raise ValueError(f"minGPUs {lo} exceeds maxGPUs {hi} (--min-gpus / --max-gpus, or the LLMServe's)")
+    settings = PlannerSettings.from_spec(spec) if spec is not None else PlannerSettings()
+    if args.max_model_len is not None:
+        settings = replace(settings, max_model_len=args.max_model_len)
     # a pin of the other mode's pools does not apply (an LLMServe in Unified mode may keep tpPrefill set)
     return _Inputs(
         name=name, profile=profile, slo=slo, mode=mode,
         tp_prefill=_pick(args.tp_prefill, sc.tp_prefill if sc is not None else None, None),
         tp_decode=_pick(args.tp_decode, sc.tp_decode if sc is not None else None, None),
         tp_unified=_pick(args.tp_unified, sc.tp_unified if sc is not None else None, None),
-        min_gpus=lo, max_gpus=hi,
-        settings=PlannerSettings.from_spec(spec) if spec is not None else PlannerSettings(),
+        min_gpus=lo, max_gpus=hi, settings=settings,
     )
+
+
+#: The LLMServe fields the planner's errors name, and the flag of this command that sets each.
+_FLAG_OF_FIELD = {
+    "spec.engine.maxModelLen": "max_model_len", "spec.scaling.tpPrefill": "tp_prefill",
+    "spec.scaling.tpDecode": "tp_decode", "spec.scaling.tpUnified": "tp_unified",
+}
+
+
+def _in_flags(err: PlanningError, args: argparse.Namespace) -> PlanningError:
+    """``err`` with the LLMServe fields it names replaced by this command's flags where the value came from a flag,
+    or from the default because no ``--llmserve`` was given (the planner names the fields the operator reads)."""
+    text = str(err)
+    for field, dest in _FLAG_OF_FIELD.items():
+        if getattr(args, dest) is not None or args.llmserve is None:
+            text = text.replace(field, "--" + dest.replace("_", "-"))
+    return err if text == str(err) else PlanningError(text)
 
 
 def _clean(d: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +217,13 @@ def _plan_dict(p: Plan, profile_name: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     _check(args)
     got = _inputs(args)
+    try:
+        return _run(args, got)
+    except PlanningError as err:
+        raise _in_flags(err, args) from err
+
+
+def _run(args: argparse.Namespace, got: _Inputs) -> int:
     profile, slo = got.profile, got.slo
     if args.rate is not None:
         workload = WorkloadEstimate.from_means(args.rate, args.isl, args.osl)

@@ -26,10 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fulcrum.api.llmserve import LLMServeSpec, Mode
+from fulcrum.errors import PlanningError
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.replay.driver import ReplayOptions, run_planner
 from fulcrum.replay.result import PolicyRun
 from fulcrum.scaling.static import StaticPlanner
+from fulcrum.target import ClusterTarget
 from fulcrum.workload import Request
 
 __all__ = ["StaticBest", "static_best"]
@@ -82,6 +84,8 @@ def static_best(
 
     Raises:
         ValueError: an empty trace, or no deployment fits the GPU limits.
+        PlanningError: the static planner cannot choose the TPs of the spec's mode (e.g. none holds
+            ``engine.maxModelLen``); in Auto mode a Unified that cannot be planned is left out instead.
     """
     sc = spec.scaling
     cache: dict[tuple[str, int, int, int], tuple[PolicyRun, int]] = {}
@@ -122,8 +126,19 @@ def static_best(
     def best_gpus() -> int:
         return min((g for _, g, _ in candidates), default=sc.max_gpus + 1)
 
-    if spec.mode in (Mode.DISAGGREGATED, Mode.AUTO):
-        tps = StaticPlanner(_static_spec(spec, Mode.DISAGGREGATED, 1, 1, 0), profile).initial()
+    def tps_of(mode: Mode, p: int, d: int, u: int) -> ClusterTarget | None:
+        """The static planner's TPs for ``mode``; None for Unified in Auto mode when it cannot be planned (e.g. no
+        unified TP holds maxModelLen), which Auto then leaves out as the Fulcrum planner does
+        (:func:`fulcrum.ratio.planner.plan_modes`)."""
+        try:
+            return StaticPlanner(_static_spec(spec, mode, p, d, u), profile).initial()
+        except PlanningError:
+            if spec.mode != Mode.AUTO or mode != Mode.UNIFIED:
+                raise
+            return None
+
+    tps = tps_of(Mode.DISAGGREGATED, 1, 1, 0) if spec.mode in (Mode.DISAGGREGATED, Mode.AUTO) else None
+    if tps is not None:
         tp_p, tp_d = tps.prefill.tp, tps.decode.tp
         n_d = 1
         while n_d * tp_d + tp_p <= min(sc.max_gpus, best_gpus() - 1):
@@ -131,8 +146,9 @@ def static_best(
             lo = max(1, -(-(sc.min_gpus - n_d * tp_d) // tp_p))
             search(Mode.DISAGGREGATED, lo, room // tp_p, functools.partial(_disaggregated_counts, n_d))
             n_d += 1
-    if spec.mode in (Mode.UNIFIED, Mode.AUTO):
-        tp_u = StaticPlanner(_static_spec(spec, Mode.UNIFIED, 0, 0, 1), profile).initial().unified.tp
+    uni = tps_of(Mode.UNIFIED, 0, 0, 1) if spec.mode in (Mode.UNIFIED, Mode.AUTO) else None
+    if uni is not None:
+        tp_u = uni.unified.tp
         hi = min(sc.max_gpus, best_gpus() - 1) // tp_u
         search(Mode.UNIFIED, max(1, -(-sc.min_gpus // tp_u)), hi, lambda n: (0, 0, n))
     if candidates:
