@@ -82,6 +82,7 @@ from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.capacity import slo_batch_limit
 from fulcrum.ratio.profile import PerformanceProfile
+from fulcrum.ratio.tp import check_fixed_tp, fits_max_model_len
 from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.target import ClusterTarget, PoolSize
 
@@ -185,32 +186,44 @@ class DynamoSlaSettings:
 # ------------------------------------------------------------------------------------------------------ #
 
 
-def pick_tp(fixed: int | None, profile: PerformanceProfile, phase: Literal["prefill", "decode"]) -> int:
-    """TP of one pool: ``fixed`` if given, else the smallest TP the profile has for ``phase`` that holds the weights.
+_TP_FIELDS = {"prefill": "spec.scaling.tpPrefill", "decode": "spec.scaling.tpDecode"}
+
+
+def pick_tp(fixed: int | None, profile: PerformanceProfile, phase: Literal["prefill", "decode"], max_model_len: int) -> int:
+    """TP of one pool: ``fixed`` if given, else the smallest TP the profile has for ``phase`` whose KV cache holds
+    one ``max_model_len``-token sequence, as the ``fulcrum``, ``static`` and ``dopd`` planners require
+    (:func:`fulcrum.ratio.tp.fits_max_model_len`): ``profile.kv_capacity_tokens(tp) >= max_model_len`` tokens
+    (DOPD eq. 11, V_mem/M_token). vLLM refuses to start an engine that cannot hold one such sequence, so a pool
+    with a smaller TP would crash-loop its pods. The choice does not cap TP by ``spec.gpu.gpusPerNode``.
 
     Args:
-        fixed: ``spec.scaling.tp_prefill`` / ``tp_decode``, or ``None``.
+        fixed: ``spec.scaling.tp_prefill`` / ``tp_decode`` (GPUs per instance), or ``None``.
         profile: the performance profile.
         phase: ``"prefill"`` or ``"decode"``.
+        max_model_len: ``spec.engine.max_model_len``, tokens.
 
     Returns:
         The tensor-parallel size (GPUs per instance).
 
     Raises:
-        PlanningError: the fixed TP has no table for ``phase`` in the profile, or no TP (the fixed one, or
-            any the profile has) leaves room for the KV cache (``kv_capacity_tokens(tp) == 0``).
+        PlanningError: the fixed TP has no table for ``phase`` in the profile; the fixed TP cannot hold one
+            ``max_model_len``-token sequence (the message names ``spec.scaling.tpPrefill`` / ``tpDecode``;
+            :func:`fulcrum.ratio.tp.check_fixed_tp`); no TP the profile has for ``phase`` holds the weights
+            (``kv_capacity_tokens(tp) == 0``); or none holds one ``max_model_len``-token sequence
+            (:func:`fulcrum.ratio.tp.fits_max_model_len`: the message names the numbers and the fix).
     """
     tps = profile.prefill_tps if phase == "prefill" else profile.decode_tps
     if fixed is not None:
         if fixed not in tps:
             raise PlanningError(f"profile {profile.name!r} has no {phase} table for TP={fixed} (has {tps})")
+        check_fixed_tp(profile, fixed, max_model_len, _TP_FIELDS[phase], tps)
         if profile.kv_capacity_tokens(fixed) <= 0:
             raise PlanningError(f"the model's weights do not fit a TP={fixed} {phase} instance of {profile.gpu_type}")
         return fixed
-    for tp in tps:
-        if profile.kv_capacity_tokens(tp) > 0:
-            return tp
-    raise PlanningError(f"no {phase} TP in profile {profile.name!r} ({tps}) holds the model's weights")
+    holds_weights = [tp for tp in tps if profile.kv_capacity_tokens(tp) > 0]
+    if not holds_weights:
+        raise PlanningError(f"no {phase} TP in profile {profile.name!r} ({tps}) holds the model's weights")
+    return fits_max_model_len(profile, holds_weights, max_model_len, phase=phase, max_tp=max(tps))[0]
 
 
 def clamp_to_gpu_budget(
@@ -337,7 +350,9 @@ class DynamoSlaPlanner:
             forecaster fits.
 
     Raises:
-        PlanningError: no usable TP for a pool, or one instance of each pool exceeds ``maxGPUs``.
+        PlanningError: no usable TP for a pool (a TP must hold the weights plus one ``spec.engine.maxModelLen``-token
+            sequence of KV cache; a pinned ``tpPrefill``/``tpDecode`` that does not is named: :func:`pick_tp`), or
+            one instance of each pool exceeds ``maxGPUs``.
 
     Attributes:
         name: ``"dynamo-sla"``.
@@ -360,8 +375,8 @@ class DynamoSlaPlanner:
         self._spec = spec
         self._profile = profile
         self._settings = settings or DynamoSlaSettings()
-        self._tp_p = pick_tp(spec.scaling.tp_prefill, profile, "prefill")
-        self._tp_d = pick_tp(spec.scaling.tp_decode, profile, "decode")
+        self._tp_p = pick_tp(spec.scaling.tp_prefill, profile, "prefill", spec.engine.max_model_len)
+        self._tp_d = pick_tp(spec.scaling.tp_decode, profile, "decode", spec.engine.max_model_len)
         self._min_gpus = spec.scaling.min_gpus
         self._max_gpus = spec.scaling.max_gpus
         clamp_to_gpu_budget(1, 1, self._tp_p, self._tp_d, 0, self._max_gpus, self._settings.min_endpoint)

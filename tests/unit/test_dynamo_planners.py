@@ -13,14 +13,16 @@ The profile (TP=1 for both phases, 40 960 KV tokens per instance):
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
 
-from fulcrum.api import LLMServeSpec, ModelSpec, ScalingSpec, SLOSpec
+from fulcrum.api import EngineSpec, LLMServeSpec, ModelSpec, ScalingSpec, SLOSpec
 from fulcrum.errors import PlanningError
 from fulcrum.observation import Observation, ReadyCounts
 from fulcrum.ratio.profile import PerformanceProfile, profile_from_dict
+from fulcrum.ratio.profiles import builtin_profile
 from fulcrum.scaling.dynamo_load import DynamoLoadPlanner, DynamoLoadSettings, load_move
 from fulcrum.scaling.dynamo_sla import (
     DynamoSlaPlanner,
@@ -254,6 +256,45 @@ def test_tp_is_the_smallest_one_that_holds_the_weights_unless_fixed() -> None:
         DynamoSlaPlanner(make_spec(tp_decode=1), prof)
     with pytest.raises(PlanningError):
         DynamoLoadPlanner(make_spec(tp_decode=4), make_profile())
+
+
+def _long_spec(max_model_len: int, **scaling: Any) -> LLMServeSpec:
+    scaling.setdefault("interval_seconds", 60.0)
+    return LLMServeSpec(
+        model=ModelSpec(name="m"), engine=EngineSpec(max_model_len=max_model_len), slo=SLOSpec(ttft_ms=2000, tpot_ms=100),
+        scaling=ScalingSpec(**scaling),
+    )
+
+
+@pytest.mark.parametrize("planner_cls", [DynamoSlaPlanner, DynamoLoadPlanner])
+def test_tp_holds_one_max_model_len_sequence_in_its_kv_cache(planner_cls: Any) -> None:
+    # splitwise-llama2-70b-h100 holds 76,931 tokens at TP2, 575,004 at TP4: vLLM would refuse a TP2 engine at 100,000
+    prof = builtin_profile("splitwise-llama2-70b-h100")
+    short = planner_cls(_long_spec(8192), prof).initial()
+    assert (short.prefill.tp, short.decode.tp) == (2, 2)  # unchanged where the smallest TP holds maxModelLen
+    long = planner_cls(_long_spec(100_000), prof).initial()
+    assert long.prefill.tp >= 4 and long.decode.tp >= 4
+    assert prof.kv_capacity_tokens(long.prefill.tp) >= 100_000 and prof.kv_capacity_tokens(long.decode.tp) >= 100_000
+
+
+@pytest.mark.parametrize("planner_cls", [DynamoSlaPlanner, DynamoLoadPlanner])
+def test_no_tp_holding_max_model_len_is_a_planning_error(planner_cls: Any) -> None:
+    # the hand profile holds 40,960 tokens at TP1 (its only decode TP by default) and 122,880 at TP2
+    with pytest.raises(PlanningError, match=r"maxModelLen 50,000.*decode"):
+        planner_cls(_long_spec(50_000), make_profile())
+    with pytest.raises(PlanningError, match="maxModelLen 150,000"):
+        planner_cls(_long_spec(150_000), make_profile(decode_tps=(1, 2)))
+
+
+@pytest.mark.parametrize("planner_cls", [DynamoSlaPlanner, DynamoLoadPlanner])
+@pytest.mark.parametrize(("pin", "field"), [("tp_prefill", "spec.scaling.tpPrefill"), ("tp_decode", "spec.scaling.tpDecode")])
+def test_a_pinned_tp_that_cannot_hold_max_model_len_raises_naming_the_field(planner_cls: Any, pin: str, field: str) -> None:
+    prof = builtin_profile("splitwise-llama2-70b-h100")
+    with pytest.raises(PlanningError, match=rf"{re.escape(field)}=2 cannot serve maxModelLen 100,000.*TP 4 does"):
+        planner_cls(_long_spec(100_000, **{pin: 2}), prof)
+    assert planner_cls(_long_spec(100_000, **{pin: 4}), prof).initial() is not None  # a pin that holds it stands
+    with pytest.raises(PlanningError, match="no .* table for TP=3"):  # an unmeasured pin: the old error first
+        planner_cls(_long_spec(100_000, **{pin: 3}), prof)
 
 
 def test_a_budget_smaller_than_one_instance_per_pool_is_a_planning_error() -> None:
