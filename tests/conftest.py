@@ -63,3 +63,14 @@ if _pytest_asyncio is not None:
         yield make
         for h in made:
             await h.close()
+
+
+@pytest.fixture
+def spare_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh folder set as the temporary folder (``TMPDIR``, read again by :mod:`tempfile`), where a file that
+    cannot be written where asked is kept; the test globs it for what was saved."""
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spare))
+    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
+    return spare

@@ -460,16 +460,12 @@ async def test_a_models_endpoint_that_never_answers_times_out_with_the_request_t
 
 @pytest.mark.asyncio
 async def test_an_output_folder_that_vanishes_mid_run_loses_nothing_the_profile_is_saved_elsewhere(
-        tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+        tmp_path: Path, capsys: Any, monkeypatch: Any, spare_tmpdir: Path) -> None:
     import shutil
 
     eng = await _engine()
     folder = tmp_path / "out"
     folder.mkdir()
-    spare = tmp_path / "spare"
-    spare.mkdir()
-    monkeypatch.setenv("TMPDIR", str(spare))
-    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
 
     @web.middleware
     async def remove_folder(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -481,7 +477,7 @@ async def test_an_output_folder_that_vanishes_mid_run_loses_nothing_the_profile_
     rc = await _profile_cli(eng, folder / "p.yaml")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("fulcrum profile: error: --out ")
-    saved = list(spare.glob("fulcrum-profile-*.yaml"))
+    saved = list(spare_tmpdir.glob("fulcrum-profile-*.yaml"))
     assert len(saved) == 1 and str(saved[0]) in err[-1]
     assert load_profile(saved[0]).prefill[1].isl == (16.0, 64.0, 200.0)
 
@@ -497,21 +493,17 @@ async def test_an_older_profile_is_replaced_whole_never_half_written(tmp_path: P
 
 
 def test_a_step_table_whose_folder_vanished_is_kept_in_the_temporary_folder(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, spare_tmpdir: Path) -> None:
     from fulcrum.commands.profile import _save_or_keep
     from fulcrum.worker.latency_table import StepLatencyTable
 
-    spare = tmp_path / "spare"
-    spare.mkdir()
-    monkeypatch.setenv("TMPDIR", str(spare))
-    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
     table = StepLatencyTable()
     table.record(128, 128, 2, 0.05)
     gone = tmp_path / "gone" / "steps.json"
     with pytest.raises(OSError, match=r"^--step-table .*steps\.json: cannot write \(No such file or directory\); "
                                       r"saved to .*fulcrum-step-table-.*\.json instead$") as err:
         _save_or_keep(str(gone), "--step-table", "fulcrum-step-table-", table.save)
-    saved = list(spare.glob("fulcrum-step-table-*.json"))
+    saved = list(spare_tmpdir.glob("fulcrum-step-table-*.json"))
     assert len(saved) == 1 and str(saved[0]) in str(err.value)
     assert StepLatencyTable.load(saved[0]).to_dict() == table.to_dict()
 

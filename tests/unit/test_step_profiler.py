@@ -304,13 +304,9 @@ async def test_a_complete_cli_run_writes_the_table_as_before_and_no_partial_file
 
 @pytest.mark.asyncio
 async def test_a_complete_table_whose_write_fails_midway_leaves_the_older_file_whole_and_no_temporary_file(
-        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, spare_tmpdir: Path) -> None:
     folder = tmp_path / "out"
     folder.mkdir()
-    spare = tmp_path / "spare"
-    spare.mkdir()
-    monkeypatch.setenv("TMPDIR", str(spare))
-    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
     out = folder / "t.json"
     out.write_text('{"old": "table"}')
     real_write = Path.write_text
@@ -325,7 +321,7 @@ async def test_a_complete_table_whose_write_fails_midway_leaves_the_older_file_w
     rc = await _step_cli(FakeEngine(), out, "--step-contexts", "64")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2, err
-    saved = list(spare.glob("fulcrum-step-table-*.json"))
+    saved = list(spare_tmpdir.glob("fulcrum-step-table-*.json"))
     assert len(saved) == 1
     assert err == [f"fulcrum profile: error: --step-table {out}: cannot write (No space left on device); saved to "
                    f"{saved[0]} instead"]
