@@ -10,7 +10,11 @@ One request: validate (400) → count the prompt (``fulcrum.router.tokens``) →
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message (at once for a failure
 that is not ``retryable``: a queued prefill job the workers refuse as malformed). An engine's 4xx is
 the client's error and is relayed as is (a body that is not a JSON object is put in OpenAI's error shape); another
-status that is not 200 (204, 3xx) carries no answer and is a 502.
+status that is not 200 (204, 3xx) carries no answer and is a 502. An instance the registry dropped after it was
+chosen fails like one that refuses connections (``UpstreamFailure``, not recorded against it) and is routed around.
+Once the stream began no status can change: any error ends it with an ``error`` event (the engine's message and
+status) and ``[DONE]``, counted under that status. A body over :data:`MAX_BODY_BYTES` is a 413; a router bug is
+logged and answered 502 in OpenAI's error shape (never aiohttp's bare 500).
 
 Executing a decision: :data:`EXECUTORS` maps each decision kind to its executor (colocated, disaggregated, split);
 steps common to every kind (a planned prefix pull) run before it. Calls reach the engines through the pool's
@@ -71,7 +75,7 @@ from fulcrum.routing.prefix import PrefixPull, prompt_block_hashes, pull_costs
 from fulcrum.routing.registry import make_policy, reconfigured
 from fulcrum.router.prefill_gate import PrefillGate
 from fulcrum.router.registry import Registry, StaticRegistry
-from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome
+from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome, error_outcome_message
 from fulcrum.routing.remaining_length import RemainingLength, RemainingLengthPredictor
 from fulcrum.router.rescheduler import Rescheduler, migratable, run_disaggregated_migratable, run_migratable
 from fulcrum.router.roles import RoleBalancer
@@ -104,6 +108,9 @@ _ID_COUNTER = itertools.count()
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) ``max_tokens`` when a completions request leaves it out."""
+
+MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+"""The largest request body the router reads (aiohttp's ``client_max_size``); a larger one is a 413."""
 
 
 def default_policy_factory(name: str, params: Mapping[str, Any]) -> Policy:
@@ -223,10 +230,21 @@ class _UnreadableBody(BadRequest):
     after the answer, since the rest of the body on it cannot be told from a next request."""
 
 
+class _BodyTooLarge(RouterHTTPError):
+    """413: the request body is larger than :data:`MAX_BODY_BYTES` (in OpenAI's error shape, not aiohttp's
+    plain-text 413)."""
+
+    status = 413
+    type_ = "invalid_request_error"
+
+
 async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: float) -> Exchange:
     assert st.pool is not None
     try:
         raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as err:
+        raise _BodyTooLarge(f"the request body is larger than the router's limit of {MAX_BODY_BYTES} bytes "
+                            f"({MAX_BODY_BYTES // (1024 * 1024)} MiB)") from err
     except (web.RequestPayloadError, aiohttp.ClientPayloadError) as err:  # e.g. a Content-Encoding that fails
         # nothing more can be read: without this aiohttp would try to drain the rest after the answer, meet the
         # same error again and log it as unhandled (the connection is closed after the answer, _UnreadableBody)
@@ -494,6 +512,10 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
         if isinstance(err, _UnreadableBody):
             refusal.force_close()
         return refusal
+    except Exception:  # noqa: BLE001 - last resort: a router bug is a 502 in OpenAI's shape, never a bare 500
+        log.exception("admitting a %s request failed unexpectedly", endpoint)
+        st.metrics.child(st.metrics.responses, endpoint, "502").inc()
+        return _error_response(_internal_error())
     st.metrics.child(st.metrics.admitted, endpoint).inc()
     cap = ex.max_tokens if ex.max_tokens is not None else max(1, (st.config.max_model_len or ex.prompt.max_model_len or 4096) - ex.prompt.count)
     hashes: tuple[int, ...] = ()
@@ -515,20 +537,35 @@ async def _serve(st: RouterState, request: web.Request, endpoint: Endpoint) -> w
         st.metrics.aborts.inc()
         st.metrics.child(st.metrics.responses, endpoint, "499").inc()
         raise
+    except Exception:  # noqa: BLE001 - last resort: a router bug is a 502 in OpenAI's shape, never a bare 500
+        log.exception("request %s failed unexpectedly", ex.request_id)
+        bug = _internal_error()
+        if sink.started:
+            await _stream_error(sink, bug)
+            _observe_done(st, ex, sink, None, str(bug.status))
+            return sink.answer()
+        return _finish_error(st, ex, bug)
     return resp
+
+
+def _internal_error() -> UpstreamError:
+    """The answer to a request that failed on a router bug (logged with its traceback where it is caught)."""
+    return UpstreamError("the router failed to serve the request (internal error; see the router's log)")
 
 
 async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: ClientSink) -> web.StreamResponse:
     assert st.pool is not None
     exclude: list[str] = []
     last: UpstreamFailure | None = None
-    for attempt in range(st.config.max_retries + 1):
+    for _ in range(st.config.max_retries + 1):
         try:
             d = _route(st, info, exclude)
         except NoInstanceError as err:
             if last is not None:
                 return _finish_error(st, ex, UpstreamError(last.message))
             return _finish_error(st, ex, NoHealthyInstance(f"no healthy instance can take the request: {err}"))
+        if last is not None:  # counted once it is actually sent: a retry that finds no instance is none
+            st.metrics.child(st.metrics.retries, "before-stream").inc()
         st.metrics.decision(st.policy.name, d.kind, d.reason, d.phi)
         st.metrics.child(st.metrics.routed, d.kind).inc()
         st.policy.on_start(info, d, st.clock())
@@ -543,12 +580,11 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
             if not err.retryable:  # routing it again would fail the same way
                 return _finish_error(st, ex, UpstreamError(err.message))
             exclude.append(err.instance)
-            if attempt < st.config.max_retries:
-                st.metrics.child(st.metrics.retries, "before-stream").inc()
             continue
         except RouterHTTPError as err:
             if sink.started:
                 await _stream_error(sink, err)
+                _observe_done(st, ex, sink, None, str(err.status))
                 return sink.answer()
             return _finish_error(st, ex, err)
         finally:
@@ -560,8 +596,14 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
 
 async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome) -> web.StreamResponse:
     if out.status != 200:
-        if sink.started:  # cannot happen: non-200 answers come before any event
-            await _stream_error(sink, UpstreamError(f"upstream answered HTTP {out.status}"))
+        if sink.started:  # a later leg's answer (a split's B) after the first leg's tokens were streamed
+            if out.status >= 400:  # the engine's 4xx: its message and status in the error event
+                await _stream_error_event(sink, error_outcome_message(out), "invalid_request_error", out.status)
+                status = out.status
+            else:  # 204, 3xx ...: no answer
+                await _stream_error(sink, UpstreamError(f"the engine answered HTTP {out.status} instead of an answer"))
+                status = UpstreamError.status
+            _observe_done(st, ex, sink, None, str(status))
             return sink.answer()
         if out.status < 400:  # 204, 3xx ...: no answer to relay
             what = "with no body" if not out.body else "instead of an answer"
@@ -612,8 +654,13 @@ def _finish_error(st: RouterState, ex: Exchange, err: RouterHTTPError) -> web.Re
 
 async def _stream_error(sink: ClientSink, err: RouterHTTPError) -> None:
     """An error after the stream began: an ``error`` event (as vLLM sends), then ``[DONE]``."""
+    await _stream_error_event(sink, err.message, err.type_, err.status)
+
+
+async def _stream_error_event(sink: ClientSink, message: str, type_: str, status: int) -> None:
+    """An ``error`` event with ``message``, ``type_`` and ``status`` as its code, then ``[DONE]``."""
     with contextlib.suppress(ClientGone):
-        await sink.send(encode_event(error_body(err.message, err.type_, None, err.status)), tokens=0)
+        await sink.send(encode_event(error_body(message, type_, None, status)), tokens=0)
         await sink.send(DONE, tokens=0)
         await sink.close()
 
@@ -802,7 +849,7 @@ def create_app(
     st.rescheduler = Rescheduler(remaining_predictor or RemainingLengthPredictor(), clock)
     st.reset_prefill_gate()
     st.roles = RoleBalancer(st.metrics)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = st
 
     async def startup(app: web.Application) -> None:

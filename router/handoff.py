@@ -47,7 +47,7 @@ from fulcrum.router.relay import ClientSink, Exchange, Outcome, Transform, relay
 from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest
 from fulcrum.router.sse import encode_event, is_usage_only
 from fulcrum.router.tokens import count_prompt, token_count
-from fulcrum.router.upstream import UpstreamPool
+from fulcrum.router.upstream import UpstreamFailure, UpstreamPool
 
 __all__ = [
     "DO_REMOTE_DECODE",
@@ -437,10 +437,16 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
     if out.status != 200 or out.data is None:
         return out
     shape = _Shape(ex)
-    choices = out.data.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    gen = choice.get("token_ids")
-    p_ids = choice.get("prompt_token_ids") or (list(ids) if ids is not None else None)
+    try:  # A's 200 answer must have the shape the handoff reads; else A is broken (recorded, retried elsewhere)
+        choice = _one_choice(out.data, a)
+        if not isinstance(choice.get("finish_reason"), str):
+            raise UpstreamFailure(a, "broken", f"{a} answered a choice without a finish_reason")
+        gen = _token_ids(choice.get("token_ids"), a, "token_ids")
+        p_ids = _token_ids(choice.get("prompt_token_ids"), a, "prompt_token_ids")
+    except UpstreamFailure as err:
+        pool.record_failure(a, err.cause)
+        raise
+    p_ids = p_ids or (list(ids) if ids is not None else None)
     u = out.data.get("usage")
     usage: dict[str, Any] = u if isinstance(u, dict) else {}
     p = token_count(usage.get("prompt_tokens")) or (len(p_ids) if p_ids else ex.prompt.count)
@@ -485,12 +491,12 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
         raw_u = obj.get("usage")
         u: dict[str, Any] = raw_u if isinstance(raw_u, dict) else {}
         if not ex.stream:  # B's whole answer
-            ch = (obj.get("choices") or [{}])[0]
+            ch = _one_choice(obj, b)
             return shape.whole(text_k + str(ch.get("text") or ""), ch.get("finish_reason"), ch.get("stop_reason"),
                                _usage(p, k + (token_count(u.get("completion_tokens")) or 0), u))
         if is_usage_only(obj):
             return shape.usage_chunk(_usage(p, k + (token_count(u.get("completion_tokens")) or 0), u))
-        ch = (obj.get("choices") or [{}])[0]
+        ch = _one_choice(obj, b)
         first = not first_sent[0]
         first_sent[0] = True
         return shape.chunk(str(ch.get("text") or ""), ch.get("finish_reason"), ch.get("stop_reason"), first=first)
@@ -500,6 +506,36 @@ async def run_split(pool: UpstreamPool, ex: Exchange, a: str, b: str, k: int, si
         res.completion_tokens += k
         res.prompt_tokens = p
     return res
+
+
+def _one_choice(obj: dict[str, Any], iid: str) -> dict[str, Any]:
+    """The one choice of an engine's ``/v1/completions`` answer or chunk (n = 1), its text a string when given.
+
+    Raises:
+        UpstreamFailure: "broken": ``choices`` is not a non-empty list of objects, or the text is not a string
+            (not recorded here: the caller records it, or :func:`relay` does for a transform's failure).
+    """
+    choices = obj.get("choices")
+    ch = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(ch, dict):
+        raise UpstreamFailure(iid, "broken", f"{iid} answered without a choice object: choices = {choices!r}"[:300])
+    text = ch.get("text")
+    if text is not None and not isinstance(text, str):
+        raise UpstreamFailure(iid, "broken", f"{iid} answered a choice whose text is not a string")
+    return ch
+
+
+def _token_ids(value: Any, iid: str, name: str) -> list[int] | None:
+    """An answer's ``token_ids``/``prompt_token_ids``: None when absent, else a list of token ids.
+
+    Raises:
+        UpstreamFailure: "broken": present but not a list of non-negative integers (not recorded here).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(token_count(t) is None for t in value):
+        raise UpstreamFailure(iid, "broken", f"{iid} answered {name} that are not a list of token ids")
+    return value
 
 
 async def _emit_whole(ex: Exchange, shape: _Shape, sink: ClientSink, text: str, finish: Any, stop_reason: Any,

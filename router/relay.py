@@ -232,7 +232,11 @@ async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, 
         ct = 0  # not given, or not a count: unknown
     ticket.add_tokens(ct)
     if transform is not None and data is not None:
-        data = transform(data) or data
+        try:
+            data = transform(data) or data
+        except UpstreamFailure as err:  # the answer's shape is not what the transform reads
+            pool.record_failure(iid, err.cause)
+            raise
         raw = json.dumps(data).encode()
     return Outcome(200, raw, ct, token_count(usage.get("prompt_tokens")), data)
 
@@ -241,7 +245,8 @@ async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dic
                 ticket: Ticket, transform: Transform | None = None) -> Outcome:
     """Send ``body`` to ``iid`` and pass its answer on: whole (returned) or streamed (written to ``sink``).
 
-    ``transform`` rewrites each parsed chunk (or the whole answer); returning None drops a chunk. Without it,
+    ``transform`` rewrites each parsed chunk (or the whole answer); returning None drops a chunk; raising
+    :class:`UpstreamFailure` (an answer it cannot read) fails the call like any engine failure. Without it,
     streamed events are relayed byte for byte and only the usage chunk is parsed. The final ``[DONE]`` is
     left to the caller.
 
@@ -255,17 +260,23 @@ async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dic
         return await _relay_whole(pool, iid, path, raw if raw is not None else body, ticket, transform)
     loop = asyncio.get_running_loop()
     state = _StreamState()
-    # the first-token deadline covers the wait for the answer's headers too; once an event has been relayed,
-    # the idle limit between events (the session's sock_read) takes over
-    first_deadline = asyncio.timeout_at(loop.time() + pool.config.timeouts.first_token_s)
+    t = pool.config.timeouts
+    # one deadline: until the first relayed event, first_token_s from the call's start (the answer's headers
+    # included: vLLM sends them at once, before prefill); from then on, idle_s from the last bytes the engine
+    # sent (paused while the client takes an event). The socket's own read limit is only a backstop.
+    deadline = asyncio.timeout_at(loop.time() + t.first_token_s)
     try:
-        async with first_deadline:
-            early = await _relay_events(pool, ex, iid, path, body, sink, ticket, transform, state, first_deadline)
+        async with deadline:
+            early = await _relay_events(pool, ex, iid, path, body, sink, ticket, transform, state, deadline, t.idle_s)
     except TimeoutError as err:
-        if not first_deadline.expired():
+        if not deadline.expired():
             raise
         pool.record_failure(iid, "timeout")
-        raise UpstreamFailure(iid, "timeout", f"{iid} sent no token within {pool.config.timeouts.first_token_s:g} s") from err
+        if state.relayed:
+            msg = f"{iid} sent nothing for {t.idle_s:g} s in the middle of its stream"
+        else:
+            msg = f"{iid} sent no token within {t.first_token_s:g} s"
+        raise UpstreamFailure(iid, "timeout", msg) from err
     if early is not None:
         return early
     usage = state.usage or {}
@@ -277,13 +288,17 @@ async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dic
 class _StreamState:
     usage: dict[str, Any] | None = None
     counted: int = 0
+    relayed: bool = False
+    """An event was sent on: the idle limit applies (no longer the first-token one)."""
 
 
 async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dict[str, Any], sink: ClientSink,
                         ticket: Ticket, transform: Transform | None, state: _StreamState,
-                        first_deadline: asyncio.Timeout) -> Outcome | None:
-    """The streaming relay loop; returns an outcome only for a non-200 answer."""
+                        deadline: asyncio.Timeout, idle_s: float) -> Outcome | None:
+    """The streaming relay loop; returns an outcome only for a non-200 answer. ``deadline`` (first_token_s from
+    the start) moves to ``idle_s`` after the engine's latest bytes once an event has been relayed."""
     done = False
+    loop = asyncio.get_running_loop()
     async with pool.open(iid, path, body, stream=True) as resp:
         if resp.status != 200:
             return Outcome(resp.status, await resp.read())
@@ -291,14 +306,17 @@ async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, b
         async for chunk in resp.content.iter_any():
             block = splitter.feed_block(chunk)
             if not block:
+                if state.relayed:  # part of an event: the engine is not silent
+                    deadline.reschedule(loop.time() + idle_s)
                 continue
             plain = plain_token_events(block) if transform is None else 0
             if plain:  # the common case: output events only, relayed as they came, one token each
                 ticket.add_tokens(plain)
                 state.counted += plain
-                if first_deadline.when() is not None:
-                    first_deadline.reschedule(None)
+                deadline.reschedule(None)  # a slow client is not a silent engine
                 await sink.send(block, tokens=plain)
+                state.relayed = True
+                deadline.reschedule(loop.time() + idle_s)
                 continue
             out: list[bytes] = []
             tokens = 0
@@ -330,14 +348,17 @@ async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, b
                 out.append(ev)
                 tokens += n
             if not out:
+                if state.relayed:  # keep-alives, a dropped usage chunk: the engine is not silent
+                    deadline.reschedule(loop.time() + idle_s)
                 continue
             if tokens:
                 ticket.add_tokens(tokens)
                 state.counted += tokens
-            if first_deadline.when() is not None:
-                first_deadline.reschedule(None)
+            deadline.reschedule(None)  # a slow client is not a silent engine
             # the events one upstream read completed leave in one write (they arrived together)
             await sink.send(out[0] if len(out) == 1 else b"".join(out), tokens=tokens)
+            state.relayed = True
+            deadline.reschedule(loop.time() + idle_s)
         if not done:
             raise UpstreamFailure(iid, "broken", f"{iid} ended the stream before [DONE]")
     return None

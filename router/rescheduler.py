@@ -388,7 +388,6 @@ async def run_migratable(pool: UpstreamPool, ex: Exchange, iid: str, sink: Clien
             if kv is not None and k == 0 and source is None:
                 body["kv_transfer_params"] = kv
                 queued = 0
-            ticket = pool.acquire(current, queued, p + k)
             tr.instance = current
             t_cut: float | None = cut_at
 
@@ -397,7 +396,11 @@ async def run_migratable(pool: UpstreamPool, ex: Exchange, iid: str, sink: Clien
                     metrics.migration_seconds.observe(max(0.0, sink.clock() - t))
 
             fresh = not pr.ids and source is None and not pr.first_sent
+            ticket: Ticket | None = None
             try:
+                # inside the try: a resume target the registry dropped a moment ago is an UpstreamFailure
+                # ("no longer registered"), and the request resumes on the next target
+                ticket = pool.acquire(current, queued, p + k)
                 finished = await _leg(pool, ex, current, body, sink, ticket, pr, tr, shape, resched, first_token, fresh)
             except UpstreamFailure as err:
                 if fresh:
@@ -417,7 +420,8 @@ async def run_migratable(pool: UpstreamPool, ex: Exchange, iid: str, sink: Clien
                 source, current, cut_at = current, nxt, sink.clock()
                 continue
             finally:
-                ticket.release()
+                if ticket is not None:
+                    ticket.release()
             if isinstance(finished, Outcome):
                 return finished
             if finished:

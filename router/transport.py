@@ -135,6 +135,8 @@ def _encode(body: dict[str, Any] | bytes) -> bytes:
 def _translate(iid: str, err: aiohttp.ClientError) -> UpstreamFailure:
     if isinstance(err, aiohttp.ClientConnectorError):
         return UpstreamFailure(iid, "connect", f"cannot connect to {iid}: {err}")
+    if isinstance(err, aiohttp.ServerTimeoutError):  # a socket read (or connect) limit: slow, not broken
+        return UpstreamFailure(iid, "timeout", f"{iid} did not answer in time: {type(err).__name__}: {err}")
     return UpstreamFailure(iid, "broken", f"{iid} broke the connection: {type(err).__name__}: {err}")
 
 

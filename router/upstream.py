@@ -93,7 +93,8 @@ class Deadline:
     Attributes:
         connect_s: to open a connection.
         total_s: for the whole call, answer included (None: no overall limit, as for streams).
-        idle_s: between two reads of the answer (None: none; streams use the router's ``timeouts.idle_s``).
+        idle_s: between two reads of the answer (None: none; streams use the larger of the router's
+            ``timeouts.first_token_s`` and ``idle_s`` as a backstop: the relay loop enforces each itself).
     """
 
     connect_s: float
@@ -305,7 +306,9 @@ class UpstreamPool:
 
     def _set_deadlines(self, config: RouterConfig) -> None:
         t = config.timeouts
-        self._stream_deadline = Deadline(t.connect_s, None, t.idle_s)
+        # a stream's reads: vLLM sends the headers at once, so the first event can take first_token_s after them;
+        # the relay loop enforces first_token_s and idle_s itself, the socket limit is only a backstop
+        self._stream_deadline = Deadline(t.connect_s, None, max(t.first_token_s, t.idle_s))
         self._whole_deadline = Deadline(t.connect_s, t.request_s)
         self._health_deadline = Deadline(t.connect_s, t.health_s)
 
@@ -361,9 +364,12 @@ class UpstreamPool:
         :meth:`oldest_prefill_wait` (role reassignment's prefill pressure).
 
         Raises:
-            KeyError: ``iid`` is not registered.
+            UpstreamFailure: ``iid`` is no longer registered (the registry dropped it since it was routed to);
+                not the instance's fault, so nothing is recorded against it and the caller routes again.
         """
-        st = self._states[iid]
+        st = self._states.get(iid)
+        if st is None:
+            raise UpstreamFailure(iid, "connect", f"{iid} is no longer registered", instance_fault=False)
         st.inflight += 1
         st.queued_prefill_tokens += queued
         ticket = Ticket(state=st, queued=queued, context=context)
@@ -445,9 +451,12 @@ class UpstreamPool:
         Raises:
             UpstreamFailure: connect error, timeout, 5xx answer, or an answer cut mid-way; recorded against
                 the instance (ejection rules) before raising.
-            KeyError: ``iid`` is not registered.
+                Also when ``iid`` is no longer registered (not recorded: not the instance's fault).
         """
-        base = self._states[iid].record.url
+        known = self._states.get(iid)
+        if known is None:
+            raise UpstreamFailure(iid, "connect", f"{iid} is no longer registered", instance_fault=False)
+        base = known.record.url
         try:
             async with self.transport.open(iid, base, path, body, self._deadline(stream, total_s)) as resp:
                 yield resp
@@ -465,9 +474,11 @@ class UpstreamPool:
         Raises:
             UpstreamFailure: as :meth:`open`.
             NoHealthyInstance: a queued prefill leg found no prefill capacity (the message says why).
-            KeyError: ``iid`` is not registered.
         """
-        base = self._states[iid].record.url
+        known = self._states.get(iid)
+        if known is None:
+            raise UpstreamFailure(iid, "connect", f"{iid} is no longer registered", instance_fault=False)
+        base = known.record.url
         try:
             got = await self.transport.post(iid, base, path, body, self._deadline(False, total_s), queueable=queueable)
         except UpstreamFailure as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 
 import pytest
 
@@ -201,3 +202,127 @@ async def test_a_failure_that_is_not_retryable_is_a_502_at_once_not_routed_again
     assert "refused by the worker as malformed" in (await r.json())["error"]["message"]
     assert len(calls) == 1
     assert h.engine("e0").finished == h.engine("e1").finished == 0
+
+
+def metric(h, line):
+    """The value of one exposition line (``name{labels}``), 0 when absent."""
+    for row in h.state.metrics.exposition().decode().splitlines():
+        if row.startswith(line + " "):
+            return float(row.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def responses(h, status, endpoint="completions"):
+    return metric(h, f'fulcrum_router_responses_total{{endpoint="{endpoint}",status="{status}"}}')
+
+
+async def drop_from_registry(h, *ids):
+    """Once engine A (e0) is working on the request, the registry drops ``ids`` (their pods went away)."""
+    await until(lambda: h.engine("e0").active)
+    records = await h.state.registry.snapshot()
+    h.state.registry.replace([r for r in records if r.id not in ids])
+    await until(lambda: not any(i in h.state.pool for i in ids))
+
+
+@pytest.mark.parametrize("kind", ["disaggregated", "split"])
+async def test_an_instance_leaving_the_registry_mid_request_is_routed_around(router_harness, kind):
+    # the policy chose (e0, e1); e1 leaves the registry while e0 works on the request: B's leg finds it gone,
+    # which is not e1's fault (nothing recorded against it) and is routed again like a failed connection
+    h = await router_harness(n=3, policy=FakePolicy(kind, 2, pair=("e0", "e1")),
+                             settings=FakeEngineSettings(prefill_delay_s=0.3))
+    post = asyncio.create_task(h.client.post("/v1/completions", json=BODY))
+    await drop_from_registry(h, "e1")
+    r = await post
+    assert r.status == 200, await r.text()
+    assert len((await r.json())["choices"][0]["text"]) == 4
+    assert h.engine("e1").started == 0
+    assert len(h.policy.started) == 2  # routed again
+    assert responses(h, "200") == 1.0
+    assert metric(h, 'fulcrum_router_retries_total{stage="before-stream"}') == 1.0
+    assert metric(h, 'fulcrum_router_upstream_errors_total{cause="connect"}') == 0.0
+    assert h.router_inflight() == 0 and h.router_tokens() == (0, 0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_with_no_instance_left_in_the_registry_the_answer_is_a_502_with_the_reason(router_harness, stream):
+    h = await router_harness(n=2, policy=FakePolicy("disaggregated", pair=("e0", "e1")),
+                             settings=FakeEngineSettings(prefill_delay_s=0.3))
+    post = asyncio.create_task(h.client.post("/v1/completions", json=dict(BODY, stream=stream)))
+    await drop_from_registry(h, "e0", "e1")
+    r = await post
+    assert r.status == 502  # nothing was streamed: an error status, never a bare 500
+    err = (await r.json())["error"]
+    assert err["type"] == "upstream_error" and "e1 is no longer registered" in err["message"]
+    assert responses(h, "502") == 1.0 and responses(h, "500") == 0.0
+
+
+async def test_a_router_bug_is_a_502_in_openai_shape_not_a_bare_500(router_harness, monkeypatch):
+    import fulcrum.router.app as app_module
+
+    async def broken(pool, ex, iid, sink):
+        raise RuntimeError("a bug in an executor")
+
+    h = await router_harness()
+    monkeypatch.setattr(app_module, "run_colocated", broken)
+    r = await h.client.post("/v1/completions", json=BODY)
+    assert r.status == 502 and r.content_type == "application/json"
+    assert (await r.json())["error"]["type"] == "upstream_error"
+    assert responses(h, "502") == 1.0
+    assert len(h.policy.finished) == 1
+
+    async def broken_mid_stream(pool, ex, iid, sink):
+        await sink.send(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        raise RuntimeError("a bug after the first event")
+
+    monkeypatch.setattr(app_module, "run_colocated", broken_mid_stream)
+    r = await h.client.post("/v1/completions", json=dict(BODY, stream=True))
+    assert r.status == 200
+    text, _, chunks, done = parse_stream(await r.read())
+    assert text == "a" and done
+    assert chunks[-1]["error"]["type"] == "upstream_error"
+    assert responses(h, "502") == 2.0
+
+
+async def test_b_refusing_after_a_streamed_its_tokens_sends_b_message_and_counts_the_response(router_harness):
+    # a split streams A's k tokens, then B answers 400 (here: its context is too small for the request)
+    h = await router_harness(policy=FakePolicy("split", 3, pair=("e0", "e1")))
+    h.engine("e1").settings = FakeEngineSettings(max_model_len=8)
+    r = await h.client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 10, "stream": True})
+    assert r.status == 200
+    text, _, chunks, done = parse_stream(await r.read())
+    assert len(text) == 3 and done
+    err = chunks[-1]["error"]
+    assert "maximum context length is 8 tokens" in err["message"]
+    assert err["code"] == 400 and err["type"] == "invalid_request_error"
+    assert responses(h, "400") == 1.0
+    assert h.router_inflight() == 0
+    # not streamed: B's 400 is relayed as is
+    r = await h.client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 10})
+    assert r.status == 400
+    assert "maximum context length is 8 tokens" in (await r.json())["error"]["message"]
+    assert responses(h, "400") == 2.0
+
+
+@pytest.mark.parametrize("n, retried", [(1, 0.0), (2, 1.0)])
+async def test_only_retries_actually_sent_are_counted(router_harness, n, retried):
+    # max_retries 2, every instance answers 500: each is tried once; a retry that finds no instance left is none
+    h = await router_harness(n=n, config={"max_retries": 2})
+    for e in h.engines:
+        e.mode = "error500"
+    r = await h.client.post("/v1/completions", json=BODY)
+    assert r.status == 502
+    assert len(h.policy.started) == n
+    assert metric(h, 'fulcrum_router_retries_total{stage="before-stream"}') == retried
+
+
+async def test_a_body_over_the_limit_is_a_413_in_openai_shape_and_counted(router_harness):
+    limit = 64 * 1024 * 1024  # the router's documented limit (docs/router.md)
+    h = await router_harness()
+    big = b'{"prompt": "' + b"a" * limit + b'"}'
+    r = await h.client.post("/v1/completions", data=io.BytesIO(big), headers={"Content-Type": "application/json"})
+    assert r.status == 413 and r.content_type == "application/json"
+    err = (await r.json())["error"]
+    assert err["type"] == "invalid_request_error" and str(limit) in err["message"]
+    assert responses(h, "413") == 1.0
+    assert h.engine("e0").started == h.engine("e1").started == 0
+    assert (await h.client.post("/v1/completions", json=BODY)).status == 200

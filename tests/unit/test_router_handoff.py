@@ -248,3 +248,123 @@ async def test_without_partial_prefix_support_a_split_inside_the_prompt_runs_at_
     assert len(h.engine("e0").requests[0]["prompt"]) == 60  # A prefilled the whole prompt (s = P)
     assert h.state.metrics.registry.get_sample_value("fulcrum_router_handoff_guard_total",
                                                      {"action": "partial-prefix"}) == 1
+
+
+# ----------------------------------------------------------------------------------------------- malformed answers
+# A FAKE engine answering 200 with a body of the wrong shape is a broken instance: the router records it and routes
+# the request again while nothing was streamed (502 with the reason when no retry is left), and ends a started
+# stream with an error event and [DONE]; never a 500 or a cut-off stream.
+_BAD_A = [
+    {"choices": [1]},
+    {"choices": "abc"},
+    {"choices": []},
+    {"choices": [{"finish_reason": "length", "text": "abcd", "token_ids": [1, 2, 3, 4], "prompt_token_ids": 7}]},
+    {"choices": [{"finish_reason": "length", "text": "abcd", "token_ids": [1, "2", 3, 4], "prompt_token_ids": [1]}]},
+    {"choices": [{"finish_reason": "length", "text": "abcd", "token_ids": [1, 2, 3, 4], "prompt_token_ids": [-1]}]},
+    {"choices": [{"finish_reason": "stop", "text": "x", "token_ids": 5}]},
+    {"choices": [{"finish_reason": "length", "text": 5, "token_ids": [1, 2, 3, 4], "prompt_token_ids": [1]}]},
+    {"choices": [{"text": "abcd", "token_ids": [1, 2, 3, 4], "prompt_token_ids": [1]}]},  # no finish_reason
+]
+_BAD_B_WHOLE = [{"choices": [1], "usage": {"completion_tokens": 2}}, {"choices": "abc"}, {"choices": []},
+                {"choices": [{"text": ["x"], "finish_reason": "length"}]}]
+_BAD_B_STREAM = [b'data: {"choices": [1]}\n\ndata: [DONE]\n\n', b'data: {"choices": "abc"}\n\ndata: [DONE]\n\n',
+                 b'data: {"choices": [{"text": 7}]}\n\ndata: [DONE]\n\n', b"data: [1, 2]\n\ndata: [DONE]\n\n"]
+
+
+def _answering(engine, answer) -> None:
+    """Make a FAKE engine answer every completion with ``answer`` (a JSON body, or SSE bytes), status 200."""
+    from aiohttp import web
+
+    async def serve(request, chat):
+        await request.read()
+        if isinstance(answer, bytes):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(answer)
+            await resp.write_eof()
+            return resp
+        return web.json_response(answer)
+
+    engine._serve = serve
+
+
+def _broken_count(h) -> float:
+    return h.state.metrics.registry.get_sample_value("fulcrum_router_upstream_errors_total", {"cause": "broken"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("answer", _BAD_A, ids=range(len(_BAD_A)))
+async def test_a_malformed_answer_from_a_is_a_broken_instance_and_the_request_runs_elsewhere(router_harness, answer, stream):
+    body = {"prompt": PROMPT, "max_tokens": 10}
+    h = await router_harness(n=3, policy=FakePolicy("split", 3, pair=("e2", "e0")), settings=FakeEngineSettings(block_size=BS),
+                             config={"max_retries": 1})
+    _answering(h.engine("e2"), answer)
+    text, usage = await ask(h, body, stream)  # retried on e0 and e1
+    assert text == expected_tokens(PROMPT, 10) and usage["completion_tokens"] == 10
+    assert _broken_count(h) == 1 and "e2" not in h.state.pool.available_ids()
+    assert h.router_inflight() == 0 and h.router_tokens() == (0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_with_no_retry_left_a_malformed_answer_from_a_is_a_502_with_the_reason(router_harness, stream):
+    h = await router_harness(policy=FakePolicy("split", 3, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS),
+                             config={"max_retries": 0})
+    _answering(h.engine("e0"), _BAD_A[3])
+    r = await h.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "stream": stream})
+    assert r.status == 502
+    assert (await r.json())["error"]["message"] == "e0 answered prompt_token_ids that are not a list of token ids"
+    assert h.engine("e1").requests == [] and h.router_inflight() == 0
+
+
+@pytest.mark.parametrize("answer", _BAD_B_WHOLE, ids=range(len(_BAD_B_WHOLE)))
+async def test_a_malformed_whole_answer_from_b_is_a_broken_instance_and_the_request_runs_elsewhere(router_harness, answer):
+    h = await router_harness(n=3, policy=FakePolicy("split", 3, pair=("e0", "e2")), settings=FakeEngineSettings(block_size=BS),
+                             config={"max_retries": 1})
+    _answering(h.engine("e2"), answer)
+    text, usage = await ask(h, {"prompt": PROMPT, "max_tokens": 10}, False)
+    assert text == expected_tokens(PROMPT, 10) and usage["completion_tokens"] == 10
+    assert _broken_count(h) == 1 and "e2" not in h.state.pool.available_ids()
+    assert h.router_inflight() == 0 and h.router_tokens() == (0, 0)
+
+
+async def test_with_no_retry_left_a_malformed_whole_answer_from_b_is_a_502_with_the_reason(router_harness):
+    h = await router_harness(policy=FakePolicy("split", 3, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS),
+                             config={"max_retries": 0})
+    _answering(h.engine("e1"), _BAD_B_WHOLE[0])
+    r = await h.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10})
+    assert r.status == 502
+    assert (await r.json())["error"]["message"].startswith("e1 answered without a choice object")
+
+
+@pytest.mark.parametrize("answer", _BAD_B_STREAM, ids=range(len(_BAD_B_STREAM)))
+async def test_a_malformed_stream_from_b_after_as_tokens_ends_with_an_error_event_not_a_cut(router_harness, answer):
+    h = await router_harness(policy=FakePolicy("split", 2, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS))
+    _answering(h.engine("e1"), answer)
+    r = await h.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "stream": True})
+    assert r.status == 200
+    text, _, chunks, done_once = parse_stream(await r.read())  # a cut stream raises here
+    assert done_once and text == expected_tokens(PROMPT, 2)  # A's k tokens, then the error
+    assert chunks[-1]["error"]["message"].startswith("e1 answered")
+    assert _broken_count(h) == 1 and "e1" not in h.state.pool.available_ids()
+    assert h.router_inflight() == 0 and h.router_tokens() == (0, 0)
+
+
+async def test_bs_first_token_after_the_handoff_may_take_first_token_s_even_past_idle_s(router_harness):
+    # B sends its headers at once and its first token after a slow KV pull: idle_s starts only after that token
+    import asyncio
+
+    timeouts = {"connect_s": 1.0, "first_token_s": 5.0, "idle_s": 0.25, "request_s": 10.0, "health_s": 1.0}
+    h = await router_harness(policy=FakePolicy("split", 2, pair=("e0", "e1")), settings=FakeEngineSettings(block_size=BS),
+                             config={"timeouts": timeouts})
+    b = h.engine("e1")
+    generate = b._generate
+
+    async def slow(*args, **kwargs):
+        await asyncio.sleep(0.8)
+        return await generate(*args, **kwargs)
+
+    b._generate = slow
+    text, usage = await ask(h, {"prompt": PROMPT, "max_tokens": 10}, True)
+    assert text == expected_tokens(PROMPT, 10) and usage["completion_tokens"] == 10
+    assert b.kv_loads == 1 and h.state.pool.available_ids() == ["e0", "e1"]
+    assert h.state.metrics.registry.get_sample_value("fulcrum_router_upstream_errors_total", {"cause": "broken"}) == 0

@@ -151,6 +151,33 @@ async def test_a_migration_whose_target_fails_resumes_on_the_source_and_the_stre
     assert e0.aborted == 1 and e0.finished == 1 and len(e0.requests) == 2  # cut, then resumed by the continuation
 
 
+async def test_a_migration_target_the_registry_dropped_resumes_on_the_source(router_harness, monkeypatch):
+    # the target left the registry between the move's decision and its leg: acquire raises "no longer
+    # registered" (an UpstreamFailure), which must resume the request, not end it (acquire ran outside the try)
+    from fulcrum.router.upstream import UpstreamFailure
+
+    h = await router_harness(n=2, settings=SLOW, policy=PinnedTestPolicy("e0"), config={"rescheduling": NEVER})
+    pool = h.state.pool
+    real_acquire = pool.acquire
+
+    def acquire(iid, *args, **kwargs):
+        if iid == "e1":
+            raise UpstreamFailure(iid, "connect", f"{iid} is no longer registered", instance_fault=False)
+        return real_acquire(iid, *args, **kwargs)
+
+    monkeypatch.setattr(pool, "acquire", acquire)
+    prompt = "the target is gone"
+    task = asyncio.create_task(h.client.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 30, "stream": True, "ignore_eos": True}))
+    tr = await tracked_after(h, 5)
+    h.state.rescheduler.request_migration(tr.request_id, "e1", "forced")
+    text, _, _, done_once = parse_stream(await (await task).read())
+    assert done_once and text == greedy(fake_encode(prompt), 30)
+    assert counter(h, "fulcrum_router_migration_fallbacks_total", to="source") == 1
+    assert not h.engine("e1").requests
+    await wait_for(lambda: h.router_inflight() == 0 and h.engines_active() == 0)
+
+
 async def test_a_failed_target_is_replaced_by_another_healthy_instance_when_there_is_one(router_harness):
     h = await router_harness(n=3, settings=SLOW, policy=PinnedTestPolicy("e0"), config={"rescheduling": NEVER})
     h.engine("e1").mode = "error500"

@@ -3,6 +3,7 @@ transport; the queued transport's prefill legs over a FAKE prefill queue."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import asynccontextmanager
 
@@ -161,7 +162,7 @@ async def test_a_200_answer_that_is_not_json_is_a_broken_instance():
 
 async def test_open_streams_through_the_transport_and_a_failure_raised_while_reading_is_recorded():
     t = FakeTransport()
-    pool, _, _ = make_pool(t, timeouts={"connect_s": 1, "idle_s": 7})
+    pool, _, _ = make_pool(t, timeouts={"connect_s": 1, "first_token_s": 3, "idle_s": 7})
     async with pool.open("e0", "/v1/completions", {"stream": True}, stream=True) as resp:
         assert resp.status == 200 and [c async for c in resp.content.iter_any()] == [b'{"ok": true}']
     assert t.calls[0][3] == Deadline(1.0, None, 7.0)
@@ -169,6 +170,43 @@ async def test_open_streams_through_the_transport_and_a_failure_raised_while_rea
         async with pool.open("e1", "/v1/completions", {}, stream=True):
             raise UpstreamFailure("e1", "broken", "cut mid-stream")
     assert "e1" not in pool.available_ids()
+
+
+async def test_a_streams_socket_read_limit_is_a_backstop_never_shorter_than_the_first_token_wait():
+    # vLLM sends a stream's headers at once: with the socket limit at idle_s, a first token slower than idle_s
+    # (but within first_token_s) killed the stream; the relay enforces both limits itself
+    t = FakeTransport()
+    pool, _, _ = make_pool(t, timeouts={"connect_s": 1, "first_token_s": 10, "idle_s": 2})
+    async with pool.open("e0", "/v1/completions", {"stream": True}, stream=True):
+        pass
+    assert t.calls[0][3] == Deadline(1.0, None, 10.0)
+
+
+async def test_a_socket_read_timeout_over_http_is_a_timeout_not_a_broken_instance():
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from fulcrum.router.transport import HttpTransport, new_session
+
+    async def silent(request):  # headers at once, then nothing
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(5)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", silent)
+    server = TestServer(app)
+    await server.start_server()
+    http = HttpTransport(new_session(4))
+    try:
+        with pytest.raises(UpstreamFailure) as err:
+            async with http.open("e0", str(server.make_url("")), "/v1/completions", {}, Deadline(1.0, None, 0.2)) as resp:
+                await resp.read()
+        assert err.value.cause == "timeout"
+    finally:
+        await http.close()
+        await server.close()
 
 
 async def test_probes_read_health_and_utilisation_through_the_transport():
