@@ -550,7 +550,9 @@ class UpstreamPool:
         neither its config nor the instances' records name the model. Asks the instances in turn, with the health
         probe's deadline, until one answers; ``([], None)`` when none does. Never raises."""
         for iid in self.available_ids():
-            st = self._states[iid]
+            st = self._states.get(iid)
+            if st is None:  # the registry dropped it while an earlier instance was asked
+                continue
             try:
                 status, raw = await self.transport.get(iid, st.record.url, "/v1/models", self._health_deadline)
                 entries = json.loads(raw)["data"] if status == 200 else []

@@ -92,6 +92,25 @@ async def test_models_come_from_the_engines_when_neither_the_config_nor_the_reco
     assert r.status == 200 and (await r.json())["data"] == []
 
 
+async def test_models_skip_an_instance_the_registry_dropped_while_another_was_asked(router_harness):
+    # the first engine's /v1/models answers nothing usable and, while it is asked, the registry drops the second:
+    # the list is empty rather than a KeyError (a bare 500)
+    h = await router_harness(n=2, config={"model": None})
+    pool = h.state.pool
+    first, second = pool.available_ids()
+    real_get = pool.transport.get
+
+    async def get(iid, base, path, deadline):
+        if iid == first:
+            pool.set_records([s.record for i, s in pool._states.items() if i != second])
+            return 500, b"{}"
+        return await real_get(iid, base, path, deadline)
+
+    pool.transport.get = get
+    r = await h.client.get("/v1/models")
+    assert r.status == 200 and (await r.json())["data"] == []
+
+
 async def test_the_prompt_length_comes_from_the_engines_tokenizer(router_harness):
     h = await router_harness()
     messages = [{"role": "user", "content": "count me"}]
