@@ -253,7 +253,10 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
         UpstreamFailure: the engine failed (5xx, cut, timeout, error event, or a 4xx; the caller decides).
     """
     loop = asyncio.get_running_loop()
-    deadline = asyncio.timeout_at(loop.time() + pool.config.timeouts.first_token_s)
+    t = pool.config.timeouts
+    # as fulcrum.router.relay: first_token_s from the call's start until the first token, then idle_s from the
+    # engine's latest bytes (paused while the client takes a token); the socket's read limit is only a backstop
+    deadline = asyncio.timeout_at(loop.time() + t.first_token_s)
     first = True
     try:
         async with deadline:
@@ -266,6 +269,8 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
                 splitter = EventSplitter()
                 done = False
                 async for chunk in resp.content.iter_any():
+                    if not first:  # the engine sent bytes: it is not silent
+                        deadline.reschedule(loop.time() + t.idle_s)
                     for ev in splitter.feed(chunk):
                         if ev.startswith(b"data: [DONE]"):
                             done = True
@@ -286,9 +291,10 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
                             raise UpstreamFailure(iid, "status", str(msg)[:500] or "engine error in stream", 500)
                         if first:
                             first = False
-                            deadline.reschedule(None)
                             on_first()
+                        deadline.reschedule(None)  # the client's pace is not the engine's
                         await _take(obj, ex, sink, ticket, pr, tr, shape, resched, iid)
+                        deadline.reschedule(loop.time() + t.idle_s)
                         if pr.finish is None and tr.target is not None and not pr.pending_ids and tr.movable:
                             resp.close()  # vLLM aborts the request and frees its KV
                             return False
@@ -299,7 +305,9 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
         if not deadline.expired():
             raise
         pool.record_failure(iid, "timeout")
-        raise UpstreamFailure(iid, "timeout", f"{iid} sent no token within {pool.config.timeouts.first_token_s:g} s") from err
+        msg = (f"{iid} sent no token within {t.first_token_s:g} s" if first else
+               f"{iid} sent nothing for {t.idle_s:g} s in the middle of its stream")
+        raise UpstreamFailure(iid, "timeout", msg) from err
     return True
 
 
@@ -403,7 +411,7 @@ async def run_migratable(pool: UpstreamPool, ex: Exchange, iid: str, sink: Clien
                 ticket = pool.acquire(current, queued, p + k)
                 finished = await _leg(pool, ex, current, body, sink, ticket, pr, tr, shape, resched, first_token, fresh)
             except UpstreamFailure as err:
-                if fresh:
+                if fresh and not pr.ids and not pr.first_sent:  # checked now: the leg may have sent tokens
                     raise  # nothing done yet: the router's ordinary retry on another instance
                 if not tr.movable or resumes >= max_resumes:
                     raise

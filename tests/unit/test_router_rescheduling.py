@@ -5,6 +5,7 @@ tokens and usage of an unmigrated run."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -176,6 +177,33 @@ async def test_a_migration_target_the_registry_dropped_resumes_on_the_source(rou
     assert counter(h, "fulcrum_router_migration_fallbacks_total", to="source") == 1
     assert not h.engine("e1").requests
     await wait_for(lambda: h.router_inflight() == 0 and h.engines_active() == 0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_engine_silent_mid_answer_past_idle_s_is_cut_and_the_request_resumes_elsewhere(
+        router_harness, stream: bool) -> None:
+    # idle_s bounds the silence between tokens (first_token_s only the wait for the first, here 20 times longer):
+    # e0 goes quiet after a few tokens; a tracked request resumes on e1 with its tokens so far, and the client
+    # gets one whole answer (before, the first engine's failure after its first token ended the request)
+    timeouts = {"connect_s": 1.0, "first_token_s": 5.0, "idle_s": 0.25, "request_s": 10.0, "health_s": 1.0}
+    h = await router_harness(n=2, settings=SLOW, policy=PinnedTestPolicy("e0"),
+                             config={"rescheduling": NEVER, "timeouts": timeouts})
+    prompt = "e0 goes quiet"
+    task = asyncio.create_task(h.client.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 30, "stream": stream, "ignore_eos": True}))
+    await tracked_after(h, 5)
+    h.engine("e0").settings = dataclasses.replace(SLOW, token_delay_s=2.0)  # its own settings: e1 stays quick
+    resp = await task
+    if stream:
+        text, _, chunks, done_once = parse_stream(await resp.read())
+        assert done_once and not any("error" in c for c in chunks)
+    else:
+        text = answer_text(await resp.json())
+    assert text == greedy(fake_encode(prompt), 30)
+    assert counter(h, "fulcrum_router_upstream_errors_total", cause="timeout") == 1
+    assert counter(h, "fulcrum_router_migration_fallbacks_total", to="other") == 1
+    e1 = h.engine("e1")
+    assert e1.finished == 1 and len(e1.requests[0]["prompt"]) > len(fake_encode(prompt))  # the continuation
 
 
 async def test_a_failed_target_is_replaced_by_another_healthy_instance_when_there_is_one(router_harness):
