@@ -56,6 +56,7 @@ __all__ = [
     "WorkloadEstimate",
     "Plan",
     "unified_tpot_miss",
+    "fit_budget",
     "RatioPlan",
     "plan",
     "plan_modes",
@@ -272,8 +273,22 @@ def _remote_part(isl: LengthDistribution, threshold: int) -> tuple[float, Length
     return share, LengthDistribution(tuple(x for x, _ in pts), tuple(w / share for _, w in pts))
 
 
-def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, int], min_gpus: int, max_gpus: int) -> tuple[dict[str, int], list[str]]:
-    """Adjust integer counts to min/max GPUs. ``needs`` are the continuous instance needs per pool."""
+def fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, int], min_gpus: int, max_gpus: int) -> tuple[dict[str, int], list[str]]:
+    """Integer instance counts per pool fitted to the GPU budget [``min_gpus``, ``max_gpus``] (DOPD Alg. 2's
+    integer counts under the ``LLMServe``'s scaling.minGPUs/maxGPUs).
+
+    Args:
+        needs: the continuous instance need of each pool (instances; the split of a cut or a top-up follows it).
+        tps: each pool's TP (GPUs per instance).
+        counts: the counts before the budget (instances); a pool at 0 stays at 0.
+        min_gpus / max_gpus: the budget, GPUs.
+
+    Returns:
+        The fitted counts and notes saying what the budget changed (e.g. that the cut counts cannot hold the need).
+        Over ``max_gpus`` the counts shrink in proportion to need × TP, keeping one instance of each pool; under
+        ``min_gpus`` instances are added where utilisation would be highest. Arithmetic, not one instance per
+        step, so a budget of millions of GPUs costs what a small one does.
+    """
     notes: list[str] = []
     gpus = sum(counts[k] * tps[k] for k in counts)
     if gpus > max_gpus:
@@ -284,6 +299,8 @@ def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, 
             k = max((k for k in new if new[k] > 1), key=lambda k: new[k] / max(needs[k], 1e-9))
             new[k] -= 1
         # use what the floors left over, where utilisation would be highest
+        _greedy_fast_forward(new, needs, tps, [k for k in new if counts[k] > 0],
+                             max_gpus - sum(new[k] * tps[k] for k in new) - max(tps[k] for k in new), ties=0.0)
         while True:
             room = max_gpus - sum(new[k] * tps[k] for k in new)
             cands = [k for k in new if counts[k] > 0 and tps[k] <= room]
@@ -306,6 +323,9 @@ def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, 
             if counts[k] == 0:
                 counts[k] = 1
                 gpus += tps[k]
+        # the loop below adds one instance at a time; jump over all but its last few steps first (an arithmetic
+        # that picks the same instances), so that a large minGPUs costs no more than a small one
+        gpus += _greedy_fast_forward(counts, needs, tps, list(counts), min_gpus - gpus - 1, ties=-1.0)
         while gpus < min_gpus:
             k = max(counts, key=lambda k: (needs[k] / max(counts[k], 1e-9)) if needs[k] > 0 else -1.0)
             counts[k] += 1
@@ -313,6 +333,59 @@ def _fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, 
         if sum(tps.values()) > max_gpus:  # one instance of each pool is already over the budget
             notes.append(_smallest_over_budget(max_gpus, tps, list(counts)))
     return counts, notes
+
+
+def _greedy_fast_forward(counts: dict[str, int], needs: dict[str, float], tps: dict[str, int], pools: list[str],
+                         room: int, ties: float) -> int:
+    """Make at once a prefix of the picks of :func:`fit_budget`'s one-instance-at-a-time loops, in place, and
+    return the GPUs it added (at most ``room``; nothing when ``room`` < 1).
+
+    Those loops add one instance to the pool of ``pools`` with the largest ``needs[k] / counts[k]`` (the first such
+    pool on a tie; a pool without need has the key ``ties``: -1.0 or 0.0, below any pool with a need) until the GPUs
+    reach a bound. With a need in some pool (every count >= 1), the picks are D'Hondt's: all quotients
+    ``needs[k] / c`` (c = counts[k], counts[k] + 1, ...) in decreasing order, so every quotient above a threshold
+    ``t`` is a prefix of them; ``t`` is chosen from the continuous solution with a margin of two instances of each
+    pool, and raised until the prefix fits ``room``. The caller passes as ``room`` a bound under which the loop
+    would surely have made every pick of the prefix, and its loop then makes the last few picks itself. Without a
+    need in any pool every key is ``ties`` and the loop adds to the first pool only.
+    """
+    if room < 1 or not pools:
+        return 0
+    wanted = [k for k in pools if needs[k] > 0]
+    if not wanted:
+        if any(needs[k] != 0 for k in pools) and ties == 0.0:  # negative needs: keys differ, leave it to the loop
+            return 0
+        first = pools[0]
+        n = room // tps[first]
+        counts[first] += n
+        return n * tps[first]
+    if any(counts[k] < 1 for k in wanted):
+        return 0
+    goal = room - 2 * sum(tps[k] for k in wanted)
+    if goal <= 0:
+        return 0
+    t = sum(tps[k] * needs[k] for k in wanted) / (goal + sum(tps[k] * counts[k] for k in wanted))
+    for _ in range(64):
+        if not (t > 0 and math.isfinite(t)) or max(needs[k] / t for k in wanted) > 2.0**52:
+            return 0
+        add = {k: _quotients_above(needs[k], counts[k], t) for k in wanted}
+        used = sum(add[k] * tps[k] for k in wanted)
+        if used <= room:
+            for k in wanted:
+                counts[k] += add[k]
+            return used
+        t *= 2.0
+    return 0
+
+
+def _quotients_above(need: float, count: int, t: float) -> int:
+    """How many of ``need / count``, ``need / (count + 1)``, ... (as floats, decreasing) are above ``t``."""
+    m = max(int(need / t) - count, 0)
+    while m > 0 and not need / (count + m - 1) > t:
+        m -= 1
+    while need / (count + m) > t:
+        m += 1
+    return m
 
 
 _POOL_NAMES = {"p": "prefill", "d": "decode"}
@@ -399,7 +472,7 @@ def plan_disaggregated(
     if lam > 0:
         n_d = max(n_d, 1)
         n_p = max(n_p, 1) if lam_p > 0 else n_p
-    counts, budget_notes = _fit_budget(
+    counts, budget_notes = fit_budget(
         {"p": n_p_need, "d": n_d_need}, {"p": tp_p, "d": cap.tp}, {"p": n_p, "d": n_d}, min_gpus, max_gpus
     )
     notes += budget_notes
@@ -745,7 +818,7 @@ def plan_unified(
         need = _unified_kv_need(profile, tp, cap.context_tokens, t_p, workload, lam, need,
                                 settings.kv_occupancy_quantile)
     n = max(math.ceil(need - 1e-9), 1 if lam > 0 else 0)
-    counts, budget_notes = _fit_budget({"u": need}, {"u": tp}, {"u": n}, min_gpus, max_gpus)
+    counts, budget_notes = fit_budget({"u": need}, {"u": tp}, {"u": n}, min_gpus, max_gpus)
     notes += budget_notes
     n = counts["u"]
     u = ultra_short_threshold(profile, tp, tp, step, tpot_slo, settings)

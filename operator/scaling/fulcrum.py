@@ -32,6 +32,7 @@ Each tick (``spec.scaling.intervalSeconds``):
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -44,12 +45,14 @@ from fulcrum.api.llmserve import LLMServeSpec, Mode
 from fulcrum.forecast.workload import WorkloadForecast, WorkloadForecaster
 from fulcrum.observation import QUANTILE_LEVELS, Observation
 from fulcrum.ratio.lengths import LengthDistribution
-from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, plan, plan_modes
+from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, fit_budget, plan, plan_modes
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.mode import ModeName, ModeState, ModeSwitchSettings, decide_mode, other_mode
 from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.scaling.policy import ScalingSettings, ScalingState, apply_scaling_policy, reactive_pools
 from fulcrum.target import ClusterTarget, Pool, PoolSize
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "FulcrumPlanner", "workload_from_forecast", "workload_from_observation", "forecast_dict", "residual_quantile",
@@ -201,6 +204,7 @@ class FulcrumPlanner:
         self._spend = 0.0
         # (spend, spec, settings) → budgeted(): built once per spend and per spec/settings object
         self._budgeted: tuple[tuple[float, int, int], tuple[LLMServeSpec, PlannerSettings]] | None = None
+        self.initial_note: str | None = None  # why initial() cut the spec's initial counts (to maxGPUs), if it did
 
     def initial(self) -> ClusterTarget:
         """Pools planned for the spec's starting sizes' worth of load: the initial counts with planned TPs."""
@@ -209,12 +213,37 @@ class FulcrumPlanner:
         mode: ModeName = "Unified" if seed.mode == Mode.UNIFIED.value else "Disaggregated"
         self._mode = ModeState(serving=mode, since_s=0.0)
         if mode == "Unified":
-            return ClusterTarget(unified=PoolSize(max(sc.initial_unified, 1), seed.unified.tp), routing=seed.routing)
+            wanted = {"u": max(sc.initial_unified, 1)}
+            tps = {"u": seed.unified.tp}
+        else:
+            wanted = {"p": max(sc.initial_prefill, 1), "d": max(sc.initial_decode, 1)}
+            tps = {"p": seed.prefill.tp, "d": seed.decode.tp}
+        counts = self._initial_in_budget(wanted, tps)
+        if mode == "Unified":
+            return ClusterTarget(unified=PoolSize(counts["u"], tps["u"]), routing=seed.routing)
         return ClusterTarget(
-            prefill=PoolSize(max(sc.initial_prefill, 1), seed.prefill.tp),
-            decode=PoolSize(max(sc.initial_decode, 1), seed.decode.tp),
-            routing=seed.routing,
+            prefill=PoolSize(counts["p"], tps["p"]), decode=PoolSize(counts["d"], tps["d"]), routing=seed.routing,
         )
+
+    def _initial_in_budget(self, wanted: dict[str, int], tps: dict[str, int]) -> dict[str, int]:
+        """The initial counts ``wanted`` (at the planned TPs ``tps``), cut to ``spec.scaling.maxGPUs`` when they
+        need more: in proportion to the counts, at least one instance of each pool, what the floors leave over
+        filled (the planner's own budget fit). Below minGPUs they are kept: the first interval's plan tops them up.
+        A cut is logged; ``self.initial_note`` holds it (None when nothing was cut)."""
+        max_gpus = self.spec.scaling.max_gpus
+        self.initial_note = None
+        gpus = sum(wanted[k] * tps[k] for k in wanted)
+        if gpus <= max_gpus:
+            return wanted
+        counts, notes = fit_budget({k: float(n) for k, n in wanted.items()}, tps, dict(wanted), 0, max_gpus)
+        names = {"p": "prefill", "d": "decode", "u": "unified"}
+        self.initial_note = (
+            "initial pools cut to maxGPUs: "
+            + ", ".join(f"{names[k]} {wanted[k]} → {counts[k]} (TP {tps[k]})" for k in wanted)
+            + f" ({gpus} GPUs asked, maxGPUs={max_gpus})" + "".join(f"; {n}" for n in notes if "cannot hold" in n)
+        )
+        _log.warning("%s", self.initial_note)
+        return counts
 
     def _score_forecasts(self, obs: Observation) -> None:
         """Turn the forecasts due at this tick into residuals (observed − forecast rate, requests/s)."""

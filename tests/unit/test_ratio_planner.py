@@ -327,14 +327,83 @@ def test_role_bounds_keep_one_instance_per_duty_and_follow_the_planned_share():
 def test_zero_load_with_min_gpus_keeps_one_instance_of_each_pool() -> None:
     """Found by the local-cluster load scenario (docs/e2e.md): after a burst the plan for zero load with minGPUs 3
     (prefill TP 1, decode TP 2) was 3 prefill + 0 decode, a disaggregated deployment that cannot serve."""
-    from fulcrum.ratio.planner import _fit_budget
+    from fulcrum.ratio.planner import fit_budget
 
-    counts, _ = _fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 0, "d": 0}, 3, 12)
+    counts, _ = fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 0, "d": 0}, 3, 12)
     assert counts == {"p": 1, "d": 1}
-    counts, _ = _fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 0, "d": 0}, 5, 12)
+    counts, _ = fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 0, "d": 0}, 5, 12)
     assert counts["p"] >= 1 and counts["d"] >= 1
-    counts, _ = _fit_budget({"p": 2.0, "d": 0.5}, {"p": 1, "d": 2}, {"p": 2, "d": 1}, 3, 12)
+    counts, _ = fit_budget({"p": 2.0, "d": 0.5}, {"p": 1, "d": 2}, {"p": 2, "d": 1}, 3, 12)
     assert counts == {"p": 2, "d": 1}
+
+
+def _fit_budget_one_at_a_time(needs, tps, counts, min_gpus, max_gpus):
+    """The instance counts of fit_budget as it was: one instance per loop step (the reference for its arithmetic)."""
+    counts = dict(counts)
+    gpus = sum(counts[k] * tps[k] for k in counts)
+    if gpus > max_gpus:
+        total_need = sum(needs[k] * tps[k] for k in counts) or 1.0
+        share = {k: needs[k] * tps[k] / total_need for k in counts}
+        new = {k: max(int(math.floor(max_gpus * share[k] / tps[k])), 1 if counts[k] > 0 else 0) for k in counts}
+        while sum(new[k] * tps[k] for k in new) > max_gpus and any(new[k] > 1 for k in new):
+            k = max((k for k in new if new[k] > 1), key=lambda k: new[k] / max(needs[k], 1e-9))
+            new[k] -= 1
+        while True:
+            room = max_gpus - sum(new[k] * tps[k] for k in new)
+            cands = [k for k in new if counts[k] > 0 and tps[k] <= room]
+            if not cands:
+                break
+            k = max(cands, key=lambda k: needs[k] / max(new[k], 1e-9))
+            new[k] += 1
+        counts = new
+    gpus = sum(counts[k] * tps[k] for k in counts)
+    if gpus < min_gpus:
+        for k in counts:
+            if counts[k] == 0:
+                counts[k] = 1
+                gpus += tps[k]
+        while gpus < min_gpus:
+            k = max(counts, key=lambda k: (needs[k] / max(counts[k], 1e-9)) if needs[k] > 0 else -1.0)
+            counts[k] += 1
+            gpus += tps[k]
+    return counts
+
+
+def test_fit_budget_tops_up_to_min_gpus_as_the_one_at_a_time_loop_did():
+    """fit_budget computes how many instances a top-up (to minGPUs) or a fill (of maxGPUs) adds instead of adding
+    them one at a time: the same counts as the loop on many small cases."""
+    from fulcrum.ratio.planner import fit_budget
+
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        pools = [["p", "d"], ["u"], ["p", "d", "u"]][rng.integers(3)]
+        tps = {k: int(rng.choice([1, 2, 4, 8])) for k in pools}
+        needs = {k: float([0.0, rng.random() * 100, rng.integers(0, 6), rng.random()][rng.integers(4)]) for k in pools}
+        counts = {k: int(rng.integers(0, 7)) for k in pools}
+        max_gpus = int(rng.integers(1, 3000))
+        min_gpus = int(rng.integers(0, max_gpus + 1)) if rng.random() < 0.8 else int(rng.integers(0, 4000))
+        expected = _fit_budget_one_at_a_time(needs, tps, counts, min_gpus, max_gpus)
+        assert fit_budget(dict(needs), tps, dict(counts), min_gpus, max_gpus)[0] == expected, (
+            needs, tps, counts, min_gpus, max_gpus)
+
+
+@pytest.mark.timeout(30)
+def test_fit_budget_with_a_huge_min_gpus_is_fast():
+    """Found in review: minGPUs 1e9 hung the reconcile in the one-instance-at-a-time top-up (15.8 s at 1e7)."""
+    import time
+
+    from fulcrum.ratio.planner import fit_budget
+
+    start = time.perf_counter()
+    counts, _ = fit_budget({"p": 2.0, "d": 0.5}, {"p": 1, "d": 2}, {"p": 1, "d": 1}, 10**9, 10**9 + 5)
+    assert counts["p"] + 2 * counts["d"] >= 10**9 and counts["p"] + 2 * counts["d"] <= 10**9 + 1
+    assert counts["p"] == pytest.approx(4 * counts["d"], rel=1e-6)  # by need: 2.0 / 0.5 prefill per decode
+    counts, _ = fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 0, "d": 0}, 10**9, 10**9)
+    assert counts == {"p": 10**9 - 2, "d": 1}
+    # a fill of maxGPUs after a cut, by arithmetic too: no load, so 1 of each and the rest to the first pool
+    counts, _ = fit_budget({"p": 0.0, "d": 0.0}, {"p": 1, "d": 2}, {"p": 10**9, "d": 1}, 0, 10**8)
+    assert counts == {"p": 10**8 - 2, "d": 1}
+    assert time.perf_counter() - start < 1.0
 
 
 @pytest.mark.parametrize("min_gpus", [1, 2])
@@ -388,3 +457,25 @@ def test_an_llmserve_with_a_small_max_num_seqs_plans_more_decode_instances(table
         max_model_len=default.engine.max_model_len, max_tp=default.gpu.gpus_per_node, max_num_seqs=None))
     assert (unbounded.decode.replicas, unbounded.decode_concurrency) == (p_default.decode.replicas,
                                                                           p_default.decode_concurrency)
+
+
+def test_the_fulcrum_planners_initial_pools_are_cut_to_max_gpus(table_i):
+    """Found in review: initialPrefill 100000 with maxGPUs 4 created 100000 prefill replicas (the initial target
+    ignored maxGPUs). The initial pools are now fitted to maxGPUs at the planned TPs, with a note; within it they
+    are the spec's counts."""
+    from fulcrum.scaling.fulcrum import FulcrumPlanner
+
+    s = parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"initialPrefill": 4000, "maxGPUs": 4}}}).spec
+    planner = FulcrumPlanner(s, table_i)
+    t = planner.initial()
+    assert t.gpus <= 4 and t.prefill.replicas >= 1 and t.decode.replicas >= 1
+    assert planner.initial_note and "maxGPUs=4" in planner.initial_note
+    s = parse_llmserve({"spec": {"model": {"name": "m"},
+                                 "scaling": {"initialPrefill": 3000, "initialDecode": 1000, "maxGPUs": 400}}}).spec
+    t = FulcrumPlanner(s, table_i).initial()
+    assert 400 - max(t.prefill.tp, t.decode.tp) < t.gpus <= 400
+    assert t.prefill.replicas > t.decode.replicas  # in proportion to the counts asked for
+    s = parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"initialPrefill": 3, "initialDecode": 2}}}).spec
+    planner = FulcrumPlanner(s, table_i)
+    t = planner.initial()
+    assert (t.prefill.replicas, t.decode.replicas) == (3, 2) and planner.initial_note is None
