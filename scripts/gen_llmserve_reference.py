@@ -208,6 +208,11 @@ def render() -> str:
         "Units: lengths and capacities in tokens, latencies in milliseconds (`…Ms`) or seconds (`…Seconds`), "
         "memory in GiB, bandwidth in GB/s.",
         "",
+        "A `null` (e.g. `mode:` left empty in YAML) for a field whose constraints do not say \"may be null\" is "
+        "pruned by the API server: the field is then unset and takes its default (`fulcrum replay` and `fulcrum plan` "
+        "read it the same way). `spec.scaling.replicas` is such a field, so that the scale subresource always reads "
+        "an integer or nothing there: `replicas: null` means unset.",
+        "",
         "## Contents",
         "",
         "- [metadata](#metadata)",

@@ -229,9 +229,15 @@ class Controller:
                 connectors[key] = default  # the operator-wide connector (the chart's bundled one)
         if connectors:
             spec["connectors"] = connectors
-        return parse_llmserve({"apiVersion": API_VERSION, "kind": KIND,
-                               "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace", "default")},
-                               "spec": spec})
+        serve = parse_llmserve({"apiVersion": API_VERSION, "kind": KIND,
+                                "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace", "default")},
+                                "spec": spec})
+        # checked here, after the operator-wide default, not by the CRD or the model: a spec may leave the URL to
+        # the operator (the chart's bundled NATS), and fulcrum replay/plan never use the queue
+        if serve.spec.router.prefill_queue == "nats" and not serve.spec.connectors.nats:
+            raise SpecError("router.prefillQueue nats needs a NATS URL: set spec.connectors.nats, or give the "
+                            "operator one (--nats-url, FULCRUM_NATS_URL; the Helm chart's nats.enabled)")
+        return serve
 
     def _profile(self, serve: LLMServe) -> PerformanceProfile:
         ref = serve.spec.profile

@@ -532,6 +532,32 @@ async def test_operator_wide_connectors_fill_an_empty_spec_and_never_override_on
     assert c._parse(body).spec.connectors.etcd == "my-etcd:2379"
 
 
+async def test_a_nats_prefill_queue_may_take_the_operators_nats_and_without_any_is_an_invalid_spec(
+        objs: InMemoryObjects) -> None:
+    # the chart's bundled NATS (--nats-url) serves a spec that asks for the queue without a URL of its own; the
+    # CRD once refused such a spec, so the operator-wide default could never be used
+    import yaml
+
+    body = llmserve()
+    body["spec"]["router"] = {**body["spec"].get("router", {}), "prefillQueue": "nats"}
+    seed(objs, body)
+    c = make_controller(objs, url=None, default_nats="nats://nats.fulcrum:4222")
+    assert await c.reconcile(live(objs)) is True
+    router = yaml.safe_load(router_yaml(objs))
+    assert router["prefill_queue"]["kind"] == "nats" and router["prefill_queue"]["url"] == "nats://nats.fulcrum:4222"
+    prefill = objs.objects[("Deployment", NS, "llama-prefill")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert prefill[prefill.index("--nats") + 1] == "nats://nats.fulcrum:4222"
+
+    bare = InMemoryObjects()
+    seed(bare, body)
+    lone = make_controller(bare, url=None)  # no URL in the spec, none given to the operator
+    assert await lone.reconcile(live(bare)) is False
+    assert names(bare, "Deployment") == set()
+    d = cond(live(bare), "Degraded")
+    assert d["reason"] == "InvalidSpec" and "router.prefillQueue nats needs a NATS URL" in d["message"]
+    assert "--nats-url" in d["message"]
+
+
 async def test_an_operator_restart_forecasts_from_the_history_prometheus_kept(objs: InMemoryObjects) -> None:
     seed(objs)
     clock = Clock()

@@ -116,7 +116,11 @@ def test_status_is_an_open_subresource_and_scale_points_at_the_total_replicas() 
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert status["type"] == "object" and status["x-kubernetes-preserve-unknown-fields"] is True
     scaling = spec_schema()["properties"]["scaling"]["properties"]
-    assert scaling["replicas"]["type"] == "integer" and scaling["replicas"]["nullable"] is True
+    # not nullable: the scale subresource reads specReplicasPath as an int64 and the API server refuses an object
+    # holding a null there ("<nil> is of the type <nil>, expected int64"); without nullable a null is pruned (unset)
+    assert scaling["replicas"]["type"] == "integer" and "nullable" not in scaling["replicas"]
+    assert "nullable" not in scaling["replicas"] and "default" not in scaling["replicas"]
+    assert parse_llmserve({"spec": {"model": {"name": "m"}, "scaling": {"replicas": None}}}).spec.scaling.replicas is None
     assert scaling["replicaOwner"]["enum"] == ["Operator", "External"]
     assert scaling["replicaOwner"]["default"] == "Operator"
 
@@ -304,6 +308,9 @@ _CEL_CASES: list[tuple[str, dict[str, Any]]] = [
     ("profile no source", {"profile": {}}),
     ("profile empty name and a path", {"profile": {"name": "", "path": "p.yaml"}}),
     ("profile null name and a path", {"profile": {"name": None, "path": "p.yaml"}}),
+    ("integral floats", {"scaling": {"minGPUs": 2.0, "maxGPUs": 8.0, "tpDecode": 2.0, "replicas": 4.0},
+                         "gpu": {"gpusPerNode": 8.0}, "engine": {"maxNumSeqs": 16.0, "maxNumBatchedTokens": 4096.0}}),
+    ("integral floats, min above max", {"scaling": {"minGPUs": 9.0, "maxGPUs": 8.0}}),
     ("tp within node", {"scaling": {"tpDecode": 8}}),
     ("tp above default node size", {"scaling": {"tpDecode": 16}}),
     ("tp above given node size", {"gpu": {"gpusPerNode": 4}, "scaling": {"tpPrefill": 8}}),
@@ -391,6 +398,67 @@ def test_cel_rules_accept_exactly_the_specs_the_model_accepts(case: str, overrid
     assert cel_ok == model_ok, f"{case}: CEL says {cel_ok}, pydantic says {model_ok}"
 
 
+def _schema_at(schema: dict[str, Any], names: list[str]) -> dict[str, Any] | None:
+    for name in names:
+        schema = schema.get("properties", {}).get(name)
+        if schema is None:
+            return None
+    return schema
+
+
+def test_every_integer_a_cel_rule_reads_is_wrapped_in_int() -> None:
+    """Found in review against kube-apiserver 1.28: an integral float from a JSON client (``minGPUs: 2.0``) passes
+    ``type: integer`` but reaches CEL as a double, and a rule comparing it with an int fails ("expected int, got
+    float64 evaluating rule: minGPUs must be <= maxGPUs"). int(...) around every integer read makes both forms work
+    (cel-python mixes ints and doubles freely, so this is checked on the rule text)."""
+    import re
+
+    spec = spec_schema()
+    reads = re.compile(r"(int\(|has\()?self((?:\.[A-Za-z_]\w*)+)(\))?")
+    checked = 0
+    for path, node in _walk(spec, "spec"):
+        for rule in node.get("x-kubernetes-validations", []):
+            for m in reads.finditer(rule["rule"]):
+                target = _schema_at(node, m.group(2).split(".")[1:])
+                if target is None or target.get("type") != "integer":
+                    continue
+                checked += 1
+                assert m.group(1) in ("int(", "has(") and m.group(3) == ")", f"{path}: {rule['rule']}: {m.group(0)}"
+    assert checked >= 15
+
+
+def test_a_null_for_a_field_that_is_not_nullable_means_the_default_as_the_api_server_prunes_it(tmp_path: Path) -> None:
+    """Found in review: the API server prunes a null of a non-nullable field and defaults it (`mode:` left empty in
+    YAML is Disaggregated), while `fulcrum replay`/`plan` (load_llmserve) refused it."""
+    from fulcrum.api import load_llmserve
+
+    path = tmp_path / "llmserve.yaml"
+    path.write_text("apiVersion: fulcrum.dev/v1alpha1\nkind: LLMServe\nmetadata: {name: x}\n"
+                    "spec:\n  model: {name: m}\n  mode:\n  scaling:\n", encoding="utf-8")
+    spec = load_llmserve(path).spec
+    assert spec.mode is Mode.DISAGGREGATED and spec.scaling == LLMServeSpec(model={"name": "m"}).scaling
+    nested = parse_llmserve({"spec": {
+        "model": {"name": "m"}, "engine": {"kind": None, "extraArgs": None}, "connectors": {"etcd": None},
+        "router": {"rescheduling": None, "policy": None}, "placement": {"tolerations": [{"operator": "Exists",
+                                                                                          "value": None}]},
+        "scaling": {"replicaOwner": None, "replicas": None, "forecaster": {"order": None, "seasonLength": None}},
+    }}).spec
+    default = LLMServeSpec(model={"name": "m"})
+    assert nested.engine == default.engine and nested.connectors == default.connectors
+    assert nested.router == default.router and nested.scaling == default.scaling
+    assert nested.placement.tolerations[0].value is None
+    # what the schema refuses the model still refuses: a null list item, a null where a value is required
+    for bad in ({"engine": {"extraArgs": [None]}}, {"model": None}):
+        with pytest.raises(SpecError):
+            parse_llmserve({"spec": {"model": {"name": "m"}, **bad}})
+    # and the nulls the CRD keeps (nullable fields) agree with the simulated API server defaulting
+    schema = spec_schema()
+    for overrides in ({"mode": None, "scaling": None}, {"scaling": {"forecaster": None, "tpDecode": None}}):
+        spec_doc = {"model": {"name": "m"}, **overrides}
+        stored = _drop_nulls(_apply_defaults(schema, spec_doc))
+        assert parse_llmserve({"spec": spec_doc}).spec == parse_llmserve({"spec": stored}).spec
+
+
 def test_cel_cases_cover_both_accepted_and_rejected_specs() -> None:
     verdicts = set()
     for _, overrides in _CEL_CASES:
@@ -469,6 +537,14 @@ _VALUE_CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("maxNumBatchedTokens as a float", {"engine": {"maxNumBatchedTokens": 4096.5}}, False),
     ("tolerationSeconds as a string",
      {"placement": {"tolerations": [{"key": "a", "effect": "NoExecute", "tolerationSeconds": "30"}]}}, False),
+    # found in review: minGPUs 1e9 hung the planner's top-up; initialPrefill 100000 made 100000 replicas
+    ("maxGPUs at its bound", {"scaling": {"maxGPUs": 65_536}}, True),
+    ("maxGPUs above its bound", {"scaling": {"maxGPUs": 65_537}}, False),
+    ("minGPUs above its bound", {"scaling": {"minGPUs": 1_000_000_000, "maxGPUs": 1_000_000_000}}, False),
+    ("initialPrefill at its bound", {"scaling": {"initialPrefill": 4096}}, True),
+    ("initialPrefill above its bound", {"scaling": {"initialPrefill": 100_000}}, False),
+    ("initialDecode above its bound", {"scaling": {"initialDecode": 4097}}, False),
+    ("initialUnified above its bound", {"scaling": {"initialUnified": 4097}}, False),
 ]
 
 

@@ -16,7 +16,9 @@ Conversion to a *structural* schema (what Kubernetes requires of a CRD):
   the pods and validated by the API server when the Deployment is applied);
 - a Kubernetes quantity (``engine.resources``) is ``x-kubernetes-int-or-string: true`` without a type, so
   that ``cpu: 4`` and ``cpu: 500m`` are both accepted;
-- ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true``; any other union is an error;
+- ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true`` (but for ``scaling.replicas``, the scale
+  subresource's path, which cannot hold a null: there the API server prunes a null, which means unset too); any
+  other union is an error;
 - ``prefixItems`` (tuples) becomes ``type: array`` with one ``items`` schema (all positions must share
   it) and ``minItems``/``maxItems``;
 - ``exclusiveMinimum: x`` (JSON Schema 2020-12) becomes ``minimum: x, exclusiveMinimum: true``
@@ -30,7 +32,7 @@ Cross-field rules of the model become CEL ``x-kubernetes-validations``: ``minGPU
 ``replicaOwner: External`` requires ``replicas``, and ``replicas <= maxGPUs`` on ``spec.scaling``; exactly one
 non-empty source on ``spec.profile``; on ``spec``: each fixed TP at most ``gpu.gpusPerNode`` and
 ``scaling.maxGPUs``, ``scaling.replicas × gpu.gpusPerNode >= scaling.minGPUs`` (an instance uses 1 to
-gpusPerNode GPUs), and ``router.prefillQueue: nats`` requires ``connectors.nats``; on ``spec.engine``:
+gpusPerNode GPUs); on ``spec.engine``:
 ``maxNumBatchedTokens >= maxNumSeqs`` (vLLM's rule, the defaults 8192 and 256 standing in for unset fields; the
 model alone checks ``maxNumBatchedTokens >= maxModelLen`` with chunked prefill turned off in ``extraArgs``); on each
 ``spec.placement.tolerations[]`` item (at most 64) the rules Kubernetes applies to a pod's tolerations (operator
@@ -163,7 +165,7 @@ _DROPPED_KEYS = frozenset({"title", "additionalProperties"})
 def _tp_rule(field: str) -> dict[str, str]:
     tp = f"self.scaling.{field}"
     return {
-        "rule": f"!has({tp}) || ({tp} <= self.gpu.gpusPerNode && {tp} <= self.scaling.maxGPUs)",
+        "rule": f"!has({tp}) || (int({tp}) <= int(self.gpu.gpusPerNode) && int({tp}) <= int(self.scaling.maxGPUs))",
         "message": f"scaling.{field} must be <= gpu.gpusPerNode and <= scaling.maxGPUs",
         "fieldPath": f".scaling.{field}",
     }
@@ -192,14 +194,17 @@ def _given(field: str) -> str:
 # nothing). Rules on list items are costed by the API server per possible item (a list without maxItems: about a
 # million): keep them to a few has()/size()/== terms. A rule's cost is estimated from the largest map, list and
 # string it may see: the node selector has maxProperties, the tolerations maxItems, gpu.type and a toleration's key
-# a maxLength, without which kube-apiserver refuses the CRD ("estimated rule cost exceeds budget").
+# a maxLength, without which kube-apiserver refuses the CRD ("estimated rule cost exceeds budget"). Every integer field
+# a rule reads is wrapped in int(): a JSON client may send an integral float (``minGPUs: 2.0``), which the schema's
+# ``type: integer`` accepts but CEL then sees as a double ("expected int, got float64"); int() of an int is the int.
 _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         _tp_rule("tpPrefill"),
         _tp_rule("tpDecode"),
         _tp_rule("tpUnified"),
         {
-            "rule": "!has(self.scaling.replicas) || self.scaling.replicas * self.gpu.gpusPerNode >= self.scaling.minGPUs",
+            "rule": "!has(self.scaling.replicas) || "
+                    "int(self.scaling.replicas) * int(self.gpu.gpusPerNode) >= int(self.scaling.minGPUs)",
             "message": "scaling.replicas × gpu.gpusPerNode must be >= scaling.minGPUs",
             "fieldPath": ".scaling.replicas",
         },
@@ -218,18 +223,13 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
                        "starting and ending with an alphanumeric character",
             "fieldPath": ".gpu.type",
         },
-        {
-            "rule": "self.router.prefillQueue != 'nats' || size(self.connectors.nats) > 0",
-            "message": "router.prefillQueue nats requires connectors.nats",
-            "fieldPath": ".connectors.nats",
-        },
     ],
     ("engine",): [
         {
             # vLLM's own check; the one against maxModelLen applies only with chunked prefill off in extraArgs, which
             # the model checks (reading extraArgs item by item would cost a CEL rule too much)
-            "rule": f"(has(self.maxNumBatchedTokens) ? self.maxNumBatchedTokens : {DEFAULT_MAX_NUM_BATCHED_TOKENS}) >= "
-                    f"(has(self.maxNumSeqs) ? self.maxNumSeqs : {DEFAULT_MAX_NUM_SEQS})",
+            "rule": f"(has(self.maxNumBatchedTokens) ? int(self.maxNumBatchedTokens) : {DEFAULT_MAX_NUM_BATCHED_TOKENS}) "
+                    f">= (has(self.maxNumSeqs) ? int(self.maxNumSeqs) : {DEFAULT_MAX_NUM_SEQS})",
             "message": f"maxNumBatchedTokens (unset: {DEFAULT_MAX_NUM_BATCHED_TOKENS}) must be >= maxNumSeqs (unset: "
                        f"{DEFAULT_MAX_NUM_SEQS}), as vLLM requires",
             "fieldPath": ".maxNumBatchedTokens",
@@ -243,14 +243,14 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
         },
     ],
     ("scaling",): [
-        {"rule": "self.minGPUs <= self.maxGPUs", "message": "minGPUs must be <= maxGPUs", "fieldPath": ".minGPUs"},
+        {"rule": "int(self.minGPUs) <= int(self.maxGPUs)", "message": "minGPUs must be <= maxGPUs", "fieldPath": ".minGPUs"},
         {
             "rule": "self.replicaOwner != 'External' || has(self.replicas)",
             "message": "replicaOwner External requires replicas",
             "fieldPath": ".replicas",
         },
         {
-            "rule": "!has(self.replicas) || self.replicas <= self.maxGPUs",
+            "rule": "!has(self.replicas) || int(self.replicas) <= int(self.maxGPUs)",
             "message": "replicas must be <= maxGPUs (an instance uses at least one GPU)",
             "fieldPath": ".replicas",
         },
@@ -301,6 +301,12 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
         }
     ],
 }
+
+
+_NOT_NULLABLE: frozenset[tuple[str, ...]] = frozenset({("scaling", "replicas")})
+"""Optional fields emitted without ``nullable: true``, so that the API server prunes a null (= unset) instead of
+storing it: the scale subresource reads ``spec.scaling.replicas`` (``specReplicasPath``) as an integer and refuses an
+object that holds a null there ("<nil> is of the type <nil>, expected int64")."""
 
 
 class _FactoryDefaults(GenerateJsonSchema):
@@ -379,7 +385,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...
             out[key] = value
         else:
             raise ValueError(f"{where}: unsupported JSON-schema keyword {key!r}")
-    if nullable:
+    if nullable and path not in _NOT_NULLABLE:
         out["nullable"] = True
     kind = node.get("type")
     if kind == "object" and isinstance(extra, dict):  # a map: dict[str, X]

@@ -63,6 +63,8 @@ __all__ = [
     "EngineSpec",
     "DEFAULT_MAX_NUM_SEQS",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "MAX_GPUS_LIMIT",
+    "MAX_INSTANCES_LIMIT",
     "SIM_WORKER_MANAGED_FLAGS",
     "VLLM_MANAGED_FLAGS",
     "VLLM_WORKER_FLAGS",
@@ -615,11 +617,18 @@ class ForecasterSpec(_Model):
     season_length: Int = Field(default=144, ge=2, le=100_000, description="Season in intervals for seasonal-naive (144 × 10 min = 1 day).")
 
 
+MAX_GPUS_LIMIT = 65_536
+"""The largest ``spec.scaling.minGPUs`` and ``maxGPUs`` (a GPU budget beyond any one cluster; it bounds the
+planner's arithmetic and the CRD's ``maximum``)."""
+MAX_INSTANCES_LIMIT = 4_096
+"""The largest ``spec.scaling.replicas`` and initial instance count of a pool."""
+
+
 class ScalingSpec(_Model):
     """Limits and cadence of the planner loop."""
 
-    min_gpus: Int = Field(default=1, ge=0, alias="minGPUs", description="Fewest GPUs the deployment may use.")
-    max_gpus: Int = Field(default=64, ge=1, alias="maxGPUs", description="Most GPUs the deployment may use (the GPU budget).")
+    min_gpus: Int = Field(default=1, ge=0, le=MAX_GPUS_LIMIT, alias="minGPUs", description=f"Fewest GPUs the deployment may use; at most {MAX_GPUS_LIMIT}.")
+    max_gpus: Int = Field(default=64, ge=1, le=MAX_GPUS_LIMIT, alias="maxGPUs", description=f"Most GPUs the deployment may use (the GPU budget); at most {MAX_GPUS_LIMIT}.")
     interval_seconds: Float = Field(default=60.0, ge=1, le=86_400, description="Planner interval T in seconds.")
     pod_startup_seconds: Float = Field(default=120.0, ge=0, le=3_600, description="Time from scale-out to a ready instance; the forecast horizon adds it.")
     cooldown_seconds: Float = Field(default=300.0, ge=0, le=86_400, description="Minimum time between scale-ins of a pool.")
@@ -627,16 +636,16 @@ class ScalingSpec(_Model):
     tp_prefill: Annotated[int, Field(ge=1, le=64), BeforeValidator(_number_only)] | None = Field(default=None, description="Fixed TP of prefill instances; chosen by the planner (eq. 16 + memory) when unset.")
     tp_decode: Annotated[int, Field(ge=1, le=64), BeforeValidator(_number_only)] | None = Field(default=None, description="Fixed TP of decode instances; chosen by the planner (eqs. 11–14) when unset.")
     tp_unified: Annotated[int, Field(ge=1, le=64), BeforeValidator(_number_only)] | None = Field(default=None, description="Fixed TP of unified instances; chosen by the planner when unset.")
-    initial_prefill: Int = Field(default=1, ge=0, description="Prefill instances at start (and for policy `static`).")
-    initial_decode: Int = Field(default=1, ge=0, description="Decode instances at start (and for policy `static`).")
-    initial_unified: Int = Field(default=1, ge=0, description="Unified instances at start in Unified mode (and for policy `static`).")
+    initial_prefill: Int = Field(default=1, ge=0, le=MAX_INSTANCES_LIMIT, description=f"Prefill instances at start (and for policy `static`); at most {MAX_INSTANCES_LIMIT}. The start (and the static plan) is fitted to minGPUs and maxGPUs at the planned TPs.")
+    initial_decode: Int = Field(default=1, ge=0, le=MAX_INSTANCES_LIMIT, description=f"Decode instances at start (and for policy `static`); at most {MAX_INSTANCES_LIMIT}. The start (and the static plan) is fitted to minGPUs and maxGPUs at the planned TPs.")
+    initial_unified: Int = Field(default=1, ge=0, le=MAX_INSTANCES_LIMIT, description=f"Unified instances at start in Unified mode (and for policy `static`); at most {MAX_INSTANCES_LIMIT}. The start (and the static plan) is fitted to minGPUs and maxGPUs at the planned TPs.")
     forecaster: ForecasterSpec = Field(default_factory=ForecasterSpec, description="Load forecaster settings.")
     replica_owner: ReplicaOwner = Field(
         default=ReplicaOwner.OPERATOR,
         description="Who sets the total instance count: `Operator` (the planner; `replicas` is ignored) or `External` "
         "(an HPA/KEDA writes `replicas` through the scale subresource; the operator splits it by the planned ratio).",
     )
-    replicas: Annotated[int, Field(ge=0, le=4096), BeforeValidator(_number_only)] | None = Field(
+    replicas: Annotated[int, Field(ge=0, le=MAX_INSTANCES_LIMIT), BeforeValidator(_number_only)] | None = Field(
         default=None,
         description="Total worker instances, all pools together; obeyed only when replicaOwner is External (required "
         "then). An instance uses 1 to gpu.gpusPerNode GPUs, so replicas <= maxGPUs and replicas × gpusPerNode >= minGPUs.",
@@ -761,8 +770,9 @@ class ConnectorsSpec(_Model):
     )
     nats: str = Field(
         default="",
-        description="NATS URL (nats://host:4222) of the JetStream prefill queue; required when router.prefillQueue "
-        "is `nats`; \"\" = prefill requests go directly to an instance.",
+        description="NATS URL (nats://host:4222) of the JetStream prefill queue when router.prefillQueue is `nats`; "
+        "\"\" = the operator's own (its --nats-url, the Helm chart's bundled NATS), and without one the operator "
+        "reports the LLMServe Degraded (InvalidSpec).",
     )
 
 
@@ -795,8 +805,6 @@ class LLMServeSpec(_Model):
                 f"scaling.replicas ({sc.replicas}) × gpu.gpusPerNode ({self.gpu.gpus_per_node}) is below "
                 f"scaling.minGPUs ({sc.min_gpus})"
             )
-        if self.router.prefill_queue == "nats" and not self.connectors.nats:
-            raise ValueError("router.prefillQueue nats requires connectors.nats")
         if self.router.prefix_pull and self.router.policy is not RouterPolicy.LOAD_AWARE:
             raise ValueError(f"router.prefixPull requires router.policy load_aware, not {self.router.policy.value}")
         if self.router.policy in _COLOCATING_POLICIES and self.mode is not Mode.UNIFIED:
@@ -899,12 +907,41 @@ def _format_validation_error(err: ValidationError, root: str) -> str:
     return "invalid LLMServe: " + "; ".join(lines)
 
 
+def _nullable(annotation: Any) -> bool:
+    """Whether a field of this annotation takes None (``X | None``): a CRD field with ``nullable: true``."""
+    return annotation is None or type(None) in getattr(annotation, "__args__", ())
+
+
+def _prune_nulls(model: type[BaseModel], data: Any) -> Any:
+    """``data`` without the null members the API server prunes: a ``null`` for a field that is not nullable in the
+    CRD is dropped (then defaulted, as a missing field is), recursively through nested objects and lists of objects.
+    Null members of maps and null list items are kept (the model refuses them, as the schema does)."""
+    if isinstance(data, list):
+        return [_prune_nulls(model, item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    fields = {info.alias or name: info for name, info in model.model_fields.items()}
+    out: dict[Any, Any] = {}
+    for key, value in data.items():
+        info = fields.get(key)
+        if info is None:  # unknown: the model reports it
+            out[key] = value
+        elif value is None:
+            if _nullable(info.annotation):
+                out[key] = value
+        else:
+            nested = _model_args(info.annotation)
+            out[key] = _prune_nulls(nested[0], value) if len(nested) == 1 else value
+    return out
+
+
 def parse_llmserve(data: Any) -> LLMServe:
     """Validate a mapping (a parsed YAML/JSON document) into an :class:`LLMServe`.
 
     A bare spec (a mapping with ``model`` at the top) is accepted too. Keys are the camelCase names only (what
     the API server keeps); a snake_case key is an unknown field. Numbers and booleans must be numbers and booleans
-    (no ``"8"``, no ``"yes"``), as in the CRD schema.
+    (no ``"8"``, no ``"yes"``), as in the CRD schema. A ``null`` for a spec field that is not nullable (``mode:``
+    left empty in YAML) is dropped and the field defaulted, as the API server prunes and defaults it.
 
     Raises:
         SpecError: the document is not a mapping, or any field is invalid; the message names each
@@ -914,6 +951,10 @@ def parse_llmserve(data: Any) -> LLMServe:
         raise SpecError(f"invalid LLMServe: expected a mapping, got {type(data).__name__}")
     if "spec" not in data and "model" in data:
         data = {"spec": data}
+    if isinstance(data.get("spec"), dict):
+        # the API server prunes a null for a field that is not nullable in the CRD, then defaults it: `mode:` or
+        # `scaling:` left empty in YAML means the default there, so here too
+        data = {**data, "spec": _prune_nulls(LLMServeSpec, data["spec"])}
     try:
         # the camelCase names only (pydantic >= 2.11, pyproject.toml): Python code keeps the field names
         return LLMServe.model_validate(data, by_alias=True, by_name=False)
