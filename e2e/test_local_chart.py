@@ -215,7 +215,11 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     ("two-profiles", lambda d: d["spec"].update(profile={"name": "dopd-llama70b-fp8-h100", "configMap": "p"}),
      ["spec.profile", "set exactly one of name, path, configMap"]),
     ("prefix-pull", lambda d: d["spec"]["router"].update(prefixPull=True), ["spec.router.prefixPull", "requires router.policy load_aware"]),
-    ("nats-no-url", lambda d: d["spec"]["router"].update(prefillQueue="nats"), ["spec.connectors.nats", "requires connectors.nats"]),
+    # (router.prefillQueue nats without connectors.nats is the operator's check, after its --nats-url default)
+    ("min-gpus-over-limit", lambda d: d["spec"]["scaling"].update(minGPUs=70_000, maxGPUs=70_000),
+     ["spec.scaling.maxGPUs", "less than or equal to 65536"]),
+    ("initial-prefill-over-limit", lambda d: d["spec"]["scaling"].update(initialPrefill=5000),
+     ["spec.scaling.initialPrefill", "less than or equal to 4096"]),
     ("tp-over-node", lambda d: d["spec"].update(gpu={"gpusPerNode": 2}) or d["spec"]["scaling"].update(tpDecode=4),
      ["spec.scaling.tpDecode", "must be <= gpu.gpusPerNode"]),
     ("router-policy", lambda d: d["spec"]["router"].update(policy="random"), ["spec.router.policy", "Unsupported value"]),
