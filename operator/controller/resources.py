@@ -601,6 +601,9 @@ def router_config(
     if spec.router.prefix_pull:
         doc["kv_connector"] = _kv_connector(spec.engine.kind, target, profile)
     if spec.router.prefill_queue == "nats":
+        if not spec.connectors.nats:  # the operator fills it from its --nats-url before this (handlers._parse)
+            raise SpecError("router.prefillQueue nats needs a NATS URL: set spec.connectors.nats, or give the "
+                            "operator one (--nats-url, FULCRUM_NATS_URL; the Helm chart's nats.enabled)")
         layout = QueueLayout.for_llmserve(namespace, name)  # the names the prefill pullers derive too
         doc["prefill_queue"] = {"kind": "nats", "url": spec.connectors.nats, "stream": layout.stream,
                                 "subject_prefix": layout.subject_prefix}

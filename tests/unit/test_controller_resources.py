@@ -412,8 +412,9 @@ def test_a_nats_prefill_queue_is_written_with_the_llmserve_stream_names() -> Non
     queue = config.prefill_queue
     assert (queue.kind, queue.url, queue.stream, queue.subject_prefix) == (
         "nats", "nats://nats:4222", layout.stream, layout.subject_prefix)
+    # no URL in the spec (the operator fills its own --nats-url before this): the spec parses, the objects refuse
     with pytest.raises(SpecError, match="connectors.nats"):
-        _with(_serve("llmserve-sim"), router={"prefillQueue": "nats"})
+        _objects(_with(_serve("llmserve-sim"), router={"prefillQueue": "nats"}))
 
 
 def test_draining_instances_are_written_sorted_into_the_router_config() -> None:
