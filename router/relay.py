@@ -25,7 +25,7 @@ from fulcrum.router.tokens import PromptTokens, token_count
 from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
 
 __all__ = ["ClientGone", "ClientSink", "Exchange", "Outcome", "relay", "Transform", "count_event_tokens",
-           "error_outcome_message", "whole_usage"]
+           "error_outcome_message", "stream_timeout", "whole_usage"]
 
 Transform = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
@@ -271,17 +271,23 @@ async def relay(pool: UpstreamPool, ex: Exchange, iid: str, path: str, body: dic
     except TimeoutError as err:
         if not deadline.expired():
             raise
-        pool.record_failure(iid, "timeout")
-        if state.relayed:
-            msg = f"{iid} sent nothing for {t.idle_s:g} s in the middle of its stream"
-        else:
-            msg = f"{iid} sent no token within {t.first_token_s:g} s"
-        raise UpstreamFailure(iid, "timeout", msg) from err
+        raise stream_timeout(pool, iid, started=state.relayed) from err
     if early is not None:
         return early
     usage = state.usage or {}
     ct = token_count(usage.get("completion_tokens"))
     return Outcome(200, None, state.counted if ct is None else ct, token_count(usage.get("prompt_tokens")))
+
+
+def stream_timeout(pool: UpstreamPool, iid: str, *, started: bool) -> UpstreamFailure:
+    """Record that ``iid``'s stream deadline fired (cause "timeout") and return the failure to raise: no token
+    within ``timeouts.first_token_s``, or (``started``: a token came) silence for ``timeouts.idle_s`` after it.
+    The deadline protocol of :func:`relay` and of the decode-rescheduling legs (``fulcrum.router.rescheduler``)."""
+    t = pool.config.timeouts
+    pool.record_failure(iid, "timeout")
+    if started:
+        return UpstreamFailure(iid, "timeout", f"{iid} sent nothing for {t.idle_s:g} s in the middle of its stream")
+    return UpstreamFailure(iid, "timeout", f"{iid} sent no token within {t.first_token_s:g} s")
 
 
 @dataclass(slots=True)

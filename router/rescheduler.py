@@ -63,7 +63,7 @@ from fulcrum.router.handoff import (
 )
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.routing.base import InstanceView
-from fulcrum.router.relay import ClientSink, Exchange, Outcome
+from fulcrum.router.relay import ClientSink, Exchange, Outcome, stream_timeout
 from fulcrum.routing.remaining_length import RemainingLength
 from fulcrum.router.sse import EventSplitter, encode_event, event_payload, is_usage_only
 from fulcrum.router.upstream import Ticket, UpstreamFailure, UpstreamPool, upstream_message
@@ -304,10 +304,7 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
     except TimeoutError as err:
         if not deadline.expired():
             raise
-        pool.record_failure(iid, "timeout")
-        msg = (f"{iid} sent no token within {t.first_token_s:g} s" if first else
-               f"{iid} sent nothing for {t.idle_s:g} s in the middle of its stream")
-        raise UpstreamFailure(iid, "timeout", msg) from err
+        raise stream_timeout(pool, iid, started=not first) from err
     return True
 
 
