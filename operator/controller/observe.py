@@ -188,8 +188,18 @@ class Selectors:
 
 
 def _buckets(result: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
-    """``[(le, cumulative count)]`` sorted by ``le`` from a ``sum by (le)`` answer."""
+    """``[(le, cumulative count)]`` sorted by ``le`` from a ``sum by (le)`` answer; ``[]`` (no histogram, so
+    NaN quantiles and attainment: unknown) when the ``+Inf`` bucket is absent or answers no finite count.
+
+    The ``+Inf`` bucket is the histogram's total: without it the observations above the highest finite bound
+    would be left out (an attainment read too high, a quantile too low). A finite bucket whose count is NaN or
+    infinite, or whose ``le`` is no number, is skipped: the counts are cumulative, so the next bucket still holds
+    its observations and only the resolution drops. Counts that fall with a rising bound (``increase()``'s
+    extrapolation over a counter reset) are raised to the running maximum, as PromQL's ``histogram_quantile``
+    does, so a share never goes backwards.
+    """
     out: list[tuple[float, float]] = []
+    total: float | None = None
     for r in result:
         le = r.get("metric", {}).get("le")
         if le is None:
@@ -198,10 +208,26 @@ def _buckets(result: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
             bound = float(le)  # float("+Inf") parses
         except (TypeError, ValueError):
             continue  # a label that is no number (a broken exporter): the bucket is skipped
+        if math.isnan(bound):
+            continue
         v = _value(r)
-        if math.isfinite(v) and not math.isnan(bound):
+        if math.isinf(bound) and bound > 0:
+            total = v
+        elif math.isfinite(v):
             out.append((bound, v))
-    return sorted(out)
+    if total is None or not math.isfinite(total):
+        if out:
+            log.warning("histogram without a usable +Inf bucket (%s): read as unknown",
+                        "absent" if total is None else f"{total!r}")
+        return []
+    out.sort()
+    out.append((math.inf, total))
+    running = 0.0
+    monotone: list[tuple[float, float]] = []
+    for bound, c in out:
+        running = max(running, c)
+        monotone.append((bound, running))
+    return monotone
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:

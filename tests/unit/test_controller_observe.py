@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from fulcrum.cluster import ObservationError
+from fulcrum.controller import observe as observe_mod
 from fulcrum.controller.observe import (
     ALL_QUERIES,
     PrometheusObserver,
@@ -486,3 +487,21 @@ def test_a_kv_cache_usage_above_one_is_no_share_but_unknown(usage: float, caplog
     assert math.isnan(o.kv_utilisation)
     assert o.arrivals == _observe().arrivals > 0  # the load is read as usual
     assert "KV cache usage of" in caplog.text and "read as unknown" in caplog.text
+
+
+def test_a_histogram_whose_inf_bucket_answers_nan_is_unknown_not_one_without_its_tail() -> None:
+    # The +Inf bucket is the total: dropped, the 100 requests slower than 5 s vanished and attainment read 1.0.
+    o = _observe(ttft_buckets=hist([("0.5", 300), ("1.0", 400), ("5.0", 500), ("+Inf", math.nan)]),
+                 tpot_buckets=hist([("0.04", 250), ("0.1", 500)]))  # no +Inf bucket at all
+    assert math.isnan(o.ttft_attainment) and math.isnan(o.tpot_attainment) and math.isnan(o.slo_attainment)
+    assert math.isnan(o.ttft_p_s) and math.isnan(o.tpot_p_s)
+    o = _observe(input_tokens_buckets=hist([("512", 100), ("1024", 400), ("+Inf", math.inf)]))
+    assert o.isl_quantiles == () and o.mean_isl == 1000.0  # the mean comes from sum/count, still known
+
+
+def test_a_finite_bucket_answering_nan_is_skipped_and_counts_are_made_monotone() -> None:
+    o = _observe(ttft_buckets=hist([("0.5", 300), ("1.0", math.nan), ("2.5", 480), ("5.0", 470), ("+Inf", 500)]))
+    assert o.ttft_attainment == pytest.approx((300 + 180 * (2.0 - 0.5) / 2.0) / 500)  # as if 1.0 were absent
+    # 5.0's 470 (below 2.5's 480: increase() extrapolation) is read as 480, as PromQL's histogram_quantile does.
+    assert observe_mod._buckets(hist([("2.5", 480), ("5.0", 470), ("+Inf", 500)])) == [
+        (2.5, 480.0), (5.0, 480.0), (math.inf, 500.0)]
