@@ -227,6 +227,8 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
     ("max-gpus-string", lambda d: d["spec"]["scaling"].update(maxGPUs="8"), ["spec.scaling.maxGPUs", "must be of type integer"]),
     ("forecaster-order", lambda d: d["spec"]["scaling"].update(forecaster={"order": [-1, 0, 0]}),
      ["spec.scaling.forecaster.order[0]", "greater than or equal to 0"]),
+    ("forecaster-order-huge", lambda d: d["spec"]["scaling"].update(forecaster={"order": [2**70, 1, 1]}),
+     ["spec.scaling.forecaster.order[0]"]),
     ("cpu-quantity", lambda d: d["spec"]["engine"].update(resources={"requests": {"cpu": "lots"}}),
      ["spec.engine.resources.requests.cpu", "should match"]),
     ("toleration-no-key", lambda d: d["spec"].update(placement={"tolerations": [{"effect": "NoSchedule"}]}),

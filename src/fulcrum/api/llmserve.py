@@ -595,6 +595,12 @@ class SLOSpec(_Model):
     percentile: Float = Field(default=90.0, gt=0, le=100, description="Percentile at which both targets must hold, e.g. 90.")
 
 
+MAX_ARIMA_ORDER = 32
+"""The largest term of ``spec.scaling.forecaster.order``: an order beyond it has more parameters than the
+default window has intervals, and one as large as 2**70 reached statsmodels."""
+ArimaOrderTerm = Annotated[int, Field(ge=0, le=MAX_ARIMA_ORDER), BeforeValidator(_number_only)]
+
+
 class ForecasterSpec(_Model):
     """Load forecaster settings (DOPD §V-D, Alg. 2 lines 5–9)."""
 
@@ -605,9 +611,10 @@ class ForecasterSpec(_Model):
         "beats it on the trailing window; it beat `arima` in geometric-mean MAPE on the bundled traces "
         "(docs/forecasting.md).",
     )
-    order: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
+    order: tuple[ArimaOrderTerm, ArimaOrderTerm, ArimaOrderTerm] = Field(
         default=(0, 1, 1),
-        description="ARIMA order (p, d, q). The default (0, 1, 1) is exponential smoothing in ARIMA form; it beat "
+        description="ARIMA order (p, d, q), each at most "
+        f"{MAX_ARIMA_ORDER}. The default (0, 1, 1) is exponential smoothing in ARIMA form; it beat "
         "(2, 0, 1) and the last value on the Azure code and Mooncake traces (docs/forecasting.md).",
     )
     window: Int = Field(default=64, ge=4, le=10_000, description="Intervals of history the model is fitted on (N of the O(N·(p+q)²) refit).")
