@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,11 +50,14 @@ from fulcrum.api.llmserve import API_VERSION, KIND, EngineKind, LLMServe, Mode, 
 from fulcrum.errors import ProfileError, SpecError
 from fulcrum.ratio.profile import PerformanceProfile, recompute_tokens_per_s
 from fulcrum.ratio.profiles import builtin_profile
+from fulcrum.ratio.planner import initial_in_budget
 from fulcrum.router.config import RouterConfigError, parse_config
 from fulcrum.routing.registry import make_policy, policy_params
 from fulcrum.router.prefill_queue import QueueLayout
-from fulcrum.scaling.fulcrum import FulcrumPlanner
+from fulcrum.scaling.registry import make_planner
 from fulcrum.target import ClusterTarget, Pool, PoolSize, RoutingParams, plan_role_bounds
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "POOL_ROLES",
@@ -240,17 +244,24 @@ def _split_total(total: int, weights: Mapping[str, int]) -> dict[str, int]:
 def initial_target(serve: LLMServe, profile: PerformanceProfile | None = None) -> ClusterTarget:
     """The pools to create before the first observation.
 
-    With a profile (``profile``, else the built-in one ``spec.profile.name`` names) it is the planner's own
-    starting point, :meth:`fulcrum.scaling.fulcrum.FulcrumPlanner.initial` — the spec's initial counts with the
-    TP and routing parameters the plan chooses (the same as ``fulcrum replay``). Without one (a profile file or
+    With a profile (``profile``, else the built-in one ``spec.profile.name`` names) it is the starting point of the
+    planner ``spec.scaling.planner`` names (:func:`fulcrum.scaling.registry.make_planner`, its ``initial()``; for
+    ``fulcrum``, :meth:`fulcrum.scaling.fulcrum.FulcrumPlanner.initial` — the spec's initial counts with the TP and
+    routing parameters the plan chooses), the same as ``fulcrum replay`` starts from. Without one (a profile file or
     ConfigMap the caller has not loaded) it is the initial counts (at least 1 each) with the fixed TPs of
-    ``spec.scaling`` (1 where unset) and default routing; Auto mode then starts disaggregated.
+    ``spec.scaling`` (1 where unset) and default routing; Auto mode then starts disaggregated. Either way counts
+    that need more than ``spec.scaling.maxGPUs`` GPUs are cut to it, as the planner cuts them
+    (:func:`fulcrum.ratio.planner.initial_in_budget`), and the cut is logged.
 
     With ``spec.scaling.replicaOwner: External`` the total ``spec.scaling.replicas`` is split between the
     started pools in proportion to those counts (at least one each while the total allows).
 
     Returns:
         a :class:`~fulcrum.target.ClusterTarget`; pools the mode does not start have 0 replicas.
+
+    Raises:
+        PlanningError: with a profile, the planner cannot be built or cannot plan its start for this spec (e.g. no
+            TP within ``spec.gpu.gpusPerNode`` holds ``spec.engine.maxModelLen``; :func:`make_planner`).
     """
     spec = serve.spec
     sc = spec.scaling
@@ -260,15 +271,20 @@ def initial_target(serve: LLMServe, profile: PerformanceProfile | None = None) -
         except ProfileError:
             profile = None
     if profile is not None:
-        target = FulcrumPlanner(spec, profile).initial()
+        target = make_planner(sc.planner, spec, profile).initial()
     else:
         tp_p, tp_d, tp_u = sc.tp_prefill or 1, sc.tp_decode or 1, sc.tp_unified or 1
         if spec.mode is Mode.UNIFIED:
-            target = ClusterTarget(unified=PoolSize(max(sc.initial_unified, 1), tp_u), decode=PoolSize(0, tp_d),
+            counts, note = initial_in_budget({"u": max(sc.initial_unified, 1)}, {"u": tp_u}, sc.max_gpus)
+            target = ClusterTarget(unified=PoolSize(counts["u"], tp_u), decode=PoolSize(0, tp_d),
                                    prefill=PoolSize(0, tp_p))
         else:
-            target = ClusterTarget(prefill=PoolSize(max(sc.initial_prefill, 1), tp_p),
-                                   decode=PoolSize(max(sc.initial_decode, 1), tp_d), unified=PoolSize(0, tp_u))
+            counts, note = initial_in_budget({"p": max(sc.initial_prefill, 1), "d": max(sc.initial_decode, 1)},
+                                             {"p": tp_p, "d": tp_d}, sc.max_gpus)
+            target = ClusterTarget(prefill=PoolSize(counts["p"], tp_p),
+                                   decode=PoolSize(counts["d"], tp_d), unified=PoolSize(0, tp_u))
+        if note is not None:
+            _log.warning("LLMServe %s/%s (no profile loaded): %s", serve.metadata.namespace, serve.metadata.name, note)
     if sc.replica_owner is ReplicaOwner.EXTERNAL and sc.replicas is not None:
         counts = _split_total(sc.replicas, {p.value: size.replicas for p, size in target.pools()})
         target = ClusterTarget.of({p: PoolSize(counts[p.value], size.tp) for p, size in target.pools()},

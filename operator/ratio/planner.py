@@ -57,6 +57,7 @@ __all__ = [
     "Plan",
     "unified_tpot_miss",
     "fit_budget",
+    "initial_in_budget",
     "RatioPlan",
     "plan",
     "plan_modes",
@@ -335,6 +336,41 @@ def fit_budget(needs: dict[str, float], tps: dict[str, int], counts: dict[str, i
     return counts, notes
 
 
+
+_POOL_NAMES = {"p": "prefill", "d": "decode", "u": "unified"}
+"""The words for the pool keys of :func:`fit_budget` in notes."""
+
+
+def initial_in_budget(wanted: dict[str, int], tps: dict[str, int], max_gpus: int) -> tuple[dict[str, int], str | None]:
+    """The spec's initial counts cut to ``spec.scaling.maxGPUs`` the way :meth:`FulcrumPlanner.initial
+    <fulcrum.scaling.fulcrum.FulcrumPlanner.initial>` cuts them: by the planner's own budget fit
+    (:func:`fit_budget`, the counts standing for the need), in proportion to the counts, at least
+    one instance of each pool that has any, what the floors leave over filled. Counts within ``max_gpus`` are kept
+    as they are (below minGPUs too: a planner tops them up in its first interval; ``static`` never does).
+
+    Args:
+        wanted: instances per pool, keyed ``"p"`` (prefill), ``"d"`` (decode), ``"u"`` (unified); a pool at 0 stays 0.
+        tps: each pool's TP (GPUs per instance), same keys.
+        max_gpus: ``spec.scaling.maxGPUs``, GPUs.
+
+    Returns:
+        ``(counts, note)``: the counts to start with (same keys) and, when they were cut, one line saying so in the
+        Fulcrum planner's words (``"initial pools cut to maxGPUs: prefill 6 → 4 (TP 1), ... (18 GPUs asked,
+        maxGPUs=8)"``), else None. The caller logs the note. When one instance of each pool alone exceeds
+        ``max_gpus`` the counts keep one of each (still over it) and the note says the budget cannot hold them.
+    """
+    gpus = sum(wanted[k] * tps[k] for k in wanted)
+    if gpus <= max_gpus:
+        return dict(wanted), None
+    counts, notes = fit_budget({k: float(n) for k, n in wanted.items()}, tps, dict(wanted), 0, max_gpus)
+    note = (
+        "initial pools cut to maxGPUs: "
+        + ", ".join(f"{_POOL_NAMES[k]} {wanted[k]} → {counts[k]} (TP {tps[k]})" for k in wanted)
+        + f" ({gpus} GPUs asked, maxGPUs={max_gpus})" + "".join(f"; {n}" for n in notes if "cannot hold" in n)
+    )
+    return counts, note
+
+
 def _greedy_fast_forward(counts: dict[str, int], needs: dict[str, float], tps: dict[str, int], pools: list[str],
                          room: int, ties: float) -> int:
     """Make at once a prefix of the picks of :func:`fit_budget`'s one-instance-at-a-time loops, in place, and
@@ -387,8 +423,6 @@ def _quotients_above(need: float, count: int, t: float) -> int:
         m += 1
     return m
 
-
-_POOL_NAMES = {"p": "prefill", "d": "decode"}
 
 
 def _smallest_over_budget(max_gpus: int, tps: dict[str, int], pools: list[str], tail: str = "") -> str:

@@ -25,7 +25,7 @@ from fulcrum.ratio.capacity import DecodeCapacity, decode_capacity
 from fulcrum.ratio.lengths import LengthDistribution
 from fulcrum.ratio.profile import GiB, PerformanceProfile
 
-__all__ = ["check_fixed_tp", "choose_decode_tp", "choose_prefill_tp", "fits_max_model_len"]
+__all__ = ["check_fixed_tp", "choose_decode_tp", "choose_prefill_tp", "fits_max_model_len", "tp_candidates"]
 
 
 def _fmt_tokens(tokens: float) -> str:
@@ -93,10 +93,25 @@ def fits_max_model_len(profile: PerformanceProfile, tps: Iterable[int], max_mode
     )
 
 
-def _candidates(profile: PerformanceProfile, available: Iterable[int], fixed: int | None, max_tp: int, phase: str,
-                max_model_len: int, field: str) -> list[int]:
-    """The TPs of one role to choose from: ``fixed`` alone (it must be measured and hold ``max_model_len``), else
-    the measured TPs ≤ ``max_tp`` that hold ``max_model_len`` (:func:`fits_max_model_len`)."""
+def tp_candidates(profile: PerformanceProfile, available: Iterable[int], fixed: int | None, max_tp: int, phase: str,
+                  max_model_len: int, field: str) -> list[int]:
+    """The TPs of one role every planner chooses from: ``fixed`` alone (it must be measured and hold
+    ``max_model_len``), else the measured TPs ≤ ``max_tp`` (``spec.gpu.gpusPerNode``: an instance is one pod) that
+    hold ``max_model_len`` tokens of KV cache (:func:`fits_max_model_len`, DOPD eq. 11), smallest first.
+
+    Args:
+        profile: the performance profile.
+        available: the TPs the profile measures for the role (GPUs per instance).
+        fixed: the TP the spec pins (``field``), or None.
+        max_tp: the largest TP, GPUs.
+        phase: ``"prefill"``, ``"decode"`` or ``"unified"`` (for messages).
+        max_model_len: ``spec.engine.maxModelLen``, tokens.
+        field: the spec field ``fixed`` came from, named in errors.
+
+    Raises:
+        PlanningError: ``fixed`` is not measured or does not hold ``max_model_len`` (:func:`check_fixed_tp`); no
+            measured TP is ≤ ``max_tp``; none of those holds ``max_model_len`` (:func:`fits_max_model_len`).
+    """
     name = profile.name
     avail = sorted(available)
     if fixed is not None:
@@ -135,7 +150,7 @@ def choose_decode_tp(
             weights and one request's KV cache at this context, or ``fixed`` is not in the profile.
     """
     best: DecodeCapacity | None = None
-    tps = _candidates(profile, profile.decode_tps, fixed, max_tp, "decode", max_model_len, fixed_field)
+    tps = tp_candidates(profile, profile.decode_tps, fixed, max_tp, "decode", max_model_len, fixed_field)
     for tp in tps:
         cap = decode_capacity(
             profile, tp, mean_isl, mean_osl, tpot_slo_s,
@@ -175,7 +190,7 @@ def choose_prefill_tp(
         PlanningError: no candidate TP ≤ ``max_tp`` holds the weights plus one ``max_model_len``-token sequence's KV
             (:func:`fits_max_model_len`), ``fixed`` does not (:func:`check_fixed_tp`), or ``fixed`` is unknown.
     """
-    fits = _candidates(profile, profile.prefill_tps, fixed, max_tp, "prefill", max_model_len, fixed_field)
+    fits = tp_candidates(profile, profile.prefill_tps, fixed, max_tp, "prefill", max_model_len, fixed_field)
     tail_isl = isl.quantile(q)
 
     def cost(tp: int) -> tuple[bool, float, float]:

@@ -16,6 +16,7 @@ i_next = the forecast ISL and ultra-short prompts prefilled locally.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from fulcrum.api.llmserve import ForecasterMethod, LLMServeSpec
@@ -23,18 +24,25 @@ from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.capacity import decode_capacity
 from fulcrum.ratio.lengths import LengthDistribution
-from fulcrum.ratio.planner import PlannerSettings, ultra_short_threshold
+from fulcrum.ratio.planner import PlannerSettings, initial_in_budget, ultra_short_threshold
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.ratio.tp import choose_decode_tp, choose_prefill_tp
 from fulcrum.scaling.fulcrum import forecast_dict
 from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.target import ClusterTarget, PoolSize, RoutingParams
 
+_log = logging.getLogger(__name__)
+
 __all__ = ["DopdPlanner"]
 
 
 class DopdPlanner:
-    """DOPD Alg. 2 (see module doc). Implements :class:`fulcrum.scaling.planner.Planner`."""
+    """DOPD Alg. 2 (see module doc). Implements :class:`fulcrum.scaling.planner.Planner`.
+
+    Attributes:
+        initial_note: why :meth:`initial` cut the spec's initial counts to ``spec.scaling.maxGPUs``, None when it
+            did not (set by each call of :meth:`initial`).
+    """
 
     name = "dopd"
     horizon_steps = 1  # Alg. 2 plans for the next interval's point forecast
@@ -60,10 +68,45 @@ class DopdPlanner:
             profile, LengthDistribution.point(1024), spec.slo.ttft_ms / 1e3, 0.9,
             fixed=spec.scaling.tp_prefill, max_tp=self.settings.max_tp, max_model_len=self.settings.max_model_len,
         )
+        self.initial_note: str | None = None
 
     def initial(self) -> ClusterTarget:
+        """The spec's initial counts (at least one of each pool) at the fixed TPs, cut to ``spec.scaling.maxGPUs``
+        as the Fulcrum planner cuts its initial pools (:func:`fulcrum.ratio.planner.initial_in_budget`; a cut is
+        logged and kept in :attr:`initial_note`)."""
         sc = self.spec.scaling
-        return ClusterTarget(prefill=PoolSize(max(sc.initial_prefill, 1), self.tp_p), decode=PoolSize(max(sc.initial_decode, 1), self.tp_d))
+        counts, self.initial_note = initial_in_budget(
+            {"p": max(sc.initial_prefill, 1), "d": max(sc.initial_decode, 1)}, {"p": self.tp_p, "d": self.tp_d},
+            sc.max_gpus,
+        )
+        if self.initial_note is not None:
+            _log.warning("%s", self.initial_note)
+        return ClusterTarget(prefill=PoolSize(counts["p"], self.tp_p), decode=PoolSize(counts["d"], self.tp_d))
+
+    def _in_budget(self, n_p: int, n_d: int) -> tuple[int, int]:
+        """``(n_p, n_d)`` instances within the GPU budget, as any deployment has one (not part of Alg. 2): over
+        ``spec.scaling.maxGPUs`` both pools shrink by the same factor (floors, at least one instance each); when
+        that floor of one instance lifts the total over maxGPUs again, the pools above one instance give up the
+        excess, the one using more GPUs first. Only one instance of each pool can stay over maxGPUs (the least a
+        disaggregated deployment can be)."""
+        tp_p, tp_d = self.tp_p, self.tp_d
+        gpus = n_p * tp_p + n_d * tp_d
+        max_gpus = self.spec.scaling.max_gpus
+        if gpus > max_gpus:
+            f = max_gpus / gpus
+            n_p, n_d = max(int(n_p * f), 1), max(int(n_d * f), 1)
+            # a pool floored up to one instance can lift the total over maxGPUs: take the excess from the pools
+            # above one instance, the one using more GPUs first
+            counts, tps = {"p": n_p, "d": n_d}, {"p": tp_p, "d": tp_d}
+            over = n_p * tp_p + n_d * tp_d - max_gpus
+            for k in sorted(counts, key=lambda k: -counts[k] * tps[k]):
+                if over <= 0:
+                    break
+                cut = min(counts[k] - 1, math.ceil(over / tps[k]))
+                counts[k] -= cut
+                over -= cut * tps[k]
+            n_p, n_d = counts["p"], counts["d"]
+        return n_p, n_d
 
     def step(self, obs: Observation, current: ClusterTarget) -> Decision:
         self.forecaster.observe(obs)
@@ -90,12 +133,7 @@ class DopdPlanner:
         if rate > 0 or self.spec.scaling.min_gpus > 0:
             # serving needs one instance of each pool; minGPUs > 0 keeps them through idle intervals
             n_p, n_d = max(n_p, 1), max(n_d, 1)
-        # the GPU budget, as any deployment has one: shrink both pools in proportion
-        gpus = n_p * self.tp_p + n_d * self.tp_d
-        max_gpus = self.spec.scaling.max_gpus
-        if gpus > max_gpus:
-            f = max_gpus / gpus
-            n_p, n_d = max(int(n_p * f), 1), max(int(n_d * f), 1)
+        n_p, n_d = self._in_budget(n_p, n_d)
         u = ultra_short_threshold(self.profile, self.tp_p, self.tp_d, tpot_next, tpot_slo, self.settings)
         target = ClusterTarget(
             prefill=PoolSize(n_p, self.tp_p),

@@ -157,9 +157,10 @@ class DynamoLoadPlanner:
         settings: see :class:`DynamoLoadSettings`.
 
     Raises:
-        PlanningError: no usable TP for a pool (a TP must hold the weights plus one ``spec.engine.maxModelLen``-token
-            sequence of KV cache; a pinned ``tpPrefill``/``tpDecode`` that does not is named:
-            :func:`~fulcrum.scaling.dynamo_sla.pick_tp`), or one instance of each pool exceeds ``maxGPUs``.
+        PlanningError: no usable TP for a pool (a TP must be at most ``spec.gpu.gpusPerNode`` and hold the weights
+            plus one ``spec.engine.maxModelLen``-token sequence of KV cache; a pinned ``tpPrefill``/``tpDecode`` that
+            does not is named: :func:`~fulcrum.scaling.dynamo_sla.pick_tp`), or one instance of each pool exceeds
+            ``maxGPUs``.
 
     Attributes:
         name: ``"dynamo-load"``.
@@ -175,8 +176,9 @@ class DynamoLoadPlanner:
         self.tick_s = float(self._settings.tick_s)
         self._spec = spec
         self._profile = profile
-        self._tp_p = pick_tp(spec.scaling.tp_prefill, profile, "prefill", spec.engine.max_model_len)
-        self._tp_d = pick_tp(spec.scaling.tp_decode, profile, "decode", spec.engine.max_model_len)
+        max_tp = spec.gpu.gpus_per_node  # one instance is one pod: its TP fits one node
+        self._tp_p = pick_tp(spec.scaling.tp_prefill, profile, "prefill", spec.engine.max_model_len, max_tp=max_tp)
+        self._tp_d = pick_tp(spec.scaling.tp_decode, profile, "decode", spec.engine.max_model_len, max_tp=max_tp)
         self._kv_cap_d = profile.kv_capacity_tokens(self._tp_d)
         self._min_gpus = spec.scaling.min_gpus
         self._max_gpus = spec.scaling.max_gpus

@@ -82,7 +82,7 @@ from fulcrum.forecast.workload import WorkloadForecaster
 from fulcrum.observation import Observation
 from fulcrum.ratio.capacity import slo_batch_limit
 from fulcrum.ratio.profile import PerformanceProfile
-from fulcrum.ratio.tp import check_fixed_tp, fits_max_model_len
+from fulcrum.ratio.tp import check_fixed_tp, tp_candidates
 from fulcrum.scaling.planner import Decision, PlanNumbers
 from fulcrum.target import ClusterTarget, PoolSize
 
@@ -189,18 +189,22 @@ class DynamoSlaSettings:
 _TP_FIELDS = {"prefill": "spec.scaling.tpPrefill", "decode": "spec.scaling.tpDecode"}
 
 
-def pick_tp(fixed: int | None, profile: PerformanceProfile, phase: Literal["prefill", "decode"], max_model_len: int) -> int:
-    """TP of one pool: ``fixed`` if given, else the smallest TP the profile has for ``phase`` whose KV cache holds
-    one ``max_model_len``-token sequence, as the ``fulcrum``, ``static`` and ``dopd`` planners require
-    (:func:`fulcrum.ratio.tp.fits_max_model_len`): ``profile.kv_capacity_tokens(tp) >= max_model_len`` tokens
-    (DOPD eq. 11, V_mem/M_token). vLLM refuses to start an engine that cannot hold one such sequence, so a pool
-    with a smaller TP would crash-loop its pods. The choice does not cap TP by ``spec.gpu.gpusPerNode``.
+def pick_tp(fixed: int | None, profile: PerformanceProfile, phase: Literal["prefill", "decode"], max_model_len: int,
+            *, max_tp: int) -> int:
+    """TP of one pool: ``fixed`` if given, else the smallest TP ≤ ``max_tp`` the profile has for ``phase`` whose KV
+    cache holds one ``max_model_len``-token sequence, as the ``fulcrum``, ``static`` and ``dopd`` planners require
+    (the same candidates as theirs, :mod:`fulcrum.ratio.tp`): ``profile.kv_capacity_tokens(tp) >= max_model_len``
+    tokens (DOPD eq. 11, V_mem/M_token). vLLM refuses to start an engine that cannot hold one such sequence, so a
+    pool with a smaller TP would crash-loop its pods; and an instance is one pod, so a TP above the GPUs of one node
+    (``spec.gpu.gpusPerNode``) could never be scheduled.
 
     Args:
-        fixed: ``spec.scaling.tp_prefill`` / ``tp_decode`` (GPUs per instance), or ``None``.
+        fixed: ``spec.scaling.tp_prefill`` / ``tp_decode`` (GPUs per instance), or ``None``. The spec refuses a fixed
+            TP above ``gpu.gpusPerNode`` when it is validated.
         profile: the performance profile.
         phase: ``"prefill"`` or ``"decode"``.
         max_model_len: ``spec.engine.max_model_len``, tokens.
+        max_tp: the largest TP to choose, ``spec.gpu.gpus_per_node`` (GPUs).
 
     Returns:
         The tensor-parallel size (GPUs per instance).
@@ -209,8 +213,9 @@ def pick_tp(fixed: int | None, profile: PerformanceProfile, phase: Literal["pref
         PlanningError: the fixed TP has no table for ``phase`` in the profile; the fixed TP cannot hold one
             ``max_model_len``-token sequence (the message names ``spec.scaling.tpPrefill`` / ``tpDecode``;
             :func:`fulcrum.ratio.tp.check_fixed_tp`); no TP the profile has for ``phase`` holds the weights
-            (``kv_capacity_tokens(tp) == 0``); or none holds one ``max_model_len``-token sequence
-            (:func:`fulcrum.ratio.tp.fits_max_model_len`: the message names the numbers and the fix).
+            (``kv_capacity_tokens(tp) == 0``); the profile has no ``phase`` TP ≤ ``max_tp``; or none of those holds
+            one ``max_model_len``-token sequence (:func:`fulcrum.ratio.tp.fits_max_model_len`: the message names the
+            numbers and the fix, a smaller maxModelLen or a larger ``spec.gpu.gpusPerNode``).
     """
     tps = profile.prefill_tps if phase == "prefill" else profile.decode_tps
     if fixed is not None:
@@ -223,7 +228,8 @@ def pick_tp(fixed: int | None, profile: PerformanceProfile, phase: Literal["pref
     holds_weights = [tp for tp in tps if profile.kv_capacity_tokens(tp) > 0]
     if not holds_weights:
         raise PlanningError(f"no {phase} TP in profile {profile.name!r} ({tps}) holds the model's weights")
-    return fits_max_model_len(profile, holds_weights, max_model_len, phase=phase, max_tp=max(tps))[0]
+    # the candidates of the fulcrum/static/dopd planners' TP choice: measured, ≤ max_tp, holding max_model_len
+    return tp_candidates(profile, tps, None, max_tp, phase, max_model_len, _TP_FIELDS[phase])[0]
 
 
 def clamp_to_gpu_budget(
@@ -350,9 +356,9 @@ class DynamoSlaPlanner:
             forecaster fits.
 
     Raises:
-        PlanningError: no usable TP for a pool (a TP must hold the weights plus one ``spec.engine.maxModelLen``-token
-            sequence of KV cache; a pinned ``tpPrefill``/``tpDecode`` that does not is named: :func:`pick_tp`), or
-            one instance of each pool exceeds ``maxGPUs``.
+        PlanningError: no usable TP for a pool (a TP must be at most ``spec.gpu.gpusPerNode`` and hold the weights
+            plus one ``spec.engine.maxModelLen``-token sequence of KV cache; a pinned ``tpPrefill``/``tpDecode`` that
+            does not is named: :func:`pick_tp`), or one instance of each pool exceeds ``maxGPUs``.
 
     Attributes:
         name: ``"dynamo-sla"``.
@@ -375,8 +381,9 @@ class DynamoSlaPlanner:
         self._spec = spec
         self._profile = profile
         self._settings = settings or DynamoSlaSettings()
-        self._tp_p = pick_tp(spec.scaling.tp_prefill, profile, "prefill", spec.engine.max_model_len)
-        self._tp_d = pick_tp(spec.scaling.tp_decode, profile, "decode", spec.engine.max_model_len)
+        max_tp = spec.gpu.gpus_per_node  # one instance is one pod: its TP fits one node
+        self._tp_p = pick_tp(spec.scaling.tp_prefill, profile, "prefill", spec.engine.max_model_len, max_tp=max_tp)
+        self._tp_d = pick_tp(spec.scaling.tp_decode, profile, "decode", spec.engine.max_model_len, max_tp=max_tp)
         self._min_gpus = spec.scaling.min_gpus
         self._max_gpus = spec.scaling.max_gpus
         clamp_to_gpu_budget(1, 1, self._tp_p, self._tp_d, 0, self._max_gpus, self._settings.min_endpoint)

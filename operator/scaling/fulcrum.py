@@ -45,7 +45,7 @@ from fulcrum.api.llmserve import LLMServeSpec, Mode
 from fulcrum.forecast.workload import WorkloadForecast, WorkloadForecaster
 from fulcrum.observation import QUANTILE_LEVELS, Observation
 from fulcrum.ratio.lengths import LengthDistribution
-from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, fit_budget, plan, plan_modes
+from fulcrum.ratio.planner import Plan, PlannerSettings, WorkloadEstimate, initial_in_budget, plan, plan_modes
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.mode import ModeName, ModeState, ModeSwitchSettings, decide_mode, other_mode
 from fulcrum.scaling.planner import Decision, PlanNumbers
@@ -227,22 +227,12 @@ class FulcrumPlanner:
 
     def _initial_in_budget(self, wanted: dict[str, int], tps: dict[str, int]) -> dict[str, int]:
         """The initial counts ``wanted`` (at the planned TPs ``tps``), cut to ``spec.scaling.maxGPUs`` when they
-        need more: in proportion to the counts, at least one instance of each pool, what the floors leave over
-        filled (the planner's own budget fit). Below minGPUs they are kept: the first interval's plan tops them up.
-        A cut is logged; ``self.initial_note`` holds it (None when nothing was cut)."""
-        max_gpus = self.spec.scaling.max_gpus
-        self.initial_note = None
-        gpus = sum(wanted[k] * tps[k] for k in wanted)
-        if gpus <= max_gpus:
-            return wanted
-        counts, notes = fit_budget({k: float(n) for k, n in wanted.items()}, tps, dict(wanted), 0, max_gpus)
-        names = {"p": "prefill", "d": "decode", "u": "unified"}
-        self.initial_note = (
-            "initial pools cut to maxGPUs: "
-            + ", ".join(f"{names[k]} {wanted[k]} → {counts[k]} (TP {tps[k]})" for k in wanted)
-            + f" ({gpus} GPUs asked, maxGPUs={max_gpus})" + "".join(f"; {n}" for n in notes if "cannot hold" in n)
-        )
-        _log.warning("%s", self.initial_note)
+        need more (:func:`fulcrum.ratio.planner.initial_in_budget`: the planner's own budget fit). Below minGPUs
+        they are kept: the first interval's plan tops them up. A cut is logged; ``self.initial_note`` holds it
+        (None when nothing was cut)."""
+        counts, self.initial_note = initial_in_budget(wanted, tps, self.spec.scaling.max_gpus)
+        if self.initial_note is not None:
+            _log.warning("%s", self.initial_note)
         return counts
 
     def _score_forecasts(self, obs: Observation) -> None:
