@@ -229,6 +229,8 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], list[str]]] = [
      ["spec.scaling.forecaster.order[0]", "greater than or equal to 0"]),
     ("forecaster-order-huge", lambda d: d["spec"]["scaling"].update(forecaster={"order": [2**70, 1, 1]}),
      ["spec.scaling.forecaster.order[0]"]),
+    ("dopd-unified", lambda d: d["spec"].update(mode="Unified", scaling={"planner": "dopd"}),
+     ["spec.scaling.planner", "need mode Disaggregated or Auto"]),
     ("cpu-quantity", lambda d: d["spec"]["engine"].update(resources={"requests": {"cpu": "lots"}}),
      ["spec.engine.resources.requests.cpu", "should match"]),
     ("toleration-no-key", lambda d: d["spec"].update(placement={"tolerations": [{"effect": "NoSchedule"}]}),

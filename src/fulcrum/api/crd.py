@@ -69,7 +69,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
-from fulcrum.api.llmserve import (API_VERSION, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, KIND,
+from fulcrum.api.llmserve import (API_VERSION, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+                                  DISAGGREGATED_ONLY_PLANNERS, KIND,
                                   LABEL_KEY_PATTERN, LABEL_PREFIX_LENGTH_PATTERN, LABEL_VALUE_MAX_LENGTH,
                                   LABEL_VALUE_PATTERN, LLMServe)
 
@@ -197,6 +198,7 @@ def _given(field: str) -> str:
 # a maxLength, without which kube-apiserver refuses the CRD ("estimated rule cost exceeds budget"). Every integer field
 # a rule reads is wrapped in int(): a JSON client may send an integral float (``minGPUs: 2.0``), which the schema's
 # ``type: integer`` accepts but CEL then sees as a double ("expected int, got float64"); int() of an int is the int.
+_DISAGGREGATED_ONLY = sorted(DISAGGREGATED_ONLY_PLANNERS, key=lambda p: p.value)
 _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         _tp_rule("tpPrefill"),
@@ -207,6 +209,13 @@ _VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
                     "int(self.scaling.replicas) * int(self.gpu.gpusPerNode) >= int(self.scaling.minGPUs)",
             "message": "scaling.replicas × gpu.gpusPerNode must be >= scaling.minGPUs",
             "fieldPath": ".scaling.replicas",
+        },
+        {
+            "rule": "self.mode != 'Unified' || !has(self.scaling.planner) || "
+                    f"!(self.scaling.planner in [{', '.join(repr(p.value) for p in _DISAGGREGATED_ONLY)}])",
+            "message": f"scaling.planner {', '.join(p.value for p in _DISAGGREGATED_ONLY)} plan prefill and decode "
+                       "pools only: they need mode Disaggregated or Auto",
+            "fieldPath": ".scaling.planner",
         },
         {
             "rule": "self.mode == 'Unified' || !(self.router.policy in ['round_robin', 'least_loaded'])",

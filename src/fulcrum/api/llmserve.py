@@ -155,6 +155,11 @@ class PlannerName(str, Enum):
     DYNAMO_LOAD = "dynamo-load"
 
 
+DISAGGREGATED_ONLY_PLANNERS = frozenset({PlannerName.DOPD, PlannerName.DYNAMO_SLA, PlannerName.DYNAMO_LOAD})
+"""Planners that plan prefill and decode pools only (DOPD Alg. 2, Dynamo's planners): refused with mode Unified,
+which deploys no prefill or decode pool (the operator would run no worker)."""
+
+
 class ForecasterMethod(str, Enum):
     """Forecasting method for each load series (see ``fulcrum.forecast``).
 
@@ -814,6 +819,12 @@ class LLMServeSpec(_Model):
             )
         if self.router.prefix_pull and self.router.policy is not RouterPolicy.LOAD_AWARE:
             raise ValueError(f"router.prefixPull requires router.policy load_aware, not {self.router.policy.value}")
+        if self.mode is Mode.UNIFIED and self.scaling.planner in DISAGGREGATED_ONLY_PLANNERS:
+            raise ValueError(
+                f"scaling.planner {self.scaling.planner.value} plans prefill and decode pools only, and mode Unified "
+                f"deploys a unified pool only, so no worker would run: use mode Disaggregated or Auto, or planner "
+                f"fulcrum or static"
+            )
         if self.router.policy in _COLOCATING_POLICIES and self.mode is not Mode.UNIFIED:
             raise ValueError(
                 f"router.policy {self.router.policy.value} runs every request on one instance and never on a prefill "
