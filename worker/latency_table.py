@@ -426,7 +426,9 @@ class StepLatencyTable:
         """Add entries in :meth:`to_dict`'s entry format (replacing buckets with the same key).
 
         Raises:
-            ProfileError: a malformed entry.
+            ProfileError: a malformed entry, including a ``meanPrefillTokens`` that snaps to another prefill bucket
+                than ``prefillTokens`` (a bucket's mean lies in the bucket; one outside it would reorder the
+                interpolation points and predict absurd step times).
         """
         for i, raw in enumerate(entries):
             where = f"{origin}: entries[{i}]"
@@ -438,6 +440,10 @@ class StepLatencyTable:
                                    _file_non_negative("decodes", raw["decodes"]))
                 seconds = _file_non_negative("seconds", raw["seconds"])
                 mean_p = _file_non_negative("meanPrefillTokens", raw.get("meanPrefillTokens", p))
+                if snap(mean_p, PREFILL_GRID) != key.prefill_tokens:  # the curve's x must follow the buckets' order
+                    raise ValueError(f"meanPrefillTokens {mean_p:g} lies outside its bucket (prefillTokens {p:g} → "
+                                     f"bucket {key.prefill_tokens}): it is the mean prefill tokens of the bucket's "
+                                     "steps, so it snaps to the same bucket; correct it or leave it out")
                 samples = _count("samples", raw.get("samples", 1))
             except KeyError as err:
                 raise ProfileError(f"{where}: missing field {err.args[0]!r}") from None

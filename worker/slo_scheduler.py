@@ -131,7 +131,8 @@ class SchedulerSettings:
         """Read the ``FULCRUM_*`` variables from ``env``.
 
         Raises:
-            FulcrumError: a malformed or out-of-range value (the message names the variable).
+            FulcrumError: a malformed or out-of-range value (the message names the variable), including an SLO
+                so small that it is 0 in seconds and a metrics port past 65535.
         """
 
         def get(name: str) -> str | None:
@@ -151,8 +152,13 @@ class SchedulerSettings:
             return value
 
         slo_ms = number("FULCRUM_TPOT_SLO_MS", float, None, positive=True)
+        if slo_ms is not None and not slo_ms / 1e3 > 0:  # 1e-322 ms is 0 s: every planned step would fail
+            raise FulcrumError(f"FULCRUM_TPOT_SLO_MS must be > 0 in seconds too, got {get('FULCRUM_TPOT_SLO_MS')!r}")
         table = get("FULCRUM_STEP_TABLE")
         port = number("FULCRUM_SCHEDULER_METRICS_PORT", int, None, positive=True)
+        if port is not None and port > 65535:  # bind() would raise OverflowError in the engine core, naming nothing
+            raise FulcrumError(
+                f"FULCRUM_SCHEDULER_METRICS_PORT must be in 1..65535, got {get('FULCRUM_SCHEDULER_METRICS_PORT')!r}")
         return cls(
             tpot_slo_s=None if slo_ms is None else slo_ms / 1e3,
             table_path=None if table is None else Path(table),

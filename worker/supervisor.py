@@ -21,7 +21,8 @@ instance registry)::
    the instance at once), then the engine's ``/metrics`` is polled until ``vllm:num_requests_running`` +
    ``vllm:num_requests_waiting`` = 0 at a poll taken at least ``drain_settle_s`` after deregistration (a request
    the router sent just before it saw the deletion still counts), or until ``drain_timeout_s`` (what was left
-   is logged). A second signal while draining skips the rest of the drain.
+   is logged; the timeout counts from the stop request, deregistration included). A second signal while
+   draining (deregistration included) skips the rest of the drain.
 6. **stop**: SIGTERM to the child's process group, SIGKILL after ``kill_grace_s``; exit 0.
 
 Readiness: vLLM's own ``/health`` stays 200 while the engine drains, so the supervisor serves a small readiness
@@ -57,6 +58,7 @@ from fulcrum.router.registry import InstanceRecord
 __all__ = [
     "signal_process_group",
     "process_group_alive",
+    "reap_orphans",
     "EngineLoad",
     "Registration",
     "Supervisor",
@@ -90,7 +92,8 @@ class SupervisorSettings:
         startup_timeout_s: longest wait for the engine to become ready, seconds. 1800: a 70B model's weights
             load in minutes from a cold cache; a hung start must still end (the pod restarts).
         poll_interval_s: period of the readiness polls during start-up, seconds.
-        drain_timeout_s: longest drain, seconds (``--drain-timeout-s``). 300: a long generation finishes.
+        drain_timeout_s: longest drain, seconds (``--drain-timeout-s``), counted from the stop request, so the
+            time deregistration takes is part of it. 300: a long generation finishes.
         drain_poll_s: period of the ``/metrics`` polls while draining, seconds.
         drain_settle_s: the drain ends only at a poll at least this long after deregistration, seconds. 1.0: the
             router's etcd watch sees the deletion within milliseconds; a request it sent just before counts by then.
@@ -98,6 +101,10 @@ class SupervisorSettings:
             its GPU memory and NIXL agents in a few seconds, and drain + 20 s stays inside the pod's termination
             grace period, which the operator sets to the drain timeout + 30 s.
         request_timeout_s: timeout of each HTTP call to the engine, seconds.
+
+    Raises:
+        ValueError: a period or timeout not > 0, a drain timeout, settle time or kill grace not >= 0 (NaN is
+            neither), or ``health_port`` outside 0..65535.
     """
 
     engine_url: str = "http://127.0.0.1:8000"
@@ -116,7 +123,7 @@ class SupervisorSettings:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("drain_timeout_s", "drain_settle_s", "kill_grace_s"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # NaN too: a NaN drain timeout never ended the drain
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.health_port <= 65535:
             raise ValueError("health_port must be in 0..65535")
@@ -205,6 +212,7 @@ class Supervisor:
         self._cwd = cwd
         self._state: State = "starting"
         self._stop = asyncio.Event()
+        self._stop_now = asyncio.Event()  # a second stop request: end the drain now
         self._stop_count = 0
         self._registration: Registration | None = None
         self._proc: asyncio.subprocess.Process | None = None
@@ -232,6 +240,7 @@ class Supervisor:
             log.info("worker: stop requested (state %s)", self._state)
         else:
             log.warning("worker: second stop request: ending the drain now")
+            self._stop_now.set()
         self._stop.set()
 
     async def run(self, *, install_signal_handlers: bool = False) -> int:
@@ -290,8 +299,9 @@ class Supervisor:
             if exited.done():
                 return self._engine_died(exited.result(), "while serving")
             self._state = "draining"
+            stop_at = time.monotonic()  # the drain timeout counts from here: deregistering is part of the drain
             await self._deregister()
-            if not await self._drain(exited):
+            if not await self._drain(exited, since=stop_at):
                 return self._engine_died(exited.result(), "while draining")
             return 0
         finally:
@@ -339,9 +349,16 @@ class Supervisor:
         return False
 
     async def _register(self) -> None:
+        status, text = await self._get("/metrics")
+        if status == 200:
+            try:
+                parse_engine_load(text)
+            except ValueError as exc:  # vLLM's stat loggers are off: nothing tells the drain when it is done
+                log.warning("worker: %s: a drain cannot see when the engine is idle and will run to --drain-timeout-s "
+                            "(%g s); is --disable-log-stats among the extra vLLM arguments?", exc,
+                            self._settings.drain_timeout_s)
         if self._record is None:
             return
-        status, text = await self._get("/metrics")
         capacity = kv_capacity_tokens(text) if status == 200 else 0
         if capacity:
             self._record = dataclasses.replace(self._record, kv_capacity_tokens=capacity)
@@ -359,38 +376,49 @@ class Supervisor:
             self._registration = None
             log.info("worker: deregistered; draining")
 
-    async def _drain(self, exited: asyncio.Task[int]) -> bool:
+    async def _drain(self, exited: asyncio.Task[int], *, since: float) -> bool:
         """Wait until the engine has no request left (or the timeout, or a second stop request).
+
+        Args:
+            exited: the engine's exit task.
+            since: ``time.monotonic()`` of the stop request, seconds. The deadline is ``since + drain_timeout_s``,
+                so the time deregistration took (a prefill puller finishing its jobs in hand, a slow etcd) counts
+                against the drain timeout and the pod's termination grace period holds; the settle time counts from
+                now (after deregistration).
 
         Returns False when the engine exited during the drain.
         """
         s = self._settings
         started = time.monotonic()
-        deadline = started + s.drain_timeout_s
-        self._stop.clear()
+        deadline = since + s.drain_timeout_s
         load: EngineLoad | None = None
+        said = ""  # the last problem logged: each is said once, not at every poll
         while True:
             if exited.done():
                 return False
             status, text = await self._get("/metrics")
+            problem = ""
             if status == 200:
                 try:
                     load = parse_engine_load(text)
                 except ValueError as exc:
-                    log.warning("worker: drain: cannot read the engine's load: %s", exc)
+                    problem = f"cannot read the engine's load: {exc}"
             else:
-                log.warning("worker: drain: /metrics answered %s", status or text)
+                problem = f"/metrics answered {status or text}"
+            if problem and problem != said:
+                log.warning("worker: drain: %s", problem)
+            said = problem
             now = time.monotonic()
             if load is not None and load.total == 0 and now - started >= s.drain_settle_s:
-                log.info("worker: drained in %.1f s", now - started)
+                log.info("worker: drained in %.1f s", now - since)
                 return True
-            if now >= deadline or self._stop.is_set():
+            if now >= deadline or self._stop_now.is_set():
                 why = "drain timeout" if now >= deadline else "second stop request"
                 left = f"{load.running:g} running, {load.waiting:g} waiting" if load else "unknown (no metrics)"
-                log.warning("worker: %s after %.1f s with %s; stopping the engine", why, now - started, left)
+                log.warning("worker: %s after %.1f s with %s; stopping the engine", why, now - since, left)
                 return True
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=min(s.drain_poll_s, max(0.0, deadline - now)))
+                await asyncio.wait_for(self._stop_now.wait(), timeout=min(s.drain_poll_s, max(0.0, deadline - now)))
 
     async def _terminate(self) -> None:
         """SIGTERM the child's process group; SIGKILL after ``kill_grace_s``; reap the child."""
@@ -400,12 +428,14 @@ class Supervisor:
         signal_process_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self._settings.kill_grace_s
         while time.monotonic() < deadline and process_group_alive(pgid):
+            reap_orphans(pgid, keep=pgid)
             await asyncio.sleep(0.1)
         if process_group_alive(pgid):
             log.warning("worker: engine still running %.0f s after SIGTERM; SIGKILL", self._settings.kill_grace_s)
             signal_process_group(pgid, signal.SIGKILL)
         with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
             await asyncio.wait_for(proc.wait(), timeout=10.0)
+        reap_orphans(pgid, keep=pgid)
         log.info("worker: engine stopped (code %s)", proc.returncode)
 
     async def _start_health_server(self) -> web.AppRunner | None:
@@ -448,11 +478,60 @@ def signal_process_group(pgid: int, sig: int) -> None:
 
 
 def process_group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` is still alive (one we may not signal counts as alive)."""
+    """Whether any process of group ``pgid`` is still alive (one we may not signal counts as alive).
+
+    A group whose remaining members are all zombies (exited, not yet reaped) is not alive: in the worker container
+    the supervisor is PID 1 and inherits the engine's orphans (a GPU worker whose engine core exited first), which
+    stay zombies until it reaps them (:func:`reap_orphans`); counting them held every stop for the whole kill
+    grace. Without a readable ``/proc`` (or when it lists no member) the signal test alone decides.
+    """
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    members = _group_members(pgid)
+    if not members:
+        return True
+    return any(state not in ("Z", "X") for _, state, _ in members)
+
+
+def reap_orphans(pgid: int, *, keep: int) -> list[int]:
+    """Reap the zombies of group ``pgid`` that are this process's children, except ``keep`` (the engine's own pid,
+    which asyncio's child watcher reaps); returns their pids. They are the engine's processes re-parented to the
+    supervisor as PID 1 (or a subreaper). Linux ``/proc``; elsewhere nothing is reaped."""
+    me = os.getpid()
+    reaped: list[int] = []
+    for pid, state, ppid in _group_members(pgid) or []:
+        if state == "Z" and ppid == me and pid != keep:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped.append(pid)
+    return reaped
+
+
+def _group_members(pgid: int) -> list[tuple[int, str, int]] | None:
+    """``(pid, state, parent pid)`` of every process of group ``pgid``, from ``/proc/<pid>/stat``; None where
+    ``/proc`` cannot be listed."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    members: list[tuple[int, str, int]] = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": the name may hold spaces and ")"
+        try:
+            state, ppid, pgrp = fields[0].decode(), int(fields[1]), int(fields[2])
+        except (IndexError, ValueError):
+            continue
+        if pgrp == pgid:
+            members.append((int(name), state, ppid))
+    return members

@@ -38,6 +38,7 @@ Errors::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,7 +110,9 @@ class WorkerConfig:
         extra_args: further vLLM arguments, appended verbatim.
 
     Raises:
-        SpecError: on construction, for any value out of range or an extra argument that repeats a managed flag.
+        SpecError: on construction, for any value out of range (``tpot_slo_ms`` not finite or 0 s once in seconds),
+            ``max_num_batched_tokens < max_num_seqs`` (vLLM's ``SchedulerConfig`` refuses it at start), or an
+            extra argument that repeats a managed flag.
     """
 
     model: str
@@ -174,12 +177,19 @@ def _problems(c: WorkerConfig) -> list[str]:
                         ("--max-model-len", c.max_model_len), ("--block-size", c.block_size)):
         if value is not None and value < 1:
             out.append(f"{name} must be >= 1, not {value}")
+    if 1 <= c.max_num_batched_tokens < c.max_num_seqs:  # vLLM's SchedulerConfig refuses it: the engine would exit
+        out.append(f"--max-num-batched-tokens {c.max_num_batched_tokens} is below --max-num-seqs {c.max_num_seqs}: "
+                   "vLLM requires max_num_batched_tokens >= max_num_seqs (raise the first or lower the second)")
     if c.device == "cpu" and c.block_size is not None and c.block_size % 32:
         out.append(f"--block-size must be a multiple of 32 on the CPU (vLLM's CPU attention), not {c.block_size}")
     if c.role != "both" and c.kv_connector == "none":
         out.append(f"--role {c.role} needs a KV connector (--kv-connector nixl): without one the KV cannot move")
     if c.tpot_slo_ms is not None and not c.tpot_slo_ms > 0:
         out.append(f"--tpot-slo-ms must be > 0, not {c.tpot_slo_ms}")
+    elif c.tpot_slo_ms is not None and not (math.isfinite(c.tpot_slo_ms) and c.tpot_slo_ms / 1e3 > 0):
+        # the scheduler works in seconds: inf is refused there at start, and 1e-322 ms is 0 s
+        out.append(f"--tpot-slo-ms must be a finite number of milliseconds that is still > 0 in seconds, "
+                   f"not {c.tpot_slo_ms}")
     for i, arg in enumerate(c.extra_args):
         bad = malformed_extra_arg(c.extra_args, i)
         if bad:
