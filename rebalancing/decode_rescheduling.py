@@ -66,12 +66,21 @@ class DecodeRequestLoad:
     Attributes:
         id: the request's id (any hashable string).
         tokens: N(r), tokens in its KV cache now (prompt + generated), tokens.
-        predicted_remaining: N̂(r), predicted output tokens still to generate (ARES §4), tokens (>= 0).
+        predicted_remaining: N̂(r), predicted output tokens still to generate (ARES §4), tokens (>= 0; +inf
+            allowed: it never ends within the horizon).
+
+    Raises:
+        ValueError: ``predicted_remaining`` is NaN (it would drop the request from every filter's comparison).
     """
 
     id: str
     tokens: int
     predicted_remaining: float
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.predicted_remaining):
+            raise ValueError(f"request {self.id!r}: predicted_remaining must be a number of tokens >= 0, got NaN; "
+                             "pass the predictor's estimate (or the horizon for an unknown length)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +90,15 @@ class DecodeInstanceLoad:
     Attributes:
         id: the instance's id.
         requests: its running decode requests.
-        kv_capacity_tokens: C_mem, the KV cache capacity, tokens.
+        kv_capacity_tokens: C_mem, the KV cache capacity, tokens (+inf when unknown; 0 or less: never a target).
         step_time_s: T_exec, the current decode step time, seconds (> 0).
         accepting: False for an instance that is draining or unhealthy: never a target.
         batch: b_t, requests in its running batch, when the caller knows more of them than ``requests`` lists
             (the live router folds work it does not track into one pinned entry); None: ``len(requests)``.
+
+    Raises:
+        ValueError: ``step_time_s`` not > 0 (0 divided Alg. 1 line 20's cost, NaN turned its filter off) or
+            ``kv_capacity_tokens`` NaN (it turned line 21's memory filter off).
     """
 
     id: str
@@ -94,6 +107,14 @@ class DecodeInstanceLoad:
     step_time_s: float
     accepting: bool = True
     batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.step_time_s > 0:
+            raise ValueError(f"instance {self.id!r}: step_time_s must be > 0 seconds, got {self.step_time_s!r}; "
+                             "pass the measured decode step time, or a default one while none is measured")
+        if math.isnan(self.kv_capacity_tokens):
+            raise ValueError(f"instance {self.id!r}: kv_capacity_tokens must be a number of tokens, got NaN; "
+                             "pass math.inf when the capacity is unknown")
 
     @property
     def batch_size(self) -> int:
@@ -124,6 +145,9 @@ class ReschedulingConfig:
         recompute_tokens_per_s: None (ARES: the KV moves over the link) or the target's prefill throughput,
             tokens/s, for a migration that recomputes the context on the target instead (the live router's,
             vLLM 0.32 cannot export a running request's KV): C_mig is then tokens over it.
+
+    Raises:
+        ValueError: a parameter outside its range (NaN included); the message names it.
     """
 
     theta: float = 0.1
@@ -149,6 +173,9 @@ class ReschedulingConfig:
             raise ValueError("kv_bytes_per_token and link_gbps must be > 0, transfer_overhead_s >= 0")
         if not (0 <= self.min_gain < 1):
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain!r}")
+        for name in ("request_cooldown_s", "instance_cooldown_s"):
+            if not getattr(self, name) >= 0:  # NaN too: it turned the hysteresis off, or rescheduling altogether
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}")
         if self.recompute_tokens_per_s is not None and not self.recompute_tokens_per_s > 0:
             raise ValueError(f"recompute_tokens_per_s must be > 0 or None, got {self.recompute_tokens_per_s!r}")
 

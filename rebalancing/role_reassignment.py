@@ -83,6 +83,9 @@ class RoleBalanceConfig:
             δ = 0.3 flipped 113 times in 40 min, δ = 0.5 12 times, with better SLO attainment (0.884 vs 0.864).
         cooldown_s: least time between two flips in the pool, seconds.
         dwell_s: least time an instance keeps a duty after a flip, seconds.
+
+    Raises:
+        ValueError: ``delta`` not a positive finite number, ``cooldown_s`` or ``dwell_s`` negative or NaN.
     """
 
     delta: float = 0.5
@@ -92,7 +95,7 @@ class RoleBalanceConfig:
     def __post_init__(self) -> None:
         if not (self.delta > 0 and math.isfinite(self.delta)):
             raise ValueError(f"delta must be positive, got {self.delta!r}")
-        if self.cooldown_s < 0 or self.dwell_s < 0:
+        if not (self.cooldown_s >= 0 and self.dwell_s >= 0):  # NaN too: it turned the hysteresis off or froze it
             raise ValueError("cooldown_s and dwell_s must be >= 0")
 
 
@@ -111,6 +114,12 @@ class RoleChange:
     prefill_utilisation: float
     decode_utilisation: float
     reason: str
+
+
+def _spread(u: float, n: int) -> float:
+    """Mean utilisation of a duty of ``n`` instances at mean ``u`` once one of them leaves: u·n/(n − 1); +inf for
+    the last one (its load would have no instance left, so that flip never shrinks the gap)."""
+    return u * n / (n - 1) if n > 1 else math.inf
 
 
 def plan_role_change(
@@ -132,8 +141,9 @@ def plan_role_change(
         flipped_at_s: instance id → time of its last flip.
 
     Returns:
-        A :class:`RoleChange`, or None when the duties are within δ, the bounds forbid it, the flip would not
-        shrink the gap, or the cooldown/dwell time has not passed.
+        A :class:`RoleChange`, or None when the duties are within δ (or a utilisation is NaN), the bounds forbid
+        it, the flip would not shrink the gap (always so for the last instance of a duty, whatever ``min_*``
+        allows), or the cooldown/dwell time has not passed.
     """
     if now_s - last_change_s < config.cooldown_s:
         return None
@@ -150,19 +160,19 @@ def plan_role_change(
     u_p = sum(i.utilisation for i in pre) / len(pre)
     u_d = sum(i.utilisation for i in dec) / len(dec)
     gap = u_p - u_d
-    if abs(gap) <= config.delta:
+    if not abs(gap) > config.delta:  # within δ, or a utilisation that is not a number (NaN): no information
         return None
     flipped = flipped_at_s or {}
     if gap > 0:  # prefill is the hot duty: a decode instance helps it
         if len(dec) - 1 < bounds.min_decode or len(pre) + 1 > bounds.max_prefill:
             return None
         give, to_duty, n_give, n_take = dec, "prefill", len(dec), len(pre)
-        u_take_after, u_give_after = u_p * n_take / (n_take + 1), u_d * n_give / (n_give - 1)
+        u_take_after, u_give_after = u_p * n_take / (n_take + 1), _spread(u_d, n_give)
     else:
         if len(pre) - 1 < bounds.min_prefill or len(dec) + 1 > bounds.max_decode:
             return None
         give, to_duty, n_give, n_take = pre, "decode", len(pre), len(dec)
-        u_take_after, u_give_after = u_d * n_take / (n_take + 1), u_p * n_give / (n_give - 1)
+        u_take_after, u_give_after = u_d * n_take / (n_take + 1), _spread(u_p, n_give)
     if abs(u_take_after - u_give_after) >= abs(gap):
         return None  # the flip would overshoot: the other duty would be as hot as this one is now
     candidates = [i for i in give if now_s - flipped.get(i.id, -math.inf) >= config.dwell_s]

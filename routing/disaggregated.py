@@ -33,6 +33,7 @@ gives the router a :class:`~fulcrum.routing.batcher.PrefillBatcher` configured f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,7 +77,8 @@ class DisaggregatedPolicy:
         index_blocks_per_instance: prompt blocks remembered per instance for the prefix-hit estimate.
 
     Raises:
-        ValueError: a negative threshold or weight, or ``kv_block_tokens < 1``.
+        ValueError: a negative threshold or weight, a weight that is not a finite number, or
+            ``kv_block_tokens < 1``.
     """
 
     name = "disaggregated"
@@ -94,6 +96,8 @@ class DisaggregatedPolicy:
     ) -> None:
         if ultra_short_tokens < 0 or miss_weight < 0 or kv_block_tokens < 1:
             raise ValueError("ultra_short_tokens and miss_weight must be >= 0 and kv_block_tokens >= 1")
+        if not math.isfinite(miss_weight):  # NaN sent every request to the first decode instance, inf round-robin
+            raise ValueError(f"miss_weight must be a finite number >= 0, got {miss_weight!r}")
         self.ultra_short_tokens = int(ultra_short_tokens)
         self.miss_weight = float(miss_weight)
         self.kv_block_tokens = int(kv_block_tokens)

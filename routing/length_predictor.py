@@ -159,22 +159,39 @@ class BucketedQuantilePredictor:
 
 
 class PerModelLengthPredictors:
-    """One output-length predictor per served model, made on first use by ``factory``."""
+    """One output-length predictor per served model, made by ``factory`` when the model's first finished request is
+    observed (or :meth:`for_model` asks for it).
+
+    A prediction for a model without one is answered by a single spare predictor that never observes anything (what
+    a new predictor answers) and keeps nothing: the router predicts before the engine refuses an unknown model, so
+    a predictor per name asked would let clients grow the router's memory without bound (about 11 KB per name).
+    """
 
     def __init__(self, factory: Callable[[], OutputLengthPredictor] = BucketedQuantilePredictor) -> None:
         self._factory = factory
         self._by_model: dict[str, OutputLengthPredictor] = {}
+        self._unseen: OutputLengthPredictor | None = None
+
+    def __len__(self) -> int:
+        """Models with a predictor of their own."""
+        return len(self._by_model)
 
     def for_model(self, model: str) -> OutputLengthPredictor:
-        """The predictor of ``model``."""
+        """The predictor of ``model`` (made now if it has none)."""
         p = self._by_model.get(model)
         if p is None:
             p = self._by_model[model] = self._factory()
         return p
 
     def predict(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
-        """``for_model(model).predict(prompt_tokens, max_tokens)``."""
-        return self.for_model(model).predict(prompt_tokens, max_tokens)
+        """``model``'s predictor's ``predict(prompt_tokens, max_tokens)``, tokens; a model without one is answered as
+        a new predictor would answer, and none is kept for it (class doc)."""
+        p = self._by_model.get(model)
+        if p is None:
+            p = self._unseen
+            if p is None:
+                p = self._unseen = self._factory()
+        return p.predict(prompt_tokens, max_tokens)
 
     def observe(self, model: str, prompt_tokens: int, output_tokens: int) -> None:
         """``for_model(model).observe(prompt_tokens, output_tokens)``."""

@@ -22,7 +22,8 @@ finished requests (so it follows drift), and estimates fall back, in order, to:
 2. the model's whole window when at least ``min_samples`` of those exceed g;
 3. past the observed tail (fewer than ``min_samples`` observations above g): a memoryless (exponential) tail —
    the mean (or median) excess over the threshold u that leaves ``min_samples`` observations above it, which an
-   exponential tail keeps constant beyond u;
+   exponential tail keeps constant beyond u; a window of at most ``min_samples`` observations has its u at its
+   shortest length, and below that (g < u, not past the tail) the excess over g of all its observations answers;
 4. nothing observed for the model yet: ``max_tokens − g`` when the request has a cap, else ``prior_tokens``.
 
 Estimates are rounded and clamped to ``[1, max_tokens − g]`` (0 once ``g ≥ max_tokens``: the request is done).
@@ -235,10 +236,12 @@ class RemainingLengthPredictor:
         for win in (w.buckets[self.bucket(prompt_tokens)], w.all):
             if win.count_above(g) >= self.min_samples:
                 return win.excess(g, self.statistic)
-        # past the observed tail: a memoryless tail keeps the excess over a high threshold constant
+        # past the observed tail: a memoryless tail keeps the excess over a high threshold constant. A window of
+        # at most min_samples observations puts u at its shortest length, which g may not have reached: g is not
+        # past the tail then, and the excess over g itself (of the few observations above it) answers.
         u = w.all.tail_threshold(self.min_samples)
         assert u is not None
-        est = w.all.excess(u, self.statistic)
+        est = w.all.excess(min(u, g), self.statistic)
         return est if est is not None else 1.0
 
     def predict_remaining(self, model: str, prompt_tokens: int, generated_tokens: int,

@@ -165,3 +165,32 @@ def test_a_recompute_is_not_worth_it_onto_a_busy_target_whose_batch_it_would_sta
     kv = dataclasses.replace(CFG, transfer_overhead_s=0.005)
     m = plan_migration([src, target(5)], kv)
     assert m is not None and m.request_id == "a-0"
+
+
+def test_a_step_time_or_capacity_that_is_zero_or_nan_is_refused_where_the_load_is_built() -> None:
+    """T_exec divides the migration cost (Alg. 1 line 20): 0 used to raise ZeroDivisionError inside
+    plan_migration, NaN turned the cost filter off (every comparison with NaN is false), and a NaN C_mem turned
+    the memory filter off. Each is refused, naming the field, when the instance's load is built."""
+    for step in (0.0, -0.03, float("nan")):
+        with pytest.raises(ValueError, match="step_time_s"):
+            inst("a", (3000, 400), step=step)
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):
+        inst("b", cap=float("nan"))
+    with pytest.raises(ValueError, match="predicted_remaining"):
+        DecodeRequestLoad("r", 100, float("nan"))
+    # what stays allowed: an unknown capacity as +inf (the router's), an infinite step time, 0 remaining, and a
+    # capacity of 0 or less, which only makes the instance no target
+    assert inst("b", cap=float("inf"), step=float("inf")).kv_capacity_tokens == float("inf")
+    assert plan_migration([inst("a", (3000, 400), (3000, 400)), inst("b", cap=-1.0)], CFG) is None
+    assert DecodeRequestLoad("r", 100, 0.0).predicted_remaining == 0.0
+
+
+def test_a_cooldown_that_is_not_a_number_or_negative_is_refused() -> None:
+    """The router's config refuses them (``ge=0``), the planner's own config took them: a NaN instance cooldown
+    made every source fail ``now − received >= NaN`` (rescheduling silently never ran), a NaN or negative request
+    cooldown let a request that had just moved move again (the hysteresis against ping-pong was gone)."""
+    for field in ("request_cooldown_s", "instance_cooldown_s"):
+        for bad in (float("nan"), -1.0):
+            with pytest.raises(ValueError, match=field):
+                ReschedulingConfig(**{field: bad})
+    assert ReschedulingConfig(request_cooldown_s=0.0, instance_cooldown_s=0.0).request_cooldown_s == 0.0

@@ -239,3 +239,19 @@ def test_reconfigured_keeps_a_policy_that_takes_the_parameters_and_builds_one_ot
     with pytest.raises(ValueError, match="unknown parameter"):
         reconfigured(policy, "disaggregated", {"nope": 1})
     assert policy.ultra_short_tokens == 32
+
+
+def test_a_miss_weight_that_is_not_a_finite_number_is_refused():
+    """NaN passed the ``miss_weight < 0`` check and made every decode cost NaN: every request went to the first
+    decode instance, however loaded (1,000,000 KV tokens against 0); +inf made every cost infinite and the
+    choice round-robin. Both are refused, naming the parameter, as for any router config value."""
+    from fulcrum.routing.registry import make_policy
+
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="miss_weight"):
+            DisaggregatedPolicy(miss_weight=bad)
+        with pytest.raises(ValueError, match="'miss_weight'"):
+            make_policy("disaggregated", {"miss_weight": bad})
+    fleet = [InstanceView("p", role="prefill"), InstanceView("b", role="decode", running_tokens=1_000_000),
+             InstanceView("c", role="decode")]
+    assert DisaggregatedPolicy(miss_weight=0.0).route(req(100), fleet, 0.0).second == "c"

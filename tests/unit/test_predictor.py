@@ -281,6 +281,18 @@ def test_per_model_predictors_learn_separately():
     assert isinstance(pm.for_model("a"), OutputLengthPredictor)
 
 
+def test_asking_for_a_model_never_served_keeps_no_predictor_for_it():
+    """The router predicts before the engine refuses an unknown model, with whatever name the client sent: each
+    name used to get a predictor of its own, kept for ever (20,000 junk names: 220 MB). A model gets one when a
+    finished request of it is observed; until then it is answered as a new predictor would answer."""
+    pm = PerModelLengthPredictors(lambda: BucketedQuantilePredictor(min_samples=1, margin_tokens=0, prior_tokens=300))
+    assert [pm.predict(f"junk-{i}", 100, 4096) for i in range(1000)] == [300] * 1000
+    assert pm.predict("junk", 100, 64) == 64  # the cap still holds
+    assert len(pm) == 0
+    pm.observe("served", 100, 42)
+    assert len(pm) == 1 and pm.predict("served", 100, 4096) == 42 and pm.predict("other", 100, 4096) == 300
+
+
 def _online_mae(pred: BucketedQuantilePredictor, rows: list[tuple[int, int]]) -> tuple[float, float]:
     errs, under = [], 0
     for p, d in rows:

@@ -148,3 +148,21 @@ def test_the_statistical_predictor_and_a_hidden_state_predictor_fit_their_protoc
     assert isinstance(mlp, HiddenStateLengthPredictor)
     out = mlp.predict_remaining(np.ones((3, 4), dtype=np.float32))
     assert out.shape == (3,) and float(out[0]) == 4.0
+
+
+def test_a_thin_window_answers_with_the_excess_over_g_of_what_it_has_not_over_its_shortest_length():
+    """Fewer observations than ``min_samples`` in the whole window: g is not past the observed tail, so the
+    memoryless-tail rule (excess over the window's shortest length) must not answer. One 100-token answer used
+    to predict 1 remaining token for a fresh request, five answers of 190–230 tokens 25 (their mean excess over
+    190)."""
+    one = fed([100])  # min_samples 16
+    assert one.predict_remaining("m", 100, 0) == 100
+    assert one.predict_remaining("m", 100, 50) == 50
+    five = fed([190, 200, 210, 220, 230])
+    assert five.predict_remaining("m", 100, 0) == 210
+    assert five.predict_remaining("m", 100, 100) == 110
+    assert five.predict_remaining("m", 100, 189) == 21  # every observation is above g = 189
+    assert fed([190, 200, 210, 220, 230], statistic="median").predict_remaining("m", 100, 0) == 210
+    # from the shortest length on, the memoryless tail answers as before: the excess over it
+    for g in (190, 205, 500):
+        assert five.estimate("m", 100, g) == pytest.approx((200 + 210 + 220 + 230) / 4 - 190)
