@@ -44,7 +44,8 @@ window's mean level (a better-conditioned likelihood for series in the thousands
 Percentage errors are taken relative to ``max(|actual|, 0.1 × the fitted window's mean level)`` so that an
 interval near zero does not count as an infinite error.
 
-Robustness: before ``min_points`` values (cold start), on a constant window, when a fit or an update fails
+Robustness: before ``min_points`` values (cold start), on a constant window, on a window shorter than p + d + q + 2
+(more parameters than points), when a fit or an update fails
 (``LinAlgError``, ``ValueError``, convergence trouble) or yields a non-finite or implausible forecast (more than
 10× the largest value in the window), the forecaster answers like :class:`~fulcrum.forecast.baselines.LastValue`.
 It never raises on data and never returns NaN. ``statsmodels`` warnings are silenced locally.
@@ -162,7 +163,8 @@ class ArimaForecaster:
         refit_error: refit when the mean absolute percentage error of the last ``error_points`` one-step
             forecasts exceeds this (0.25 = 25 %). Must be > 0.
         min_points: non-gap values needed before the first fit (raised to p + d + q + 2, capped at ``window``);
-            until then the forecaster answers like last value.
+            until then the forecaster answers like last value. A ``window`` shorter than p + d + q + 2 is never
+            fitted (more parameters than points): the forecaster then always answers like last value.
         correction: apply DOPD's multiplicative correction factor.
         error_points: how many recent one-step errors the refit test averages (≥ 1).
         correction_alpha: weight of the newest log(actual/forecast) in the correction factor's EWMA, (0, 1].
@@ -354,6 +356,10 @@ class ArimaForecaster:
         self._correction.reset()
         if float(np.ptp(y)) <= 1e-12 * max(space.scale, 1.0):
             return  # constant window: last value is exact; ARIMA's likelihood is degenerate
+        if len(y) < sum(self.order) + 2:
+            # More parameters than points (a window shorter than the order): not identifiable, and statsmodels spent
+            # ~40 s per fit of ARIMA(32, 0, 32) on 4 points. Last value answers.
+            return
         self._space = space
         endog = space.endog(y)
         with warnings.catch_warnings(), np.errstate(all="ignore"):

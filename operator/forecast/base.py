@@ -30,6 +30,7 @@ __all__ = [
     "check_steps",
     "finite_or",
     "make_forecast",
+    "mean_of",
     "plausible_limit",
     "z_value",
 ]
@@ -154,6 +155,26 @@ def make_forecast(mean: float, lower: float, upper: float) -> Forecast:
     return Forecast(mean=m, lower=lo, upper=hi)
 
 
+def mean_of(values: Iterable[float]) -> float:
+    """The mean of ``values`` (a non-empty iterable, any unit): ``math.fsum(values) / n``, or, when that sum
+    overflows (values near the largest float, 1.8e308), the mean of the values divided by their largest |value|,
+    scaled back, so that a forecaster fed such values never raises ``OverflowError``. An infinite value makes the
+    mean that infinity (NaN for both signs); a NaN value makes it NaN.
+
+    Raises:
+        ZeroDivisionError: for an empty ``values``.
+    """
+    xs = list(values)
+    try:
+        return math.fsum(xs) / len(xs)
+    except (OverflowError, ValueError):  # ValueError: fsum of -inf and +inf
+        infinite = {x for x in xs if math.isinf(x)}
+        if infinite:
+            return infinite.pop() if len(infinite) == 1 else math.nan
+        top = max(abs(x) for x in xs)
+        return top * (math.fsum(x / top for x in xs) / len(xs))
+
+
 def capped_ape(actual: float, forecast: float, level: float) -> float:
     """The absolute percentage error of ``forecast`` against ``actual``, as a share (0.25 = 25 %), capped at
     :data:`APE_CAP`; the denominator is at least :data:`APE_FLOOR` × ``level`` (the series' mean level, in its unit),
@@ -181,7 +202,10 @@ class ModelSpace:
     def of(cls, window: np.ndarray, log: bool = True) -> ModelSpace:
         """The space for ``window`` (a 1-D array of the series' values): logged when ``log`` and every value is
         positive."""
-        level = float(np.mean(np.abs(window))) if window.size else 0.0
+        with np.errstate(over="ignore"):
+            level = float(np.mean(np.abs(window))) if window.size else 0.0
+        if not math.isfinite(level):  # the sum overflowed (values near the largest float)
+            level = mean_of(np.abs(window).tolist())
         return cls(logged=log and bool(np.all(window > 0)), scale=level if level > 0 else 1.0)
 
     def endog(self, window: np.ndarray) -> np.ndarray:

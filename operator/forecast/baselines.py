@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forecast, z_value
+from fulcrum.forecast.base import Forecast, check_level, check_steps, make_forecast, mean_of, z_value
 
 __all__ = ["LastValue", "MovingAverage", "SeasonalNaive"]
 
@@ -89,7 +89,7 @@ class _ErrorTracking:
         if not self._errors:
             return 0.0, 0.0
         if len(self._errors) < _MIN_QUANTILE_ERRORS:
-            spread = z_value(level) * math.sqrt(math.fsum(e * e for e in self._errors) / len(self._errors))
+            spread = z_value(level) * math.sqrt(mean_of(e * e for e in self._errors))
             return spread, -spread
         if self._sorted is None:
             self._sorted = sorted(self._errors)
@@ -155,8 +155,9 @@ class MovingAverage(_ErrorTracking):
     def _point(self, steps: int) -> float | None:
         if not self._values:
             return None
-        # Recomputed (not a running sum) so that rounding errors cannot accumulate over long runs.
-        return math.fsum(self._values) / len(self._values)
+        # Recomputed (not a running sum) so that rounding errors cannot accumulate over long runs; ``mean_of``
+        # does not overflow near the largest float.
+        return mean_of(self._values)
 
     def _update(self, value: float) -> None:
         if not math.isnan(value):

@@ -8,11 +8,12 @@ with the one whose one-step forecasts were best over the trailing ``window`` int
     e_k(t)  = min(|x_t − x̂_k(t|t−1)| / max(|x_t|, 0.1·L_t), 10)        floored, capped absolute percentage error
     S_k(t)  = mean of e_k over the last ``window`` scored intervals      (the same n intervals for every k)
     d_k     = e_k − e_last_value on those intervals,  t_k = mean(d_k) / (sd(d_k) / √n)
-    chosen  = argmin S_k(t) over the k with t_k < −``t_crit``; ``last_value`` when there is none
+    chosen  = argmin S_k(t) over the k with t_k < −``t_crit`` and S_k(t) < S_last_value(t); ``last_value`` when none
 
 with L_t the mean |value| of the last ``window`` values (the floor keeps an interval near zero from counting as an
-infinite error; the cap keeps one such interval from dominating). t_k < −t_crit implies mean(d_k) < 0, so **by
-construction the chosen forecaster's error over the trailing window is below the last value's** (or it is the
+infinite error; the cap keeps one such interval from dominating). t_k < −t_crit implies mean(d_k) < 0, and S_k is
+compared with S_last_value as computed (errors a few ulps apart may have means that round to the same float), so
+**by construction the chosen forecaster's error over the trailing window is below the last value's** (or it is the
 last value) — the yardstick of issue 13 and of DOPD's forecaster (§V-D). The paired test (Diebold & Mariano,
 "Comparing predictive accuracy", JBES 1995, without the autocorrelation correction) asks a candidate to beat the
 last value by more than the noise of 32 errors: ``t_crit`` = 1.2816, a one-sided 90 % level like the default
@@ -66,6 +67,7 @@ from fulcrum.forecast.base import (
     check_level,
     check_steps,
     make_forecast,
+    mean_of,
 )
 from fulcrum.forecast.baselines import LastValue, MovingAverage, SeasonalNaive
 from fulcrum.forecast.correction import CorrectionFactor
@@ -275,7 +277,7 @@ class SelectingForecaster:
     def _score(self, actual: float) -> None:
         if not self._pending:
             return
-        level = math.fsum(self._levels) / len(self._levels)
+        level = mean_of(self._levels)
         for k, predicted in self._pending.items():
             self._errors[k].append(capped_ape(actual, predicted, level))
 
@@ -308,7 +310,10 @@ class SelectingForecaster:
             return
         best = BASELINE
         for k in scores:
-            if k != BASELINE and self._beats_baseline(k) and (best == BASELINE or scores[k] < scores[best]):
+            # ``scores[k] < scores[BASELINE]`` as well as the test: mean(d) < 0 implies it in exact arithmetic, but two
+            # trailing means may round to the same float when the errors differ by a few ulps.
+            if (k != BASELINE and scores[k] < scores[BASELINE] and self._beats_baseline(k)
+                    and (best == BASELINE or scores[k] < scores[best])):
                 best = k
         self._chosen = best
         # The guarantee of the module doc: never a higher trailing-window error than the last value's.

@@ -7,7 +7,8 @@ and the squared coefficient of variation of inter-arrival times c_a² (eq. 10).
 
 Series and their gaps (``observe``):
 
-- ``rate`` = ``obs.rate_rps`` (requests/s): always a value; 0 for an interval without arrivals is real.
+- ``rate`` = ``obs.rate_rps`` (requests/s): always a value; 0 for an interval without arrivals is real; a negative or
+  non-finite rate (a broken counter) is a gap and does not count towards ``ready``.
 - ``isl``, ``osl`` = ``obs.mean_isl``, ``obs.mean_osl`` (tokens): a gap when the interval had no arrivals, or when
   the mean is ≤ 0 (unknown: a real mean length is at least one token).
 - ``concurrency`` = ``obs.concurrency`` (requests in the system): always a value.
@@ -30,13 +31,14 @@ leaves it off and refits every due series at once, as DOPD Alg. 2 does.
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass
 
 from fulcrum.api.llmserve import ForecasterMethod, ForecasterSpec
 from fulcrum.errors import SpecError
 from fulcrum.forecast.arima import ArimaForecaster
-from fulcrum.forecast.base import Forecast, SeriesForecaster, check_level, check_steps
+from fulcrum.forecast.base import Forecast, SeriesForecaster, check_level, check_steps, mean_of
 from fulcrum.forecast.baselines import LastValue, MovingAverage, SeasonalNaive
 from fulcrum.forecast.distribution import QuantileForecaster
 from fulcrum.forecast.selector import SelectingForecaster
@@ -61,7 +63,7 @@ class WorkloadForecast:
             ``isl`` mean forecast; every level equal to that mean when means but no quantile vectors were
             observed; ``()`` before any mean ISL was observed.
         osl_quantiles: OSL at the same levels, tokens, by the same rules.
-        isl_sq_mean: E[ISL²], tokens² (DOPD eq. 7); 0 before any arrivals.
+        isl_sq_mean: E[ISL²], tokens² (DOPD eq. 7); 0 before any arrivals; finite (clipped at the largest float).
         arrival_cv2: c_a², squared coefficient of variation of inter-arrival times (DOPD eq. 10); 1.0 by default.
         ready: whether the rate series has the history the method needs (see :func:`required_history`);
             before that the forecasts are last-value-like and planners may prefer reacting to observations.
@@ -127,6 +129,24 @@ def required_history(method: ForecasterMethod | str, spec: ForecasterSpec) -> in
     return 1
 
 
+def _mean(values: deque[float], empty: float) -> float:
+    """The mean of ``values`` (finite), ``empty`` when there are none; finite even where their plain sum overflows."""
+    if not values:
+        return empty
+    value = sum(values) / len(values)
+    return value if math.isfinite(value) else mean_of(values)
+
+
+def _second_moment(shape: float, mean: float) -> float:
+    """E[ISL²] = ``shape`` · ``mean``² (tokens², finite): clipped at the largest float where it would overflow (a
+    mean ISL beyond ~1e154 tokens, i.e. broken metrics), instead of raising ``OverflowError``."""
+    try:
+        value = shape * mean**2
+    except OverflowError:
+        value = math.inf
+    return min(value, sys.float_info.max)
+
+
 class WorkloadForecaster:
     """One series forecaster per load series plus the length-distribution forecasters (see module doc).
 
@@ -168,23 +188,21 @@ class WorkloadForecaster:
         Raises:
             ValueError: when a non-empty quantile vector does not have ``len(QUANTILE_LEVELS)`` entries.
         """
-        rate = obs.rate_rps
+        rate = obs.rate_rps if math.isfinite(obs.rate_rps) and obs.rate_rps >= 0 else math.nan  # < 0: a gap
         arrived = obs.arrivals > 0
         isl = obs.mean_isl if arrived and obs.mean_isl > 0 else math.nan
         osl = obs.mean_osl if arrived and obs.mean_osl > 0 else math.nan
         self._observe_series([
-            (self.rate, rate if math.isfinite(rate) and rate >= 0 else math.nan),
-            (self.isl, isl), (self.osl, osl), (self.concurrency, obs.concurrency),
+            (self.rate, rate), (self.isl, isl), (self.osl, osl), (self.concurrency, obs.concurrency),
         ])
-        if math.isfinite(rate):
-            self._rate_points += 1
+        self._rate_points += not math.isnan(rate)
         self._isl_points += not math.isnan(isl)
         self._osl_points += not math.isnan(osl)
         if arrived:
             self.isl_distribution.observe(obs.isl_quantiles, isl)
             self.osl_distribution.observe(obs.osl_quantiles, osl)
             if math.isfinite(isl) and math.isfinite(obs.isl_sq_mean) and obs.isl_sq_mean > 0:
-                self._isl_shape.append(max(obs.isl_sq_mean / isl**2, 1.0))
+                self._isl_shape.append(max(obs.isl_sq_mean / _second_moment(1.0, isl), 1.0))
         if obs.arrivals >= _MIN_ARRIVALS_FOR_CV2 and math.isfinite(obs.arrival_cv2) and obs.arrival_cv2 >= 0:
             self._cv2.append(obs.arrival_cv2)
 
@@ -220,7 +238,7 @@ class WorkloadForecaster:
         check_level(lvl)
         isl = self.isl.forecast(steps, lvl)
         osl = self.osl.forecast(steps, lvl)
-        shape = sum(self._isl_shape) / len(self._isl_shape) if self._isl_shape else 1.0
+        shape = _mean(self._isl_shape, 1.0)
         return WorkloadForecast(
             rate=self.rate.forecast(steps, lvl),
             isl=isl,
@@ -228,7 +246,7 @@ class WorkloadForecaster:
             concurrency=self.concurrency.forecast(steps, lvl),
             isl_quantiles=self.isl_distribution.forecast(isl.mean) if self._isl_points else (),
             osl_quantiles=self.osl_distribution.forecast(osl.mean) if self._osl_points else (),
-            isl_sq_mean=shape * isl.mean**2,
-            arrival_cv2=sum(self._cv2) / len(self._cv2) if self._cv2 else 1.0,
+            isl_sq_mean=_second_moment(shape, isl.mean),
+            arrival_cv2=_mean(self._cv2, 1.0),
             ready=self.ready,
         )
