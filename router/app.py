@@ -8,13 +8,17 @@ One request: validate (400) → count the prompt (``fulcrum.router.tokens``) →
 :class:`~fulcrum.routing.base.RouteDecision` (503 when it finds no instance) → execute it
 (``fulcrum.router.handoff``) → relay. An instance that fails before anything reached the client is left out and
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message (at once for a failure
-that is not ``retryable``: a queued prefill job the workers refuse as malformed). An engine's 4xx is
+that is not ``retryable``: a queued prefill job the workers refuse as malformed). An engine's 429 before anything
+reached the client is routed again the same way (the instance left out, not recorded as failed); the last 429 is
+relayed when no other instance takes the request. Another 4xx of an engine is
 the client's error and is relayed as is (a body that is not a JSON object is put in OpenAI's error shape); another
 status that is not 200 (204, 3xx) carries no answer and is a 502. An instance the registry dropped after it was
 chosen fails like one that refuses connections (``UpstreamFailure``, not recorded against it) and is routed around.
 Once the stream began no status can change: any error ends it with an ``error`` event (the engine's message and
 status) and ``[DONE]``, counted under that status. A body over :data:`MAX_BODY_BYTES` is a 413; a router bug is
-logged and answered 502 in OpenAI's error shape (never aiohttp's bare 500).
+logged and answered 502 in OpenAI's error shape (never aiohttp's bare 500); so are an unknown path (404) and a
+route asked with another method (405, its ``Allow`` header kept), not aiohttp's plain text. A prompt the engine's
+tokenizer makes 0 tokens is a 400 (vLLM refuses it).
 
 Executing a decision: :data:`EXECUTORS` maps each decision kind to its executor (colocated, disaggregated, split);
 steps common to every kind (a planned prefix pull) run before it. Calls reach the engines through the pool's
@@ -224,6 +228,35 @@ def _error_response(err: RouterHTTPError) -> web.Response:
     return web.Response(status=err.status, body=err.body_bytes(), content_type="application/json")
 
 
+# ------------------------------------------------------------------------------------------ unmatched requests
+def _unmatched_error(request: web.Request, err: web.HTTPNotFound | web.HTTPMethodNotAllowed) -> web.Response:
+    """aiohttp's 404 (no route for the path) or 405 (the path's routes take other methods) in OpenAI's error shape
+    (OpenAI's own wording for a 404: "Invalid URL (GET /path)"); a 405 keeps its ``Allow`` header."""
+    where = f"{request.method} {request.path}"
+    if isinstance(err, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(err.allowed_methods))
+        body = error_body(f"method not allowed ({where}): {request.path} takes {allowed}", "invalid_request_error")
+        headers = {"Allow": err.headers["Allow"]}
+    else:
+        served = ", ".join(f"{r.method} {r.resource.canonical}" for r in request.app.router.routes()
+                           if r.method != "HEAD" and r.resource is not None)
+        body = error_body(f"Invalid URL ({where}): the router serves {served}", "invalid_request_error")
+        headers = {}
+    return web.Response(status=err.status, body=json.dumps(body).encode(), content_type="application/json",
+                        headers=headers)
+
+
+@web.middleware
+async def _openai_unmatched(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                            ) -> web.StreamResponse:
+    """Answer requests no route matches in OpenAI's error shape (:func:`_unmatched_error`). A matched request
+    only passes through (no work beyond the call); the router's own handlers never raise these exceptions."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as err:
+        return _unmatched_error(request, err)
+
+
 # ------------------------------------------------------------------------------------------ admission
 class _UnreadableBody(BadRequest):
     """400: the request body cannot be read (e.g. it fails its ``Content-Encoding``); the connection is closed
@@ -265,6 +298,10 @@ async def _admit(st: RouterState, request: web.Request, endpoint: Endpoint, t0: 
         body["model"] = model
     body.pop("kv_transfer_params", None)
     prompt = await count_prompt(st.pool, req, body, model, cfg.token_count)
+    if prompt.exact and prompt.count == 0:  # vLLM refuses a prompt of no tokens ("The decoder prompt cannot be empty")
+        field_ = "prompt" if endpoint == "completions" else "messages"
+        raise BadRequest(f"prompt must not be empty: {field_} has no tokens once tokenized, and the engine refuses "
+                         "an empty prompt; send at least one token", param=field_)
     cap = req.output_cap() if isinstance(req, ChatCompletionRequest) else (req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     max_len = cfg.max_model_len or prompt.max_model_len
     if max_len is not None:
@@ -554,17 +591,23 @@ def _internal_error() -> UpstreamError:
 
 
 async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: ClientSink) -> web.StreamResponse:
+    """Route and execute ``ex``, again on another instance (up to ``max_retries`` times) after a retryable
+    :class:`UpstreamFailure` or an engine's 429 while nothing was streamed; then the answer, or the last failure
+    (502) or 429 as it came."""
     assert st.pool is not None
     exclude: list[str] = []
     last: UpstreamFailure | None = None
-    for _ in range(st.config.max_retries + 1):
+    busy: Outcome | None = None  # the latest engine's 429 (too many requests): relayed if no other instance takes it
+    for attempt in range(st.config.max_retries + 1):
         try:
             d = _route(st, info, exclude)
         except NoInstanceError as err:
+            if busy is not None:
+                return await _finish(st, ex, sink, busy)
             if last is not None:
                 return _finish_error(st, ex, UpstreamError(last.message))
             return _finish_error(st, ex, NoHealthyInstance(f"no healthy instance can take the request: {err}"))
-        if last is not None:  # counted once it is actually sent: a retry that finds no instance is none
+        if attempt:  # counted once it is actually sent: a retry that finds no instance is none
             st.metrics.child(st.metrics.retries, "before-stream").inc()
         st.metrics.decision(st.policy.name, d.kind, d.reason, d.phi)
         st.metrics.child(st.metrics.routed, d.kind).inc()
@@ -572,7 +615,7 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
         try:
             out = await _execute(st, ex, d, sink)
         except UpstreamFailure as err:
-            last = err
+            last, busy = err, None
             if sink.started:
                 await _stream_error(sink, UpstreamError(err.message))
                 _observe_done(st, ex, sink, None, "502")
@@ -589,6 +632,12 @@ async def _attempts(st: RouterState, ex: Exchange, info: RequestInfo, sink: Clie
             return _finish_error(st, ex, err)
         finally:
             st.policy.on_finish(info.request_id, st.clock())
+        if out.status == 429 and not sink.started and attempt < st.config.max_retries:
+            # the engine is busy, not broken (not recorded against it): another instance may take the request
+            last, busy = None, out
+            exclude.extend(i for i in ((out.instance,) if out.instance is not None else (d.first, d.second))
+                           if i is not None)
+            continue
         return await _finish(st, ex, sink, out)
     assert last is not None
     return _finish_error(st, ex, UpstreamError(last.message))
@@ -849,7 +898,7 @@ def create_app(
     st.rescheduler = Rescheduler(remaining_predictor or RemainingLengthPredictor(), clock)
     st.reset_prefill_gate()
     st.roles = RoleBalancer(st.metrics)
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_unmatched])
     app[ROUTER] = st
 
     async def startup(app: web.Application) -> None:

@@ -84,6 +84,8 @@ class Outcome:
         prompt_tokens: the engine's count of prompt tokens, or None.
         data: the parsed non-streamed answer, when it was parsed (a relayed answer without a transform is not:
             only its ``usage`` is read, :func:`whole_usage`).
+        instance: the instance whose answer a non-200 outcome is, where the caller knows it (the router retries
+            an engine's 429 elsewhere and leaves that instance out); None when not known.
     """
 
     status: int
@@ -91,6 +93,7 @@ class Outcome:
     completion_tokens: int = 0
     prompt_tokens: int | None = None
     data: dict[str, Any] | None = field(default=None)
+    instance: str | None = None
 
 
 class ClientSink:
@@ -216,7 +219,7 @@ async def _relay_whole(pool: UpstreamPool, iid: str, path: str, body: dict[str, 
                        transform: Transform | None) -> Outcome:
     status, raw, _ = await pool.fetch(iid, path, body)
     if status != 200:
-        return Outcome(status, raw)
+        return Outcome(status, raw, instance=iid)
     data: dict[str, Any] | None = None
     usage = whole_usage(raw) if transform is None else None
     if usage is None:
@@ -307,7 +310,7 @@ async def _relay_events(pool: UpstreamPool, ex: Exchange, iid: str, path: str, b
     loop = asyncio.get_running_loop()
     async with pool.open(iid, path, body, stream=True) as resp:
         if resp.status != 200:
-            return Outcome(resp.status, await resp.read())
+            return Outcome(resp.status, await resp.read(), instance=iid)
         splitter = EventSplitter()
         async for chunk in resp.content.iter_any():
             block = splitter.feed_block(chunk)

@@ -34,7 +34,10 @@ from the same context (the client never sees a token A generated after the cut).
 same continuation (P + tokens so far) is resumed on another decode-capable instance (least loaded first; the
 instance it was moved away from only when no other is left), up to ``max_retries`` times (``fulcrum_router_migration_fallbacks{to}``); the same holds for an
 instance that fails mid-stream after its first token. Only when every instance fails does the client get the
-error event, as without rescheduling.
+error event, as without rescheduling. A streamed chunk whose shape the leg cannot read is such a failure ("broken",
+recorded against the instance), checked as on the split path (``fulcrum.router.handoff``: ``choices`` a non-empty
+list of objects, ``text`` a string, ``token_ids`` non-negative integers); before the first token the router routes
+the request again, as after any failure of a first leg.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from typing import Any, Literal
 
 from fulcrum.rebalancing.decode_rescheduling import DecodeInstanceLoad, DecodeRequestLoad, Migration, plan_migration
 from fulcrum.router.config import ReschedulingSection, RouterConfig
+from fulcrum.router.handoff import _one_choice as one_choice  # the split path's checks of an engine's answer
+from fulcrum.router.handoff import _token_ids as token_ids
 from fulcrum.router.handoff import (
     AnswerShape,
     completions_body,
@@ -250,7 +255,9 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
     engine's 4xx answer as an :class:`Outcome` when ``relay_4xx`` (nothing was done yet: the client's error).
 
     Raises:
-        UpstreamFailure: the engine failed (5xx, cut, timeout, error event, or a 4xx; the caller decides).
+        UpstreamFailure: the engine failed (5xx, cut, timeout, error event, an event that is not JSON or whose
+            shape :func:`_take` cannot read, or a 4xx; the caller decides). A failure raised while the answer is
+            read is recorded against ``iid`` once, by :meth:`UpstreamPool.open` around it.
     """
     loop = asyncio.get_running_loop()
     t = pool.config.timeouts
@@ -264,8 +271,10 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
                 if resp.status != 200:
                     raw = await resp.read()
                     if relay_4xx:
-                        return Outcome(resp.status, raw)
-                    raise UpstreamFailure(iid, "status", upstream_message(raw, resp.status), resp.status)
+                        return Outcome(resp.status, raw, instance=iid)
+                    # a busy instance (429) is not a broken one: resumed elsewhere, not recorded against it
+                    raise UpstreamFailure(iid, "status", upstream_message(raw, resp.status), resp.status,
+                                          instance_fault=resp.status != 429)
                 splitter = EventSplitter()
                 done = False
                 async for chunk in resp.content.iter_any():
@@ -281,7 +290,6 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
                         try:
                             obj = json.loads(payload)
                         except ValueError as err:
-                            pool.record_failure(iid, "broken")
                             raise UpstreamFailure(iid, "broken", f"{iid} sent an event that is not JSON") from err
                         if not isinstance(obj, dict) or is_usage_only(obj):
                             continue
@@ -299,7 +307,6 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
                             resp.close()  # vLLM aborts the request and frees its KV
                             return False
                 if not done:
-                    pool.record_failure(iid, "broken")
                     raise UpstreamFailure(iid, "broken", f"{iid} ended the stream before [DONE]")
     except TimeoutError as err:
         if not deadline.expired():
@@ -310,14 +317,20 @@ async def _leg(pool: UpstreamPool, ex: Exchange, iid: str, body: dict[str, Any],
 
 async def _take(obj: dict[str, Any], ex: Exchange, sink: ClientSink, ticket: Ticket, pr: _Progress,
                 tr: TrackedRequest, shape: AnswerShape, resched: Rescheduler, iid: str) -> None:
-    """One engine event: hold its tokens until their text is whole, then pass them on."""
-    choices = obj.get("choices")
-    ch = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    ids = ch.get("token_ids")
-    text = str(ch.get("text") or "")
+    """One engine event: hold its tokens until their text is whole, then pass them on.
+
+    Raises:
+        UpstreamFailure: "broken" (recorded by the pool: :func:`_leg` reads inside ``UpstreamPool.open``): the
+            event's shape is not an answer's, checked as on the split path (``fulcrum.router.handoff``):
+            ``choices`` is not a non-empty list of objects, the text is not a string, or ``token_ids`` is not a
+            list of non-negative integers.
+    """
+    ch = one_choice(obj, iid)
+    ids = token_ids(ch.get("token_ids"), iid, "token_ids")
+    text = ch.get("text") or ""
     finish = ch.get("finish_reason")
-    if isinstance(ids, list):
-        pr.pending_ids.extend(int(t) for t in ids)
+    if ids is not None:
+        pr.pending_ids.extend(ids)
     elif text:
         tr.movable = False  # the engine gives no token ids: the request can finish here only
         pr.pending_ids.append(-1)
