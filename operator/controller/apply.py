@@ -11,8 +11,10 @@ Rules:
   applies with its own manager ``fulcrum-operator-drain`` and ``force=False`` (a conflict is an error, not a
   take-over).
 - **Idempotent**: each applied object carries the hash of its desired content in the annotation
-  :data:`HASH_ANNOTATION`. Before writing, the live object is read; when its hash matches, nothing is sent (a
-  second reconcile of the same spec issues no write; :attr:`Applier.writes` counts them).
+  :data:`HASH_ANNOTATION`. Before writing, the live object is read; when its hash matches and it still holds every
+  value the desired object sets (:func:`drift`: a hand edit keeps the annotation), nothing is sent (a second
+  reconcile of the same spec issues no write; :attr:`Applier.writes` counts them). An edited field is taken back
+  at the operator's next pass (the next interval or spec change); fields others add are left alone.
 - **Replica count rule**: a pool Deployment's ``spec.replicas`` belongs to the operator. A hand edit (or an HPA
   fighting it) does not change the hash, so it is compared on its own: a live count different from the desired
   one is reverted at the operator's next interval — not on every watch event (the operator does not watch
@@ -46,6 +48,7 @@ __all__ = [
     "Applier",
     "resource_path",
     "desired_hash",
+    "drift",
 ]
 
 FIELD_MANAGER = "fulcrum-operator"
@@ -107,6 +110,50 @@ def desired_hash(obj: Mapping[str, Any]) -> str:
     if isinstance(ann, dict):
         ann.pop(HASH_ANNOTATION, None)
     return hashlib.sha256(json.dumps(clean, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def drift(desired: Any, live: Any, path: str = "") -> list[str]:
+    """The paths where ``live`` no longer holds a value of ``desired`` (empty: the object is as applied).
+
+    A hand edit (``kubectl edit``, another client's write) keeps the desired-hash annotation, so the hash alone
+    cannot see it. Only what ``desired`` sets is compared: fields the API server or a controller added (defaults,
+    ``deployment.kubernetes.io/revision``, a ``kubectl rollout restart`` annotation) are no drift, nor is a
+    ``false``/``0``/empty value the server leaves out (it omits them: ``publishNotReadyAddresses: false``), nor a
+    resource quantity it rewrote in its canonical form (``0.5`` → ``500m``). Lists compare item by item and must
+    keep their length.
+
+    Returns:
+        the JSONPath-like paths (``.spec.template.spec.containers[0].image``) that differ, in ``desired``'s order.
+    """
+    if isinstance(desired, Mapping):
+        if not isinstance(live, Mapping):
+            return [] if not desired and live is None else [path or "."]
+        out: list[str] = []
+        for k, v in desired.items():
+            out += drift(v, live.get(k), f"{path}.{k}")
+        return out
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return [] if not desired and live is None else [path or "."]
+        return [p for i, (a, b) in enumerate(zip(desired, live)) for p in drift(a, b, f"{path}[{i}]")]
+    if live is None and desired in (False, 0, ""):
+        return []
+    if isinstance(desired, bool) or isinstance(live, bool):
+        return [] if desired is live else [path or "."]
+    if desired == live or (".resources." in path and _same_quantity(desired, live)):
+        return []
+    return [path or "."]
+
+
+def _same_quantity(a: Any, b: Any) -> bool:
+    """Whether two resource quantities are equal (the API server stores ``0.5`` CPU as ``500m``, ``1.5Gi`` as
+    ``1536Mi``); False when either is no quantity."""
+    from kubernetes.utils import parse_quantity
+
+    try:
+        return bool(parse_quantity(a) == parse_quantity(b))  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError, ArithmeticError):
+        return False
 
 
 class KubeClient:
@@ -278,7 +325,7 @@ class Applier:
         live_hash = ((live or {}).get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION)
         want_r, live_r = _replicas(desired), _replicas(live)
         replicas_edited = live is not None and want_r is not None and live_r is not None and live_r != want_r
-        if live is not None and live_hash == h and not replicas_edited:
+        if live is not None and live_hash == h and not replicas_edited and not drift(desired, live):
             report.unchanged.append(key)
             return False
         if replicas_edited and live_hash == h:

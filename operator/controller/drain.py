@@ -20,8 +20,12 @@ The protocol, for a pool going from N to M < N instances (DESIGN principle 3; th
 6. **lower replicas** of the pool Deployment to M;
 7. **unmark**: remove them from ``draining`` (they are terminating; their registry entries go with them).
 
-Cancelled (the operator runs drains in the background and stops one when the plan wants the pool back),
-:func:`drain_pool` unmarks the pods it marked before re-raising: they serve again.
+Cancelled (the operator runs drains in the background and stops one when the plan wants the pool back), or failing
+(the API refused a write after retries), :func:`drain_pool` puts its victims back into service before re-raising:
+it resets the pod-deletion cost it set (to 0, the default) and unmarks the pods it marked — a pod left with the
+drained cost would be the first the ReplicaSet deletes at the pool's next scale-in, busy, instead of that drain's
+own victims. Once the replicas write of step 6 is sent it is waited for even when the drain is cancelled (it cannot
+be called back): the victims then keep their cost, which makes the ReplicaSet delete exactly them.
 
 :func:`drain_steps` is the pure ordering (unit-tested); :func:`drain_pool` runs it against a
 :class:`DrainIO` (the Kubernetes/HTTP adapter in ``handlers.py``, an in-memory fake in tests) with an
@@ -31,6 +35,7 @@ injected clock and sleep.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,6 +54,8 @@ __all__ = [
     "draining_from_metrics",
     "load_from_metrics",
 ]
+
+log = logging.getLogger("fulcrum.operator")
 
 #: The annotation the ReplicaSet controller reads to choose which pods to delete first (lower = first).
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
@@ -191,12 +198,14 @@ async def drain_pool(
         confirm_timeout_s: seconds to wait for every router to report the victims draining (module doc, step 3).
 
     Raises:
-        whatever ``io`` raises (the caller reports it; the pool keeps its replicas, the router its list).
+        whatever ``io`` raises (the caller reports it). Before the replicas dropped, the victims are put back into
+        service first (module doc): the pool keeps its replicas and serves with all of them.
     """
     pods = await io.pod_loads(pool)
     victims = pick_victims(pods, len(pods) - new_replicas)
     result = DrainResult(pool, tuple(victims), new_replicas)
     marked: Sequence[str] = ()
+    costed: Sequence[str] = ()
     try:
         for step in drain_steps(pool, victims, new_replicas):
             if step.kind == "mark":
@@ -208,17 +217,66 @@ async def drain_pool(
             elif step.kind == "wait":
                 result = await _wait_idle(io, result, timeout_s=timeout_s, poll_s=poll_s, clock=clock, sleep=sleep)
             elif step.kind == "deletion_cost":
+                costed = step.pods  # before the await: an annotation may land although the call failed
                 await io.set_deletion_cost(step.pods, DRAINED_DELETION_COST)
             elif step.kind == "scale":
-                await io.scale(pool, int(step.replicas or 0))
+                # its API write cannot be called back: finished even when the drain is stopped meanwhile, so that
+                # the victims' cost is kept exactly when the replicas dropped (or still may)
+                scaling = asyncio.ensure_future(io.scale(pool, int(step.replicas or 0)))
+                scaling.add_done_callback(_retrieve)
+                stopped = await _wait_through_cancel(scaling)
+                if not scaling.done() or (not scaling.cancelled() and scaling.exception() is None):
+                    costed = ()  # the ReplicaSet deletes exactly the pods with the cost
+                if stopped:
+                    raise asyncio.CancelledError()
+                scaling.result()
             elif step.kind == "unmark":
                 await io.unmark_draining(step.pods)
                 marked = ()
-    except asyncio.CancelledError:
-        if marked:  # stopped (the plan wants the pool back): the pods serve again, or leave the router's list
-            await io.unmark_draining(marked)
+    except (Exception, asyncio.CancelledError):  # not GeneratorExit: a closed coroutine may not await
+        # failed or stopped (the plan wants the pool back) before the replicas dropped: the victims serve again —
+        # off the router's draining list, and without the cost that would make the ReplicaSet delete them, busy,
+        # at the pool's next scale-in instead of that drain's own victims
+        await _undo(io, pool, marked, costed)
         raise
     return result
+
+
+async def _wait_through_cancel(task: asyncio.Future[None]) -> bool:
+    """Wait for ``task`` through one cancellation of the caller (a second one stops the wait, the task runs on);
+    True when the caller was cancelled meanwhile. The task's own outcome is left in it."""
+    stopped = False
+    for _ in range(2):
+        try:
+            await asyncio.shield(task)
+            return stopped
+        except asyncio.CancelledError:
+            if task.done():
+                return stopped
+            stopped = True
+        except Exception:  # noqa: BLE001 - the caller reads it from the task
+            return stopped
+    return stopped
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Mark a scale's failure retrieved: a stopped drain re-raises its cancel, not the failure of a write it let run."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _undo(io: DrainIO, pool: str, marked: Sequence[str], costed: Sequence[str]) -> None:
+    """Put a failed or stopped drain's victims back into service (best effort: the original error is raised)."""
+    if costed:
+        try:
+            await io.set_deletion_cost(costed, 0)
+        except Exception as err:  # noqa: BLE001 - reported with the drain's own failure
+            log.warning("%s: pod-deletion cost of %s not reset: %s", pool, ", ".join(costed), err)
+    if marked:
+        try:
+            await io.unmark_draining(marked)
+        except Exception as err:  # noqa: BLE001
+            log.warning("%s: %s not taken off the draining list: %s", pool, ", ".join(marked), err)
 
 
 async def _confirm_marked(io: DrainIO, result: DrainResult, *, timeout_s: float, poll_s: float,

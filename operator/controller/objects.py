@@ -102,13 +102,21 @@ class ApiObjects:
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
         """Server-side apply of the annotations with field manager ``fulcrum-operator-drain``, ``force=False`` (a
-        conflict raises, never takes over); False on 404."""
+        conflict raises, never takes over); False when the pod is gone.
+
+        A server-side apply of a missing object tries to create it, so for a pod deleted meanwhile the API server
+        answers 422 (a Pod without containers is invalid) or an admission refusal, not 404: a refused apply is
+        checked with a GET, and a pod that is not there is False.
+
+        Raises:
+            KubeApiError: the apply failed (after retries) on a pod that exists, or the GET failed.
+        """
         obj = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": namespace, "annotations": dict(annotations)}}
         try:
             self.kube.server_side_apply(obj, field_manager=DRAIN_FIELD_MANAGER, force=False)
         except KubeApiError as err:
-            if err.status == 404:
+            if err.status == 404 or (400 <= err.status < 500 and self.kube.get("v1", "Pod", namespace, name) is None):
                 return False
             raise
         return True

@@ -242,8 +242,15 @@ def build_status(
         apply_rejected: the API server rejected the objects of this generation (its message): Degraded=True reason
             ApplyRejected (before ``degraded``'s message, which is appended); the rest as usual.
 
+    When ``previous`` observed a later generation than ``generation`` and found it invalid (Degraded reason
+    InvalidSpec), its ``observedGeneration`` and its ``Degraded`` and ``Ready`` conditions are kept: a drain of the
+    last valid spec that ends meanwhile reports its pools without clearing that verdict.
+
     Returns:
-        the whole ``status`` mapping.
+        the whole ``status`` mapping, written as an RFC 7386 merge patch: a key of a nested field of ``previous``
+        (``plan``, ``forecast``, ``routing``, ``pools``, ``lastObservation``) that this status no longer has
+        (``plan.sloInfeasible`` once the SLO is in reach, ``plan.ratio`` of a Unified plan, ``routing.prefillShare``
+        of a Disaggregated one) is None, so the patch deletes it instead of leaving it beside the new values.
     """
     prev = dict(previous or {})
     conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or () if isinstance(c, Mapping)]
@@ -306,4 +313,38 @@ def build_status(
     status["draining"] = list(draining)
     if generation is not None:
         status["observedGeneration"] = int(generation)
-    return status
+    _keep_newer_verdict(prev, status)
+    return _delete_stale(prev, status)
+
+
+def _keep_newer_verdict(previous: Mapping[str, Any], status: dict[str, Any]) -> None:
+    """A status built for an older generation than ``previous`` observed (a drain of the last valid spec ending
+    after a newer spec was found invalid) reports the pools, but keeps the newer generation's
+    ``observedGeneration`` and its InvalidSpec ``Degraded`` and ``Ready`` conditions: nothing of that spec was
+    applied, and the verdict stands until a valid generation is reconciled."""
+    seen, now = previous.get("observedGeneration"), status.get("observedGeneration")
+    if not (isinstance(seen, int) and isinstance(now, int) and seen > now):
+        return
+    status["observedGeneration"] = seen
+    prev_conds = [c for c in previous.get("conditions") or () if isinstance(c, Mapping)]
+    degraded = get_condition(prev_conds, "Degraded")
+    if degraded is None or degraded.get("reason") != "InvalidSpec":
+        return
+    kept = {t: dict(c) for t in ("Degraded", "Ready") if (c := get_condition(prev_conds, t)) is not None}
+    status["conditions"] = [kept.get(str(c.get("type")), c) for c in status.get("conditions") or ()]
+
+
+def _delete_stale(previous: Mapping[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` with None (RFC 7386: delete) for every key of a nested mapping of ``previous`` that the same
+    mapping in ``status`` lacks; top-level keys absent from ``status`` are left alone (kept by the merge)."""
+    def stale(old: Mapping[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        out = dict(new)
+        for k, v in old.items():
+            if k not in out:
+                out[k] = None
+            elif isinstance(v, Mapping) and isinstance(out[k], dict):
+                out[k] = stale(v, out[k])
+        return out
+
+    return {k: stale(previous[k], v) if isinstance(v, dict) and isinstance(previous.get(k), Mapping) else v
+            for k, v in status.items()}
