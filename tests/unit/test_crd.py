@@ -186,7 +186,7 @@ def test_spec_schema_keeps_the_model_constraints_in_openapi_v3_0_form() -> None:
         0.5, True, 1.0, True,
     )
     order = props["scaling"]["properties"]["forecaster"]["properties"]["order"]
-    assert order["items"] == {"type": "integer", "minimum": 0, "maximum": 32} and order["minItems"] == order["maxItems"] == 3
+    assert order["items"] == {"type": "integer", "minimum": 0, "maximum": 8} and order["minItems"] == order["maxItems"] == 3
     assert props["mode"]["enum"] == [m.value for m in Mode]
     assert props["router"]["properties"]["policy"]["enum"] == [p.value for p in RouterPolicy]
     assert props["router"]["properties"]["prefillQueue"]["enum"] == ["direct", "nats"]
@@ -523,8 +523,8 @@ _VALUE_CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("order (2, 0, 1)", {"scaling": {"forecaster": {"order": [2, 0, 1]}}}, True),
     ("order negative", {"scaling": {"forecaster": {"order": [-1, 0, 0]}}}, False),
     ("order negative q", {"scaling": {"forecaster": {"order": [0, 1, -1]}}}, False),
-    ("order (32, 2, 32)", {"scaling": {"forecaster": {"order": [32, 2, 32]}}}, True),
-    ("order p 33", {"scaling": {"forecaster": {"order": [33, 1, 1]}}}, False),
+    ("order (8, 2, 8)", {"scaling": {"forecaster": {"order": [8, 2, 8]}}}, True),
+    ("order p 9", {"scaling": {"forecaster": {"order": [9, 1, 1]}}}, False),
     ("order p 2**70", {"scaling": {"forecaster": {"order": [2**70, 1, 1]}}}, False),
     ("maxGPUs as a string", {"scaling": {"maxGPUs": "8"}}, False),
     ("maxGPUs as a boolean", {"scaling": {"maxGPUs": True}}, False),
