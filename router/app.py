@@ -10,7 +10,8 @@ One request: validate (400) → count the prompt (``fulcrum.router.tokens``) →
 the request is routed again, up to ``max_retries`` times; then 502 with the engine's message (at once for a failure
 that is not ``retryable``: a queued prefill job the workers refuse as malformed). An engine's 429 before anything
 reached the client is routed again the same way (the instance left out, not recorded as failed); the last 429 is
-relayed when no other instance takes the request. Another 4xx of an engine is
+relayed when no other instance takes the request, with the engine's ``Retry-After`` header where it sent a valid one
+(the only upstream header passed on). Another 4xx of an engine is
 the client's error and is relayed as is (a body that is not a JSON object is put in OpenAI's error shape); another
 status that is not 200 (204, 3xx) carries no answer and is a 502. An instance the registry dropped after it was
 chosen fails like one that refuses connections (``UpstreamFailure``, not recorded against it) and is routed around.
@@ -75,10 +76,11 @@ from fulcrum.router.handoff import (
 from fulcrum.router.relay import relay
 from fulcrum.router.metrics import CONTENT_TYPE, RouterMetrics
 from fulcrum.routing.base import InstanceView, NoInstanceError, Policy, RequestInfo, RouteDecision
-from fulcrum.routing.prefix import PrefixPull, prompt_block_hashes, pull_costs
+from fulcrum.routing.predictor import ExecutionPredictor
+from fulcrum.routing.prefix import PrefixIndex, PrefixPull, prompt_block_hashes, pull_costs
 from fulcrum.routing.registry import make_policy, reconfigured
 from fulcrum.router.prefill_gate import PrefillGate
-from fulcrum.router.registry import Registry, StaticRegistry
+from fulcrum.router.registry import InstanceRecord, Registry, StaticRegistry
 from fulcrum.router.relay import ClientGone, ClientSink, Exchange, Outcome, error_outcome_message
 from fulcrum.routing.remaining_length import RemainingLength, RemainingLengthPredictor
 from fulcrum.router.rescheduler import Rescheduler, migratable, run_disaggregated_migratable, run_migratable
@@ -87,7 +89,7 @@ from fulcrum.router.schemas import ChatCompletionRequest, CompletionRequest, End
 from fulcrum.router.sse import DONE, encode_event
 from fulcrum.router.tokens import count_prompt
 from fulcrum.router.transport import HttpTransport, QueuedTransport, new_session, retire_queue
-from fulcrum.router.upstream import UpstreamFailure, UpstreamPool, upstream_message
+from fulcrum.router.upstream import UpstreamFailure, UpstreamPool, retry_after_of, upstream_message
 
 __all__ = [
     "PolicyFactory",
@@ -99,6 +101,7 @@ __all__ = [
     "create_app",
     "default_policy_factory",
     "apply_draining",
+    "forget_instance",
 ]
 
 log = logging.getLogger(__name__)
@@ -218,6 +221,31 @@ def apply_draining(pool: UpstreamPool, draining: tuple[str, ...] | list[str]) ->
 
 
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
+
+
+# ------------------------------------------------------------------------------------------ membership
+def forget_instance(policy: Policy, iid: str) -> None:
+    """Drop what ``policy`` keeps about instance ``iid``, which left the registry: its prefix-index entry
+    (:meth:`fulcrum.routing.prefix.PrefixIndex.forget`; ``load_aware`` and ``disaggregated``, up to
+    ``index_blocks_per_instance`` block hashes) and its virtual queue
+    (:meth:`fulcrum.routing.predictor.ExecutionPredictor.forget`; ``split``). Without it a departed pod's state
+    stays for the router's lifetime and grows with pod churn; an instance that returns under the same id starts
+    afresh. Called where the pool drops instances (:func:`_set_records`), never in a policy's ``route()``, whose
+    ``instances`` may be a subset of the fleet (the simulator's). Policies holding neither are left as they are."""
+    index = getattr(policy, "index", None)
+    if isinstance(index, PrefixIndex):
+        index.forget(iid)
+    predictor = getattr(policy, "predictor", None)
+    if isinstance(predictor, ExecutionPredictor):
+        predictor.forget(iid)
+
+
+def _set_records(st: RouterState, records: list[InstanceRecord]) -> None:
+    """The registry's instance list into the pool, then the policy forgets the instances that left."""
+    assert st.pool is not None
+    for iid in st.pool.set_records(records):
+        forget_instance(st.policy, iid)
+        log.info("instance %s left the registry", iid)
 
 
 def _json_response(status: int, data: Any) -> web.Response:
@@ -658,7 +686,9 @@ async def _finish(st: RouterState, ex: Exchange, sink: ClientSink, out: Outcome)
             what = "with no body" if not out.body else "instead of an answer"
             return _finish_error(st, ex, UpstreamError(f"the engine answered HTTP {out.status} {what}"))
         st.metrics.child(st.metrics.responses, ex.endpoint, str(out.status)).inc()
-        return web.Response(status=out.status, body=_error_answer(out), headers=_JSON_HEADERS)
+        retry_after = retry_after_of(out.body) if out.status == 429 else None  # the engine's, when it sent one
+        headers = _JSON_HEADERS if retry_after is None else {**_JSON_HEADERS, "Retry-After": retry_after}
+        return web.Response(status=out.status, body=_error_answer(out), headers=headers)
     _observe_done(st, ex, sink, out, "200")
     if not ex.stream:
         return web.Response(status=200, body=out.body or b"", headers=_JSON_HEADERS)
@@ -763,7 +793,7 @@ async def _watch_registry(st: RouterState, sleep: Callable[[float], Any] = async
     while True:
         try:
             async for records in st.registry.watch():
-                st.pool.set_records(records)
+                _set_records(st, records)
                 apply_draining(st.pool, st.config.draining)
         except asyncio.CancelledError:
             raise
@@ -908,7 +938,7 @@ def create_app(
                                        registered=lambda iid: st.pool is not None and iid in st.pool)
         st.transport.use_queue(st.config.prefill_queue)
         st.pool = UpstreamPool(st.transport, st.config, st.metrics, clock)
-        st.pool.set_records(await st.registry.snapshot())
+        _set_records(st, await st.registry.snapshot())
         apply_draining(st.pool, st.config.draining)
         st.metrics.attach_pool(lambda: st.pool.views() if st.pool is not None else [])
         st.tasks.append(asyncio.create_task(_watch_registry(st), name="router-registry"))

@@ -177,7 +177,9 @@ class Rescheduler:
     def loads(self, views: Sequence[InstanceView], section: ReschedulingSection,
               now: float) -> tuple[list[DecodeInstanceLoad], dict[str, float]]:
         """Alg. 1's "Collect States": one load per decode-capable instance, and the requests the planner must
-        not move (pinned: already marked, without token ids, or the untracked rest), as a cooldown map."""
+        not move (pinned: already marked, without token ids, or the untracked rest), as a cooldown map. The untracked
+        rest of an instance (its ``running_tokens`` beyond the tracked requests' tokens) is one entry with
+        N̂ = ``horizon_steps`` + 1: it counts at every horizon point, t = H included (ARES eq. 4, Alg. 1 line 13)."""
         pinned: dict[str, float] = dict(self.last_moved_s)  # a pinned request never passes the cooldown: +inf
         by_inst: dict[str, list[DecodeRequestLoad]] = {}
         for tr in self.requests.values():
@@ -194,7 +196,10 @@ class Rescheduler:
             rest = v.running_tokens - sum(r.tokens for r in reqs)
             if rest > 0:  # untracked work on the instance: counted, never moved
                 rid = f"_untracked:{v.id}"
-                reqs = [*reqs, DecodeRequestLoad(rid, rest, float(section.horizon_steps))]
+                # its length is unknown: it outlives the horizon, so N̂ = H + 1 keeps it in N̂_i(t) up to t = H
+                # inclusive (ARES Alg. 1 line 13 sums t = 1..H; a request counts while t < N̂), as the replay's
+                # current_only (fulcrum.replay.rescheduling) does
+                reqs = [*reqs, DecodeRequestLoad(rid, rest, float(section.horizon_steps + 1))]
                 pinned[rid] = math.inf
             cap = v.kv_capacity_tokens or section.default_kv_capacity_tokens or math.inf
             # b_t of the recompute filter: every request in flight there, tracked or not (the untracked rest is

@@ -4,7 +4,9 @@
 - ``token_count: tokenize`` (the default): vLLM's ``POST /tokenize`` on an available instance —
   ``{"model", "prompt"}`` or ``{"model", "messages", "add_generation_prompt": true}`` answers
   ``{"tokens": [...], "count": n, "max_model_len": m}``; the chat template is applied exactly as the chat
-  endpoint applies it. An engine's 4xx (e.g. a message the template rejects) is the client's error (400).
+  endpoint applies it. An engine's 4xx (e.g. a message the template rejects) is the client's error (400), except
+  429 (too many requests): a busy tokenizer is not the prompt's fault, so, like a failed call, another instance is
+  asked (two in all).
 - ``token_count: estimate``, or when no instance answers ``/tokenize`` (an answer other than non-negative integer
   token ids and, when given, a positive integer ``max_model_len`` is ignored and logged): one token per 4 UTF-8
   bytes of text (+4 per chat message for the template's role markers). It only feeds the policies; the
@@ -113,7 +115,8 @@ async def count_prompt(pool: UpstreamPool, req: CompletionRequest | ChatCompleti
     """P for one request (module docstring).
 
     Raises:
-        BadRequest: the engine's tokenizer rejected the prompt (its message is kept).
+        BadRequest: the engine's tokenizer rejected the prompt with a 4xx other than 404, 405 and 429 (its message
+            is kept). A failed call or a 429 moves on to another instance; when none answers, the estimate.
     """
     if isinstance(req, CompletionRequest):
         p = req.single_prompt()
@@ -132,6 +135,9 @@ async def count_prompt(pool: UpstreamPool, req: CompletionRequest | ChatCompleti
                                                          total_s=pool.config.timeouts.first_token_s)
             except UpstreamFailure as err:
                 log.warning("tokenize on %s failed (%s); trying another instance", iid, err.cause)
+                continue
+            if status == 429:  # a busy tokenizer, not a bad prompt: as a failed call, ask another instance
+                log.warning("tokenize on %s answered 429 (too many requests); trying another instance", iid)
                 continue
             if 400 <= status < 500 and status not in (404, 405):
                 raise BadRequest(f"the engine's tokenizer rejected the prompt: {upstream_message(raw, status)}")

@@ -25,7 +25,14 @@ import aiohttp
 from fulcrum.router.config import PrefillQueueConfig
 from fulcrum.router.errors import NoHealthyInstance
 from fulcrum.router.metrics import RouterMetrics
-from fulcrum.router.upstream import Deadline, Transport, UpstreamFailure, UpstreamResponse, upstream_message
+from fulcrum.router.upstream import (
+    Deadline,
+    Transport,
+    UpstreamFailure,
+    UpstreamResponse,
+    busy_body,
+    upstream_message,
+)
 
 __all__ = ["HttpTransport", "QueuedTransport", "is_prefill_leg", "queued_answer", "new_session", "retire_queue"]
 
@@ -79,7 +86,10 @@ class HttpTransport:
                 if resp.status >= 500:
                     raw = await resp.read()
                     raise UpstreamFailure(iid, "status", upstream_message(raw, resp.status), resp.status)
-                yield resp
+                if resp.status == 429:  # its Retry-After rides on the body read (BusyBody)
+                    yield _BusyResponse(resp)
+                else:
+                    yield resp
         except aiohttp.ClientError as err:
             raise _translate(iid, err) from err
         except (TimeoutError, asyncio.TimeoutError) as err:
@@ -102,6 +112,8 @@ class HttpTransport:
         try:
             async with self.session.post(base + path, data=_encode(body), headers=_JSON,
                                          timeout=self._timeout(deadline)) as resp:
+                if resp.status == 429:  # the one header passed on to the client (BusyBody); none on other answers
+                    return 429, busy_body(await resp.read(), resp.headers.get("Retry-After"))
                 return resp.status, await resp.read()
         except aiohttp.ClientError as err:
             raise _translate(iid, err) from err
@@ -126,6 +138,35 @@ class HttpTransport:
     async def close(self) -> None:
         """Close the session (its connections)."""
         await self.session.close()
+
+
+class _BusyResponse:
+    """An engine's 429 as :meth:`HttpTransport.open` yields it (:class:`~fulcrum.router.upstream.UpstreamResponse`):
+    the aiohttp response, whose whole body :meth:`read` returns with the engine's ``Retry-After``
+    (:func:`~fulcrum.router.upstream.busy_body`)."""
+
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+
+    @property
+    def status(self) -> int:
+        """429."""
+        return self._resp.status
+
+    @property
+    def content(self) -> aiohttp.StreamReader:
+        """The body as it arrives (the Retry-After is not on it)."""
+        return self._resp.content
+
+    async def read(self) -> bytes:
+        """The whole body, a :class:`~fulcrum.router.upstream.BusyBody` when a valid ``Retry-After`` came."""
+        return busy_body(await self._resp.read(), self._resp.headers.get("Retry-After"))
+
+    def close(self) -> None:
+        """Close the connection at once."""
+        self._resp.close()
 
 
 def _encode(body: dict[str, Any] | bytes) -> bytes:
@@ -200,7 +241,8 @@ class QueuedTransport:
     every delivery → :class:`UpstreamFailure`, not held against the chosen instance (the router retries the
     request, then 502 with the worker's error); ``timeout`` — no worker replied within ``prefill_queue.timeout_s``
     — and ``unavailable`` — NATS unreachable — → 503 with the reason, or with ``on_timeout: direct`` the prefill
-    leg over ``direct`` to the chosen instance while it is registered (``direct``).
+    leg over ``direct`` to the chosen instance while it is registered (``direct``). A queued job's 429 comes
+    without ``Retry-After`` (the worker's reply carries no headers); every call over ``direct`` keeps it.
 
     Args:
         direct: the transport of every other call.

@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from fulcrum.routing.base import InstanceView
 from fulcrum.router.registry import InstanceRecord
 
 __all__ = ["FailureCause", "UpstreamFailure", "Deadline", "UpstreamResponse", "Transport", "InstanceState", "Ticket",
-           "UpstreamPool", "upstream_message", "parse_gauge"]
+           "UpstreamPool", "upstream_message", "parse_gauge", "BusyBody", "busy_body", "retry_after_of"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,38 @@ def upstream_message(raw: bytes, status: int) -> str:
             if isinstance(data.get(key), str):
                 return str(data[key])[:500]
     return f"upstream answered HTTP {status}"
+
+
+class BusyBody(bytes):
+    """An engine's 429 body that came with a ``Retry-After`` header: the bytes as sent, and ``retry_after``, the
+    header's value (delay-seconds or an HTTP-date, RFC 9110 §10.2.3) that the router passes on when it relays the
+    429 to the client. The transports return one only for such a 429 (:func:`busy_body`); every other answer is
+    plain ``bytes``, so the 200 path copies no header. Being ``bytes``, it travels unchanged through the code that
+    carries an answer's body to the client (``fulcrum.router.relay.Outcome.body``)."""
+
+    retry_after: str
+
+
+_HTTP_DATE = re.compile(r"[A-Za-z]{3}, \d{2} [A-Za-z]{3} \d{4} \d{2}:\d{2}:\d{2} GMT")
+
+
+def busy_body(raw: bytes, retry_after: str | None) -> bytes:
+    """``raw`` (an engine's 429 body) as a :class:`BusyBody` carrying ``retry_after`` (the engine's ``Retry-After``
+    header, None when absent); ``raw`` unchanged when the header is absent or not a valid value (delay-seconds:
+    digits; or an IMF-fixdate HTTP-date such as ``Sun, 06 Nov 1994 08:49:37 GMT``), which is then not passed on."""
+    if retry_after is None:
+        return raw
+    value = retry_after.strip()
+    if not (value.isascii() and value.isdigit() and len(value) <= 10) and _HTTP_DATE.fullmatch(value) is None:
+        return raw
+    out = BusyBody(raw)
+    out.retry_after = value
+    return out
+
+
+def retry_after_of(body: bytes | None) -> str | None:
+    """The engine's ``Retry-After`` carried by an answer's body (:class:`BusyBody`), or None."""
+    return body.retry_after if isinstance(body, BusyBody) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +177,8 @@ class Transport(Protocol):
              ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """POST ``body`` as JSON; yields the answer (status < 500) with its body unread. Failures while the caller
         reads inside the block (timeouts, resets) are translated too; leaving the block early closes the
-        connection (vLLM then aborts the request).
+        connection (vLLM then aborts the request). The ``read()`` of a 429 that came with a ``Retry-After`` header
+        returns a :class:`BusyBody` carrying it.
 
         Raises:
             UpstreamFailure: connect error, timeout, 5xx answer, an answer cut mid-way.
@@ -154,7 +188,8 @@ class Transport(Protocol):
     async def post(self, iid: str, base: str, path: str, body: dict[str, Any] | bytes, deadline: Deadline, *,
                    queueable: bool) -> tuple[int, bytes, Any | None]:
         """POST ``body`` as JSON (``bytes``: already encoded, sent as is; never a prefill leg) and read the whole
-        answer: (status, raw body, the parsed body or None when this transport did not parse it). ``queueable``: a
+        answer: (status, raw body, the parsed body or None when this transport did not parse it); the raw body of a
+        429 that came with a ``Retry-After`` header is a :class:`BusyBody` carrying it. ``queueable``: a
         prefill leg may go through the prefill queue (only :meth:`UpstreamPool.post_json` allows it; relayed
         answers and prefix pulls go to the instance).
 
@@ -285,19 +320,23 @@ class UpstreamPool:
                         for c in ("connect", "timeout", "status", "broken")}
 
     # ---------------------------------------------------------------- membership and views
-    def set_records(self, records: Iterable[InstanceRecord]) -> None:
+    def set_records(self, records: Iterable[InstanceRecord]) -> list[str]:
         """Replace the instance list; kept instances keep their state, removed ones leave (calls in flight on
-        them finish normally)."""
+        them finish normally). Returns the ids of the instances that left (the router drops what its policy keeps
+        about them, ``fulcrum.router.app.forget_instance``)."""
         new = {r.id: r for r in records}
+        left = []
         for iid, st in list(self._states.items()):
             if iid not in new:
                 st.removed = True
                 del self._states[iid]
+                left.append(iid)
         for iid, rec in new.items():
             if iid in self._states:
                 self._states[iid].record = rec
             else:
                 self._states[iid] = InstanceState(record=rec)
+        return left
 
     def update_config(self, config: RouterConfig) -> None:
         """Swap timeouts and ejection settings."""
@@ -468,8 +507,8 @@ class UpstreamPool:
     async def fetch(self, iid: str, path: str, body: dict[str, Any] | bytes, total_s: float | None = None, *,
                     queueable: bool = False) -> tuple[int, bytes, Any | None]:
         """POST ``body`` (``bytes``: JSON already encoded) and read the whole answer: (status, raw body, parsed
-        body or None when the transport did not parse it). 4xx are returned. ``queueable``: a prefill leg may go
-        through the prefill queue.
+        body or None when the transport did not parse it). 4xx are returned (a 429's ``Retry-After`` rides on its
+        raw body, :class:`BusyBody`). ``queueable``: a prefill leg may go through the prefill queue.
 
         Raises:
             UpstreamFailure: as :meth:`open`.
