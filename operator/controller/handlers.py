@@ -69,6 +69,7 @@ from fulcrum.controller.resources import (
     build_objects,
     initial_target,
     pool_deployment_name,
+    router_name,
     worker_selector,
 )
 from fulcrum.controller.status import (build_status, degraded_reason, get_condition, slo_infeasibility,
@@ -145,6 +146,14 @@ class _Runtime:
     """Serialises applies: an interval's and a drain's never interleave (a pool's replicas have one writer)."""
     drain_notes: list[str] = field(default_factory=list)
     """Drain timeouts and failures since the last interval (its Degraded message)."""
+    drain_plans: dict[Pool, tuple[int, int, str]] = field(default_factory=dict)
+    """What each drain in flight does: pool → (replicas before, replicas after, the plan's reason). Shared like
+    ``drains``."""
+    grown: dict[Pool, tuple[int, int]] = field(default_factory=dict)
+    """The pools the interval's apply grew: pool → (replicas before, after) (its ScaledOut Events)."""
+    loop_degraded: str | None = None
+    """The Degraded reason of the last interval's own outcome (ObservationUnavailable, PlanningFailed), None when it
+    planned: its Warning Event is posted once per cause, whatever drain notes say meanwhile."""
 
 
 #: 4xx answers that are not a rejection of the objects: credentials to refresh, a request that timed out.
@@ -304,7 +313,7 @@ class Controller:
                 current = initial_target(serve, profile)
         total = external_replicas(serve.spec)
         if total is not None:
-            current = distribute(total, current)
+            current = distribute(total, current, max_gpus=serve.spec.scaling.max_gpus)
         loop = ControlLoop(serve.spec, profile, current)
         observer = None
         if self.settings.prometheus_url:
@@ -315,9 +324,10 @@ class Controller:
                                           percentile=slo.percentile, max_model_len=serve.spec.engine.max_model_len)
         new = _Runtime(serve=serve, generation=gen, loop=loop, applied=rt.applied if rt else current,
                        profile=profile, observer=observer, draining=list(rt.draining) if rt else [],
-                       degraded=rt.degraded if rt else None)
+                       degraded=rt.degraded if rt else None, loop_degraded=rt.loop_degraded if rt else None)
         if rt is not None:  # drains in flight go on under the new spec (they look the runtime up by key)
             new.drains, new.apply_lock, new.drain_notes = rt.drains, rt.apply_lock, rt.drain_notes
+            new.drain_plans = rt.drain_plans
         self.runtimes[key] = new
         return new
 
@@ -347,8 +357,10 @@ class Controller:
         for what in pruned:
             log.info("%s: deleted %s (no longer part of the spec)", _key(body), what)
         for dep, live, want in report.reverted:
-            msg = (f"Deployment {dep}: replicas edited to {live} outside the operator; reverted to {want} "
-                   "(set spec.scaling.replicaOwner: External to own the count)")
+            owner = ("spec.router.replicas sets the router's count: change it there"
+                     if dep == router_name(rt.serve.metadata.name)
+                     else "set spec.scaling.replicaOwner: External to own the count")
+            msg = f"Deployment {dep}: replicas edited to {live} outside the operator; reverted to {want} ({owner})"
             log.warning(msg)
             await self.event(body, "Warning", "ReplicasReverted", msg)
         return report
@@ -481,6 +493,7 @@ class Controller:
             rt.warmed = True
             await self._warm_start(key, rt, rt.observer, ready)
         rt.loop_previous = rt.loop.current
+        rt.grown = {}
         cluster = KubernetesCluster(self, rt, body, asyncio.get_running_loop())
         try:
             outcome = await _in_own_thread(rt.loop.run_interval, cluster, name=f"interval {key}")
@@ -502,14 +515,20 @@ class Controller:
 
     async def _events(self, body: Mapping[str, Any], rt: _Runtime, outcome: LoopOutcome) -> None:
         """The Events of one interval, after its target was applied: ObservationUnavailable (first blind
-        interval) or PlanningFailed (first interval the planner failed on), SLOInfeasible/SLOFeasible (:meth:`_slo_event`), ScaledOut per growing pool,
-        TensorParallelChanged per pool whose TP changed (its pods roll)."""
-        if outcome.degraded and rt.degraded is None:
-            await self.event(body, "Warning", degraded_reason(outcome.degraded, outcome),
-                             f"holding the current pools: {outcome.degraded}")
+        interval) or PlanningFailed (first interval the planner failed on) — once per cause: judged against the
+        previous interval's own outcome, not against a drain's note —, SLOInfeasible/SLOFeasible
+        (:meth:`_slo_event`), ScaledOut per pool the plan grows and the apply grew (``rt.grown``: the replicas
+        before and after; a pool whose drain the plan only shortened grew nothing), TensorParallelChanged per pool
+        whose TP changed (its pods roll)."""
+        cause = degraded_reason(outcome.degraded, outcome) if outcome.degraded else None
+        if cause is not None and cause != rt.loop_degraded:
+            await self.event(body, "Warning", cause, f"holding the current pools: {outcome.degraded}")
+        rt.loop_degraded = cause
         await self._slo_event(body, rt, outcome)
-        for pool, (old, new) in outcome.scale_out.items():
-            await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
+        for pool in outcome.scale_out:
+            if pool in rt.grown:
+                old, new = rt.grown[pool]
+                await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
         for pool in Pool:
             was, now = rt.loop_previous.pool(pool), outcome.target.pool(pool)
             if was.tp != now.tp and (was.replicas or now.replicas):
@@ -565,23 +584,58 @@ class Controller:
         A pool is scaled in only by its drain (``drain.py``), which runs as a task while the control loop goes
         on: a burst during a drain is planned for at the next interval, not after the drain timeout. A plan
         that wants a draining pool back at its size (or larger) stops the drain (its pods are unmarked) and
-        applies at once; a plan that wants it smaller still waits for the drain, then drains again. Drain
-        timeouts and failures are left in ``rt.drain_notes`` (the next status's Degraded message).
+        applies at once; a plan that wants it smaller than the drain goes still waits for the drain, then drains
+        again. A plan between the two (a drain 4→2, then a plan for 3) stops the drain — its victims serve again —
+        and drains again to the new count at once (:meth:`_retarget_drains`): no drained pod is removed only for
+        a cold one to start. Drain timeouts and failures are left in ``rt.drain_notes`` (the next status's
+        Degraded message). The pools the apply grew are left in ``rt.grown`` (their ScaledOut Events).
         """
-        for pool, task in list(rt.drains.items()):
-            want, have = target.pool(pool).replicas, rt.applied.pool(pool).replicas
-            if want >= have:
-                await cancel_and_wait([task], recancel_after_s=30.0)  # drain_pool unmarks its pods when cancelled
-                rt.drains.pop(pool, None)
-                await self.event(body, "Normal", "DrainCancelled",
-                                 f"{pool}: the plan wants {want} instances again; drain stopped: {reason}")
+        await self._retarget_drains(body, rt, target, reason)
+        before = rt.applied
         shrinking = _shrinking(rt, target)
         await self._apply(rt, body, target)  # holds the shrinking pools at their replicas: their drains lower them
+        rt.grown = {p: (before.pool(p).replicas, rt.applied.pool(p).replicas) for p in Pool
+                    if rt.applied.pool(p).replicas > before.pool(p).replicas}
         key = _key(body)
         for pool in sorted(shrinking - set(rt.drains)):
             old, new = rt.applied.pool(pool).replicas, target.pool(pool).replicas
+            rt.drain_plans[pool] = (old, new, reason)
             rt.drains[pool] = asyncio.create_task(self._drain(key, body, rt, pool, old, new, reason),
                                                   name=f"drain {key} {pool}")
+
+    async def _retarget_drains(self, body: Mapping[str, Any], rt: _Runtime, target: ClusterTarget,
+                               reason: str) -> None:
+        """Stop every drain in flight that ``target`` wants fewer victims of: the pool back at its size or larger,
+        or at more instances than the drain leaves (``drain_pool`` unmarks its victims and resets their
+        pod-deletion cost when cancelled: they serve again; :meth:`_act` then drains again to ``target``'s count).
+        A drain a plan wants smaller still goes on (the next interval drains again).
+
+        Events say what happened: ``DrainCancelled`` when the drain was stopped before it lowered the replicas;
+        ``ScaledIn`` when its replicas write had already been sent (``drain_pool`` waits for it: it cannot be
+        called back), so the pool did shrink; nothing when the drain ended by itself meanwhile (it posted its own).
+        """
+        for pool, task in list(rt.drains.items()):
+            want, have = target.pool(pool).replicas, rt.applied.pool(pool).replicas
+            old, to, why = rt.drain_plans.get(pool, (have, have, reason))
+            if want < have and want <= to:
+                continue
+            await cancel_and_wait([task], recancel_after_s=30.0)  # drain_pool unmarks its pods when cancelled
+            rt.drains.pop(pool, None)
+            rt.drain_plans.pop(pool, None)
+            if not task.cancelled():
+                continue  # it ended by itself meanwhile: its ScaledIn (or its failure note) is its own
+            now = rt.applied.pool(pool).replicas
+            if now < have:
+                await self.event(body, "Normal", "ScaledIn",
+                                 f"{pool}: {have}→{now} instances (the drain's replicas write was already sent when "
+                                 f"the plan changed to {want}): {why}")
+            elif want >= have:
+                await self.event(body, "Normal", "DrainCancelled",
+                                 f"{pool}: the plan wants {want} instances again; drain stopped: {reason}")
+            else:
+                await self.event(body, "Normal", "DrainCancelled",
+                                 f"{pool}: the plan wants {want} instances, not {to}: drain {old}→{to} stopped, "
+                                 f"draining {have}→{want} instead: {reason}")
 
     async def _drain(self, key: str, body: Mapping[str, Any], rt: _Runtime, pool: Pool, old: int, new: int,
                      reason: str) -> None:
@@ -607,6 +661,7 @@ class Controller:
             started.set(0.0)
             if rt.drains.get(pool) is asyncio.current_task():
                 del rt.drains[pool]
+                rt.drain_plans.pop(pool, None)
         self.metrics.drain_seconds.observe(max(self.monotonic() - t0, 0.0))
         drained = ", ".join(result.victims) or "none"
         await self.event(body, "Normal", "ScaledIn", f"{pool}: {old}→{new} instances after draining {drained}: {reason}")

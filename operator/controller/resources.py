@@ -254,7 +254,9 @@ def initial_target(serve: LLMServe, profile: PerformanceProfile | None = None) -
     (:func:`fulcrum.ratio.planner.initial_in_budget`), and the cut is logged.
 
     With ``spec.scaling.replicaOwner: External`` the total ``spec.scaling.replicas`` is split between the
-    started pools in proportion to those counts (at least one each while the total allows).
+    started pools in proportion to those counts (at least one each while the total allows); a split that needs
+    more than ``spec.scaling.maxGPUs`` GPUs at the pools' TPs (e.g. 8 instances as 4 prefill TP 1 + 4 decode TP 2 =
+    12 GPUs) is cut to it the same way (:func:`~fulcrum.ratio.planner.initial_in_budget`), and the cut is logged.
 
     Returns:
         a :class:`~fulcrum.target.ClusterTarget`; pools the mode does not start have 0 replicas.
@@ -289,6 +291,27 @@ def initial_target(serve: LLMServe, profile: PerformanceProfile | None = None) -
         counts = _split_total(sc.replicas, {p.value: size.replicas for p, size in target.pools()})
         target = ClusterTarget.of({p: PoolSize(counts[p.value], size.tp) for p, size in target.pools()},
                                   target.routing)
+        target = _external_in_budget(serve, target)
+    return target
+
+
+_BUDGET_KEYS = {Pool.PREFILL: "p", Pool.DECODE: "d", Pool.UNIFIED: "u"}
+"""The pool keys of :func:`fulcrum.ratio.planner.initial_in_budget`."""
+
+
+def _external_in_budget(serve: LLMServe, target: ClusterTarget) -> ClusterTarget:
+    """``target`` (an external total split over the pools) cut to ``spec.scaling.maxGPUs`` at its TPs
+    (:func:`~fulcrum.ratio.planner.initial_in_budget`); a cut is logged with the LLMServe's name."""
+    started = {p: size for p, size in target.pools() if size.replicas > 0}
+    counts, note = initial_in_budget({_BUDGET_KEYS[p]: size.replicas for p, size in started.items()},
+                                     {_BUDGET_KEYS[p]: size.tp for p, size in started.items()},
+                                     serve.spec.scaling.max_gpus)
+    if note is None:
+        return target
+    _log.warning("LLMServe %s/%s: replicaOwner External, spec.scaling.replicas %d: %s", serve.metadata.namespace,
+                 serve.metadata.name, serve.spec.scaling.replicas, note)
+    for p in started:
+        target = target.with_replicas(p, counts[_BUDGET_KEYS[p]])
     return target
 
 

@@ -15,7 +15,8 @@ Rules on top of the planner (DESIGN principle 3 and the card's faults):
   Degraded with the planner's message;
 - **external replica owner** (``spec.scaling.replicaOwner: External``, e.g. KEDA or a person sets
   ``spec.scaling.replicas``): the planner still runs, for the P/D ratio and TPs; the total instance count is
-  the external one, split by the planned ratio (:func:`distribute`);
+  the external one, split by the planned ratio (:func:`distribute`) and cut to ``spec.scaling.maxGPUs`` when
+  the split at the planned TPs needs more GPUs (:func:`cut_to_budget`; the reason says so);
 - **drain, never cut**: scale-ins are reported per pool (:attr:`LoopOutcome.scale_in`) and the cluster drains
   them (the :class:`~fulcrum.cluster.Cluster` contract of ``apply``).
 """
@@ -31,12 +32,14 @@ from fulcrum.cluster import Cluster, ObservationError
 from fulcrum.errors import PlanningError
 from fulcrum.forecast.workload import WorkloadForecaster, required_history
 from fulcrum.observation import Observation
+from fulcrum.ratio.planner import fit_budget
 from fulcrum.ratio.profile import PerformanceProfile
 from fulcrum.scaling.planner import PlanNumbers, Planner
 from fulcrum.scaling.registry import make_planner
 from fulcrum.target import ClusterTarget, Pool, PoolSize
 
-__all__ = ["PLANNING_FAILED", "LoopOutcome", "ControlLoop", "distribute", "external_replicas", "pool_changes"]
+__all__ = ["PLANNING_FAILED", "LoopOutcome", "ControlLoop", "cut_to_budget", "distribute", "external_replicas",
+           "pool_changes"]
 
 
 def external_replicas(spec: LLMServeSpec) -> int | None:
@@ -46,18 +49,60 @@ def external_replicas(spec: LLMServeSpec) -> int | None:
     return sc.replicas if sc.replica_owner is ReplicaOwner.EXTERNAL else None
 
 
-def distribute(total: int, planned: ClusterTarget, ratio: float | None = None) -> ClusterTarget:
+def distribute(total: int, planned: ClusterTarget, ratio: float | None = None, *,
+               max_gpus: int | None = None) -> ClusterTarget:
     """Split an externally owned instance count over the pools by the planned P/D ratio.
 
     Args:
         total: instances in all pools together (``spec.scaling.replicas``), ≥ 0.
         planned: the planner's target (its TPs and mode are kept).
         ratio: planned prefill instances per decode instance; default: ``planned``'s own counts.
+        max_gpus: the GPU budget (``spec.scaling.maxGPUs``); None = no cut. A split that needs more GPUs at the
+            planned TPs is cut to it (:func:`cut_to_budget`), so it then holds fewer than ``total`` instances.
 
     Returns:
         Unified plan → ``unified = total``. Disaggregated → ``prefill = round(total·r/(1+r))`` clamped so each
-        pool has at least one instance when ``total ≥ 2``, ``decode`` the rest.
+        pool has at least one instance when ``total ≥ 2``, ``decode`` the rest. Then cut to ``max_gpus``.
     """
+    target = _split(total, planned, ratio)
+    return target if max_gpus is None else cut_to_budget(target, max_gpus)[0]
+
+
+def cut_to_budget(target: ClusterTarget, max_gpus: int) -> tuple[ClusterTarget, str | None]:
+    """``target``'s counts cut to ``max_gpus`` GPUs at its TPs, as the planners cut theirs
+    (:func:`fulcrum.ratio.planner.fit_budget`, the counts standing for the need: in proportion to count × TP, at
+    least one instance of each pool that has any, what the floors leave over filled). Used for an externally
+    owned total (``replicaOwner: External``), whose split over pools of different TPs can need more GPUs than
+    instances: ``maxGPUs`` is the budget the user set, so it wins over the external count.
+
+    Args:
+        target: the pools (instances, TP = GPUs per instance).
+        max_gpus: the budget, GPUs (``spec.scaling.maxGPUs``).
+
+    Returns:
+        ``(target, None)`` when it needs at most ``max_gpus`` GPUs; else the cut target (TPs and routing kept) and
+        one line saying so, e.g. ``"cut to maxGPUs=8: prefill 4 → 4 (TP 1), decode 4 → 2 (TP 2); 12 GPUs
+        asked"``. When one instance of each pool alone exceeds ``max_gpus`` one of each is kept (still over it)
+        and the line says the budget cannot hold them.
+    """
+    gpus = target.gpus
+    if gpus <= max_gpus:
+        return target, None
+    pools = {p: size for p, size in target.pools() if size.replicas > 0}
+    counts = {p.value: size.replicas for p, size in pools.items()}
+    tps = {p.value: size.tp for p, size in pools.items()}
+    fitted, notes = fit_budget({k: float(n) for k, n in counts.items()}, tps, dict(counts), 0, max_gpus)
+    cut = target
+    for p in pools:
+        cut = cut.with_replicas(p, fitted[p.value])
+    note = (f"cut to maxGPUs={max_gpus}: "
+            + ", ".join(f"{p.value} {counts[p.value]} → {fitted[p.value]} (TP {tps[p.value]})" for p in pools)
+            + f"; {gpus} GPUs asked" + "".join(f"; {n}" for n in notes if "cannot hold" in n))
+    return cut, note
+
+
+def _split(total: int, planned: ClusterTarget, ratio: float | None) -> ClusterTarget:
+    """:func:`distribute` before the budget."""
     total = max(int(total), 0)
     if planned.unified.replicas > 0 and planned.prefill.replicas == 0 and planned.decode.replicas == 0:
         return planned.with_replicas(Pool.UNIFIED, total)
@@ -211,8 +256,10 @@ class ControlLoop:
         reason = decision.reason
         total = external_replicas(self.spec)
         if total is not None:
-            target = distribute(total, target, decision.numbers.ratio)
-            reason = f"external replica owner: {total} instances split by the planned ratio [{reason}]"
+            target, cut = cut_to_budget(distribute(total, target, decision.numbers.ratio),
+                                        self.spec.scaling.max_gpus)
+            reason = (f"external replica owner: {total} instances split by the planned ratio"
+                      + (f", {cut}" if cut else "") + f" [{reason}]")
         changes = pool_changes(self.current, target)
         tp_changed = any(self.current.pool(p).tp != target.pool(p).tp for p in Pool)
         if not changes and not tp_changed:

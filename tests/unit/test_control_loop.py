@@ -313,3 +313,25 @@ def test_hours_of_zero_load_keep_one_prefill_and_one_decode_with_a_small_min_gpu
         seen.add((out.target.prefill.replicas, out.target.decode.replicas))
     assert seen == {(1, 1)}, seen
     assert loop.current.prefill.replicas == 1 and loop.current.decode.replicas == 1
+
+
+def test_an_external_total_is_cut_to_max_gpus_and_the_reason_says_so(table_i) -> None:
+    # regression: replicas 8 split 4 P (TP 1) + 4 D (TP 2) asked 12 GPUs of a maxGPUs=8 budget
+    s = spec(replicaOwner="External", replicas=8, maxGPUs=8)
+    planned = ClusterTarget(prefill=PoolSize(1, 1), decode=PoolSize(1, 2))
+    assert distribute(8, planned).gpus == 12  # without a budget: the plain split (replay's first target)
+    cut = distribute(8, planned, max_gpus=8)
+    assert cut.gpus <= 8 and cut.prefill.replicas >= 1 and cut.decode.replicas >= 1
+    assert (cut.prefill.tp, cut.decode.tp) == (1, 2)
+    assert distribute(4, planned, max_gpus=8) == distribute(4, planned)  # within the budget: unchanged
+
+    class OneToOne(RecordingPlanner):
+        def step(self, o: Observation, current: ClusterTarget) -> Decision:
+            return Decision(o.time_s, planned, "balanced", numbers=PlanNumbers(ratio=1.0))
+
+    out = ControlLoop(s, table_i, START, planner=OneToOne()).step(obs(10.0, 5.0))
+    assert out.target.gpus <= 8 and out.target.prefill.replicas >= 1 and out.target.decode.replicas >= 1
+    assert "maxGPUs=8" in out.reason and "12 GPUs" in out.reason and "external replica owner" in out.reason
+    within = ControlLoop(spec(replicaOwner="External", replicas=4, maxGPUs=8), table_i, START,
+                         planner=OneToOne()).step(obs(10.0, 5.0))
+    assert within.target.gpus == 6 and "maxGPUs" not in within.reason

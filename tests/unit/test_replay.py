@@ -294,6 +294,18 @@ def test_a_replay_of_an_externally_owned_spec_keeps_the_external_total_like_the_
     assert all("external replica owner: 4 instances" in d["reason"] for d in run.decisions)
 
 
+def test_an_externally_owned_total_over_max_gpus_starts_cut_to_the_budget_like_the_operator(
+    spec: LLMServeSpec, profile: PerformanceProfile, window: tuple[Request, ...]
+) -> None:
+    # 8 instances split 4P+4D at TP 1/2 would be 12 GPUs; maxGPUs 8 holds 4P+2D (initial_target does the same)
+    external = spec.model_copy(update={"scaling": spec.scaling.model_copy(update={
+        "replica_owner": ReplicaOwner.EXTERNAL, "replicas": 8, "max_gpus": 8, "min_gpus": 1})})
+    assert (external.scaling.tp_prefill, external.scaling.tp_decode) == (1, 2)
+    run = run_policy("static", window, external, profile)
+    assert run.timeline and (run.timeline[0].prefill, run.timeline[0].decode) == (4, 2)
+    assert all(p.gpus <= 8 and p.ready_gpus <= 8 for p in run.timeline)  # ready 12 at 60 s when the start was uncut
+
+
 # ---------------------------------------------------------------------------------------------- planner failures
 class _FailingAfter:
     """Fake planner for this test: Fulcrum's own, except that every step from ``at_s`` on raises PlanningError."""

@@ -178,7 +178,7 @@ def run_planner(
     current = planner.initial()
     total = external_replicas(spec)
     if total is not None:  # as the operator starts an externally owned LLMServe
-        current = distribute(total, current)
+        current = distribute(total, current, max_gpus=spec.scaling.max_gpus)
     routing = routing_factory(options.routing or spec.router.policy.value, spec, profile)
     # the rescheduler prices a migration with the target in force (the router config's), asked at each tick of
     # the simulation built just below
