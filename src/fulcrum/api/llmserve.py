@@ -15,6 +15,7 @@ path (e.g. ``spec.scaling.maxGPUs``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 import functools
 from pathlib import Path
@@ -68,6 +69,12 @@ __all__ = [
     "SIM_WORKER_MANAGED_FLAGS",
     "VLLM_MANAGED_FLAGS",
     "VLLM_WORKER_FLAGS",
+    "VLLM_REFUSED_FLAGS",
+    "BatchLimitNames",
+    "SPEC_BATCH_LIMIT_NAMES",
+    "WORKER_BATCH_LIMIT_NAMES",
+    "chunked_prefill",
+    "chunked_prefill_off_problem",
     "extra_arg_flag",
     "malformed_extra_arg",
     "GPUSpec",
@@ -487,18 +494,69 @@ def malformed_extra_arg(args: Sequence[str], i: int) -> str | None:
     return None
 
 
+VLLM_REFUSED_FLAGS: dict[str, str] = {
+    "--disable-log-stats": "it turns off vLLM's stat loggers, and with them the vllm:num_requests_* gauges on "
+                           "/metrics that the worker's drain waits on (it would always run to --drain-timeout-s) and "
+                           "the router's load view reads; leave it out",
+}
+"""vLLM flags that neither ``engine.extraArgs`` (kind ``vllm``) nor ``fulcrum worker``'s extra vLLM arguments may
+carry, whatever their value → why, and the fix (the end of a sentence that starts "refused: "). Matched as
+:func:`extra_arg_flag` reads a flag (``--disable_log_stats`` and the abbreviation ``--disable-log-st`` count)."""
+
 _CHUNKED_PREFILL_FLAGS = {"--enable-chunked-prefill": "on", "--no-enable-chunked-prefill": "off"}
 
 
-def _chunked_prefill(extra_args: Sequence[str]) -> bool:
+def chunked_prefill(extra_args: Sequence[str]) -> bool:
     """Whether vLLM runs with chunked prefill given these extra arguments: on (vLLM's default for generative models,
-    which ``fulcrum worker`` keeps) unless the last ``--[no-]enable-chunked-prefill`` among them turns it off."""
+    which ``fulcrum worker`` keeps) unless the last ``--[no-]enable-chunked-prefill`` among them turns it off
+    (read as :func:`extra_arg_flag` reads a flag: ``--no_enable_chunked_prefill`` counts)."""
     on = True
     for arg in extra_args:
         flag = extra_arg_flag(arg, _CHUNKED_PREFILL_FLAGS)
         if flag is not None:
             on = _CHUNKED_PREFILL_FLAGS[flag] == "on"
     return on
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimitNames:
+    """How a message of :func:`chunked_prefill_off_problem` names the settings it speaks of."""
+
+    tokens: str
+    """the per-step token budget: ``maxNumBatchedTokens`` in the spec, ``--max-num-batched-tokens`` on the CLI."""
+    max_model_len: str
+    """the context length cap: ``maxModelLen`` in the spec, ``--max-model-len`` on the CLI."""
+    extra_args: str
+    """the singular subject of "... turns chunked prefill off": ``extraArgs`` in the spec, "an extra vLLM
+    argument" on the CLI."""
+
+
+SPEC_BATCH_LIMIT_NAMES = BatchLimitNames("maxNumBatchedTokens", "maxModelLen", "extraArgs")
+"""Field names of ``spec.engine`` (the LLMServe model's messages)."""
+WORKER_BATCH_LIMIT_NAMES = BatchLimitNames("--max-num-batched-tokens", "--max-model-len", "an extra vLLM argument")
+"""Flag names of ``fulcrum worker`` (``fulcrum.worker.vllm_args.WorkerConfig``'s messages)."""
+
+
+def chunked_prefill_off_problem(max_num_batched_tokens: int, max_model_len: int | None, extra_args: Sequence[str],
+                                names: BatchLimitNames, *, tokens_unset: bool = False) -> str | None:
+    """Why vLLM would refuse to start with this token budget, or None: with chunked prefill off
+    (:func:`chunked_prefill`), vLLM's ``SchedulerConfig`` requires ``max_num_batched_tokens >= max_model_len`` (a
+    whole prompt must fit one step). The one copy of the rule, used by the LLMServe model (``spec.engine``) and by
+    ``fulcrum worker`` (``WorkerConfig``).
+
+    Args:
+        max_num_batched_tokens: per-step token budget, tokens.
+        max_model_len: context length cap, tokens; None = the model's own, unknown here (nothing is checked).
+        extra_args: the extra vLLM arguments, as passed.
+        names: the vocabulary of the message (:data:`SPEC_BATCH_LIMIT_NAMES` or :data:`WORKER_BATCH_LIMIT_NAMES`).
+        tokens_unset: say "(unset)" after the budget (the spec field was left out and its default applies).
+    """
+    if max_model_len is None or max_num_batched_tokens >= max_model_len or chunked_prefill(extra_args):
+        return None
+    tokens = f"{names.tokens} {max_num_batched_tokens}" + (" (unset)" if tokens_unset else "")
+    return (f"{tokens} is below {names.max_model_len} {max_model_len} while {names.extra_args} turns chunked prefill "
+            f"off: vLLM then requires max_num_batched_tokens >= max_model_len (raise {names.tokens}, lower "
+            f"{names.max_model_len}, or keep chunked prefill)")
 
 
 class EngineSpec(_Model):
@@ -529,7 +587,9 @@ class EngineSpec(_Model):
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra arguments appended verbatim: to `vllm serve` (after `--`) for kind `vllm`, to "
-        "`fulcrum sim-worker` for kind `sim` (e.g. [--time-scale, \"0.1\"]).",
+        "`fulcrum sim-worker` for kind `sim` (e.g. [--time-scale, \"0.1\"]). A flag Fulcrum sets itself is refused; "
+        "so is --disable-log-stats for kind `vllm` (the worker's drain and the router read vLLM's request gauges, "
+        "which it turns off).",
     )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="CPU and memory requests/limits of each worker container.")
     max_model_len: Int = Field(default=8192, ge=16, le=2_097_152, description="Maximum context length in tokens (prompt + output).")
@@ -539,7 +599,8 @@ class EngineSpec(_Model):
     @classmethod
     def _extra_args_leave_fulcrums_flags_alone(cls, extra_args: list[str], info: ValidationInfo) -> list[str]:
         """Refuse an item that repeats a flag Fulcrum sets (:data:`VLLM_MANAGED_FLAGS`, or
-        :data:`SIM_WORKER_MANAGED_FLAGS` for kind ``sim``) or is malformed (:func:`malformed_extra_arg`)."""
+        :data:`SIM_WORKER_MANAGED_FLAGS` for kind ``sim``), a flag of :data:`VLLM_REFUSED_FLAGS` (kind ``vllm``), or
+        one that is malformed (:func:`malformed_extra_arg`)."""
         sim = info.data.get("kind") is EngineKind.SIM
         managed = SIM_WORKER_MANAGED_FLAGS if sim else VLLM_MANAGED_FLAGS
         problems: list[str] = []
@@ -553,6 +614,10 @@ class EngineSpec(_Model):
             elif flag is not None:
                 bad = (f"{arg!r} sets {flag}, which Fulcrum sets itself from {managed[flag]} (the engine would "
                        "silently keep the last value)")
+            refused = None if bad or sim else extra_arg_flag(arg, VLLM_REFUSED_FLAGS)
+            if refused is not None:
+                shown = repr(arg) + ("" if arg.split("=", 1)[0] == refused else f" (= {refused})")
+                bad = f"{shown} is refused: {VLLM_REFUSED_FLAGS[refused]}"
             if bad:
                 problems.append(bad)
         if problems:
@@ -571,10 +636,11 @@ class EngineSpec(_Model):
             seqs_shown = f"maxNumSeqs {seqs}" + ("" if self.max_num_seqs is not None else " (unset)")
             raise ValueError(f"{tokens_shown} is below {seqs_shown}: vLLM requires max_num_batched_tokens >= "
                              f"max_num_seqs")
-        if self.kind is EngineKind.VLLM and tokens < self.max_model_len and not _chunked_prefill(self.extra_args):
-            raise ValueError(f"{tokens_shown} is below maxModelLen {self.max_model_len} while extraArgs turns "
-                             f"chunked prefill off: vLLM then requires max_num_batched_tokens >= max_model_len (raise "
-                             f"maxNumBatchedTokens, lower maxModelLen, or keep chunked prefill)")
+        if self.kind is EngineKind.VLLM:
+            problem = chunked_prefill_off_problem(tokens, self.max_model_len, self.extra_args, SPEC_BATCH_LIMIT_NAMES,
+                                                  tokens_unset=self.max_num_batched_tokens is None)
+            if problem:
+                raise ValueError(problem)
         return self
 
 

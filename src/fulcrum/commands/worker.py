@@ -7,15 +7,20 @@ or waiting request, or ``--drain-timeout-s``), stops the engine and exits 0. An 
 makes the worker exit non-zero. docs/worker.md has the lifecycle, the ports and the images.
 
 Ports: ``--port`` (8000) is vLLM's: the OpenAI API, ``/health`` (liveness), ``/metrics``. ``--health-port``
-(8001) is the supervisor's readiness endpoint ``GET /health``: 200 while serving, 503 while starting or
-draining. ``--nixl-port`` (5600) is NIXL's side channel (KV handshakes between engines).
+(8001) is the supervisor's readiness endpoint ``GET /health``: 200 while serving, 503 while starting, draining
+or while vLLM's ``/health`` is not 200. ``--nixl-port`` (5600) is NIXL's side channel (KV handshakes between
+engines). ``--scheduler-metrics-port`` (off) serves the SLO-aware scheduler's metrics. Each needs its own port: a
+collision is refused (exit 2), and so is a health port another process holds.
 
 Identity (read here, once): instance id = env ``POD_NAME`` (else the host name), address = env ``POD_IP`` (else
 127.0.0.1), namespace = ``--namespace`` or env ``POD_NAMESPACE`` (else ``default``), LLMServe = ``--llmserve`` or
 env ``FULCRUM_LLMSERVE``. Device: ``--device auto`` (the default) runs on the GPU when one is visible
 (``/dev/nvidia[0-9]*`` present and ``CUDA_VISIBLE_DEVICES`` not "" or "-1"), else on the CPU.
 
-Extra vLLM arguments follow ``--``: ``fulcrum worker --model m -- --enforce-eager --dtype float32``.
+Extra vLLM arguments follow ``--``: ``fulcrum worker --model m -- --enforce-eager --dtype float32``. They are
+appended verbatim, except that a flag the worker sets itself (``--port``, ``--tensor-parallel-size``,
+``--kv-transfer-config``, ...; use the worker's flag) and ``--disable-log-stats`` (it removes the
+``vllm:num_requests_*`` gauges the drain waits on) are refused. Bad input exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ def add_parser(sub: Any) -> None:
     engine.add_argument("--block-size", type=int, default=None,
                         help="KV block size, tokens (a multiple of 32 on the CPU)")
     engine.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step (256)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step (8192)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="tokens per engine step (8192); at least --max-num-seqs, and at least --max-model-len "
+                             "when an extra argument turns chunked prefill off (vLLM requires both)")
     engine.add_argument("--kv-connector", default="nixl", choices=["nixl", "none"],
                         help="KV transfer between instances (default nixl)")
     engine.add_argument("--nixl-port", type=int, default=5600, help="NIXL side-channel port (5600)")
@@ -59,9 +66,11 @@ def add_parser(sub: Any) -> None:
     engine.add_argument("--scheduler", default="fulcrum", choices=["fulcrum", "vllm"],
                         help="fulcrum: the SLO-aware scheduler (Libra Alg. 2); vllm: vLLM's own")
     engine.add_argument("--scheduler-metrics-port", type=int, default=None,
-                        help="serve the SLO-aware scheduler's fulcrum_scheduler_* metrics on this port (default: off)")
+                        help="serve the SLO-aware scheduler's fulcrum_scheduler_* metrics on this port (with "
+                             "--scheduler fulcrum; default: off)")
     engine.add_argument("--tpot-slo-ms", type=float, default=None,
-                        help="TPOT SLO for the SLO-aware scheduler, ms (default: the scheduler's)")
+                        help="TPOT SLO for the SLO-aware scheduler, ms (with --scheduler fulcrum; default: the "
+                             "scheduler's)")
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto (the default): cuda when a GPU is visible, else cpu")
     engine.add_argument("--vllm-python", default=None,
@@ -84,7 +93,9 @@ def add_parser(sub: Any) -> None:
     life.add_argument("--startup-timeout-s", type=float, default=1800.0,
                       help="longest wait for the engine to serve, s (1800)")
     life.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments, passed verbatim")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER,
+                   help="-- then extra vLLM arguments, passed verbatim (flags the worker sets and --disable-log-stats "
+                        "are refused)")
     p.set_defaults(func=run)
 
 
@@ -116,12 +127,28 @@ def _check_lifecycle(args: argparse.Namespace) -> None:
         raise ValueError(f"--tpot-slo-ms must be a finite number > 0, got {args.tpot_slo_ms:g}")
 
 
+def _check_health_port(args: argparse.Namespace) -> None:
+    """Refuse a ``--health-port`` that another port of this worker uses (the supervisor's readiness endpoint and
+    that listener could not both bind it); the engine's ports among themselves (``--port``, ``--nixl-port``,
+    ``--scheduler-metrics-port``) are checked by :class:`fulcrum.worker.vllm_args.WorkerConfig`.
+
+    Raises:
+        ValueError: one line naming ``--health-port`` and the flag it collides with.
+    """
+    if not args.health_port:
+        return
+    for flag, port in (("--port", args.port), ("--nixl-port", args.nixl_port),
+                       ("--scheduler-metrics-port", args.scheduler_metrics_port)):
+        if port == args.health_port:
+            raise ValueError(f"--health-port {args.health_port} collides with {flag} {port}: give each its own port")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_lifecycle(args)
     from fulcrum.router.registry import InstanceRecord
     from fulcrum.router.registry_etcd import EtcdRegistration, parse_endpoints
     from fulcrum.worker.prefill_puller import PrefillPuller, Registrations, Startable
-    from fulcrum.worker.supervisor import Registration, Supervisor, SupervisorSettings
+    from fulcrum.worker.supervisor import HealthServerError, Registration, Supervisor, SupervisorSettings
     from fulcrum.worker.vllm_args import WorkerConfig, instance_record, resolve_device, vllm_argv, vllm_env
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -142,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
         tpot_slo_ms=args.tpot_slo_ms, scheduler_metrics_port=args.scheduler_metrics_port, device=resolve_device(args.device, gpu_visible=gpu_visible()),
         extra_args=tuple(extra),
     )
-    if args.health_port and args.health_port in (args.port, args.nixl_port):
-        raise ValueError(f"--health-port {args.health_port} collides with --port or --nixl-port")
+    _check_health_port(args)
     registration: Callable[[InstanceRecord], Registration] | None = None
     if args.etcd:
         parse_endpoints(args.etcd)  # a malformed endpoint is bad input (exit 2), not an outage to retry
@@ -192,4 +218,8 @@ def run(args: argparse.Namespace) -> int:
     if puller is not None:
         logging.getLogger("fulcrum.worker").info("worker %s: pulling prefill jobs from %s (%s)", instance_id,
                                                  nats_url, puller.key)
-    return asyncio.run(supervisor.run(install_signal_handlers=True))
+    try:
+        return asyncio.run(supervisor.run(install_signal_handlers=True))
+    except HealthServerError as err:
+        raise OSError(f"--health-port {err.port}: {err} (free the port, choose another --health-port, or "
+                      f"--health-port 0 for no readiness endpoint)") from err
