@@ -88,6 +88,11 @@ JOB_ID_HEADER = "Fulcrum-Job-Id"
 REPLY_TO_HEADER = "Fulcrum-Reply-To"
 MSG_ID_HEADER = "Nats-Msg-Id"
 
+_PUBLISH_ATTEMPT_S = 2.0
+"""How long one publish attempt waits for JetStream's ack, seconds: a publish made while NATS reconnects can be
+lost with the old connection, so it is sent again (same ``Nats-Msg-Id``: deduplicated) rather than waited on
+for the whole request timeout."""
+
 
 class PrefillQueueError(FulcrumError):
     """The prefill queue could not be used: NATS unreachable, stream misconfigured, queue closed."""
@@ -191,8 +196,12 @@ class QueueLayout:
         )
 
 
-async def _connect(servers: str | list[str], name: str, timeout_s: float) -> NatsClient:
+async def _connect(servers: str | list[str], name: str, timeout_s: float,
+                   after_reconnect: Callable[[], None] | None = None) -> NatsClient:
     """Connect; once connected, reconnect for ever (logged). The first connection is bounded by ``timeout_s``.
+
+    ``after_reconnect`` is called after each reconnection (a restarted nats-server with memory storage has lost
+    the stream and the consumer: the caller sets them up again).
 
     Raises:
         PrefillQueueError: no server answered within ``timeout_s``.
@@ -206,6 +215,8 @@ async def _connect(servers: str | list[str], name: str, timeout_s: float) -> Nat
 
     async def on_reconnected() -> None:
         log.info("nats %s: reconnected", name)
+        if after_reconnect is not None:
+            after_reconnect()
 
     nc = NatsClient()
     try:
@@ -299,6 +310,12 @@ class NatsPrefillQueue:
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._connect_lock = asyncio.Lock()
         self._closed = False
+        self._stale = False  # set on reconnection: check (and recreate) the stream before the next publish
+        # jobs waiting for a reply: what was published (payload, headers) and the stream sequence it got, so
+        # that a reconnection can publish them again (a restarted nats-server with memory storage lost them)
+        self._sent: dict[str, tuple[bytes, dict[str, str]]] = {}
+        self._seqs: dict[str, int] = {}
+        self._republishing: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         """Connect, create/check the stream and consumer, subscribe to this router's reply inbox. Idempotent.
@@ -311,7 +328,7 @@ class NatsPrefillQueue:
                 raise PrefillQueueError("prefill queue is closed")
             if self._nc is not None:
                 return
-            nc = await _connect(self._servers, self._name, self._connect_timeout_s)
+            nc = await _connect(self._servers, self._name, self._connect_timeout_s, self._mark_stale)
             try:
                 js = nc.jetstream()
                 await _ensure_stream_and_consumer(js, self.layout)
@@ -321,6 +338,116 @@ class NatsPrefillQueue:
                 await nc.close()
                 raise
             self._nc, self._js, self._inbox = nc, js, inbox
+
+    def _mark_stale(self) -> None:
+        """After a reconnection: check the stream before the next publish, and publish the waiting jobs again."""
+        self._stale = True
+        if self._sent and not self._closed and (self._republishing is None or self._republishing.done()):
+            self._republishing = asyncio.create_task(self._republish())
+
+    async def _republish(self) -> None:
+        """Publish the jobs still waiting for a reply again, with their own ``Nats-Msg-Id``.
+
+        A job whose message the stream still holds (file storage, a network blip) is left alone; one the stream
+        lost (a restarted nats-server with memory storage) is queued again instead of waiting for its timeout.
+        A job a worker had in hand when the stream was lost may then run twice; the first reply wins (at least
+        once), and a copy within the stream's duplicate window is dropped by JetStream.
+        """
+        try:
+            if self._js is None:
+                return
+            await self._restore()
+            again = 0
+            for job_id, (payload, headers) in list(self._sent.items()):
+                if self._js is None or job_id not in self._sent or await self._still_queued(job_id):
+                    continue
+                try:
+                    ack = await self._js.publish(self.layout.jobs_subject, payload, timeout=_PUBLISH_ATTEMPT_S,
+                                                 stream=self.layout.stream, headers=headers)
+                except nats.errors.Error as exc:  # the waiting submit still times out cleanly
+                    log.warning("prefill queue: job %s not published again after reconnecting: %s", job_id, exc)
+                    continue
+                if not ack.duplicate:
+                    again += 1
+                    if job_id in self._seqs:
+                        self._seqs[job_id] = ack.seq
+            if again:
+                log.warning("prefill queue: %d waiting job(s) were lost by NATS (restarted?) and published again",
+                            again)
+        except Exception as exc:  # PrefillQueueError from _restore: the next submit sets the stream up again
+            log.warning("prefill queue: waiting jobs not published again after reconnecting: %s", exc)
+
+    async def _still_queued(self, job_id: str) -> bool:
+        """Whether the stream still holds this job's message (waiting or in a worker's hands)."""
+        seq = self._seqs.get(job_id)
+        if seq is None or self._js is None:
+            return False
+        try:
+            msg = await self._js.get_msg(self.layout.stream, seq)
+        except Exception:  # NotFoundError: taken and acknowledged, or lost with the stream
+            return False
+        return bool((msg.headers or {}).get(MSG_ID_HEADER) == job_id)
+
+    async def _restore(self) -> None:
+        """Set the stream and the consumer up again (after a nats-server restart lost them).
+
+        Raises:
+            PrefillQueueError: JetStream is unavailable or the stream cannot be set up.
+        """
+        assert self._js is not None
+        self._stale = False
+        try:
+            await _ensure_stream_and_consumer(self._js, self.layout)
+        except BaseException:
+            self._stale = True
+            raise
+
+    async def _publish(self, job_id: str, payload: bytes, headers: dict[str, str], deadline: float) -> Any:
+        """Publish one job to the stream by ``deadline`` (``time.monotonic()`` seconds); the JetStream ack.
+
+        Each attempt waits at most ``_PUBLISH_ATTEMPT_S``; a lost ack (NATS reconnecting) or a missing stream
+        (a restarted nats-server with memory storage) is retried with the same ``Nats-Msg-Id``, which the
+        stream's duplicate window makes idempotent, after setting the stream up again where needed.
+
+        Raises:
+            PrefillTimeoutError: no attempt was acknowledged by ``deadline``.
+            PrefillQueueError: the publish was refused (e.g. the job is over the server's ``max_payload``), or
+                the stream could not be set up again.
+        """
+        assert self._js is not None
+        while True:
+            if self._stale:
+                try:
+                    await asyncio.wait_for(self._restore(), max(0.1, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise PrefillTimeoutError(f"job {job_id}: stream {self.layout.stream} could not be set up "
+                                              "again in time") from None
+            remaining = deadline - time.monotonic()
+            try:
+                return await self._js.publish(
+                    self.layout.jobs_subject, payload, timeout=max(0.1, min(remaining, _PUBLISH_ATTEMPT_S)),
+                    stream=self.layout.stream, headers=headers,
+                )
+            except nats.js.errors.NoStreamResponseError as exc:
+                self._stale = True  # the stream is gone: set it up again, then publish again
+                if deadline - time.monotonic() <= 0:
+                    raise PrefillTimeoutError(f"job {job_id}: stream {self.layout.stream} did not accept the "
+                                              "publish in time") from exc
+                log.warning("prefill queue: stream %s missing (nats-server restarted?); setting it up again",
+                            self.layout.stream)
+            except nats.errors.TimeoutError as exc:
+                if deadline - time.monotonic() <= 0:
+                    raise PrefillTimeoutError(
+                        f"job {job_id}: JetStream did not acknowledge the publish in time") from exc
+            except nats.errors.MaxPayloadError as exc:
+                limit = self._nc.max_payload if self._nc is not None else 0
+                raise PrefillQueueError(
+                    f"job {job_id} is {len(payload)} bytes, over the NATS server's max_payload of {limit} bytes: "
+                    "raise max_payload in the nats-server configuration (up to 64 MB), or send such prompts "
+                    "without the queue") from exc
+            except nats.errors.Error as exc:
+                raise PrefillQueueError(f"job {job_id}: publish failed: {exc}") from exc
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     async def _on_reply(self, msg: Msg) -> None:
         job_id = msg.subject.rsplit(".", 1)[-1]
@@ -354,10 +481,12 @@ class NatsPrefillQueue:
 
         Raises:
             PrefillTimeoutError: no reply in time (no worker, or all busy); the job is deleted from the stream
-                so that no worker prefills for a request nobody waits for any more.
+                so that no worker prefills for a request nobody waits for any more. A job that a restarted
+                nats-server lost while it waited is published again after the reconnection (:meth:`_republish`).
             PrefillJobError: the handler failed on its last allowed delivery; :class:`InvalidPrefillJobError`
                 (a subclass) when the worker refused the job as malformed on its first delivery.
-            PrefillQueueError: NATS unreachable, stream missing, or the queue was closed while waiting.
+            PrefillQueueError: NATS unreachable, the stream cannot be set up again, the job is over the server's
+                ``max_payload`` (the message names both sizes), or the queue was closed while waiting.
             TypeError: ``job`` is not JSON-serialisable.
         """
         payload = json.dumps(job).encode()
@@ -368,28 +497,24 @@ class NatsPrefillQueue:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[job_id] = future
         headers = {JOB_ID_HEADER: job_id, REPLY_TO_HEADER: f"{self._inbox}.{job_id}", MSG_ID_HEADER: job_id}
+        self._sent[job_id] = (payload, headers)
         try:
-            try:
-                ack = await self._js.publish(
-                    self.layout.jobs_subject, payload, timeout=max(0.1, deadline - time.monotonic()),
-                    stream=self.layout.stream, headers=headers,
-                )
-            except nats.errors.TimeoutError as exc:
-                raise PrefillTimeoutError(f"job {job_id}: JetStream did not acknowledge the publish in time") from exc
-            except nats.errors.Error as exc:
-                raise PrefillQueueError(f"job {job_id}: publish failed: {exc}") from exc
+            ack = await self._publish(job_id, payload, headers, deadline)
+            self._seqs.setdefault(job_id, ack.seq)
             try:
                 return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                await self._withdraw(ack.seq)
+                await self._withdraw(self._seqs.get(job_id, ack.seq))
                 raise PrefillTimeoutError(f"job {job_id}: no prefill worker replied within {timeout_s} s") from None
             except asyncio.CancelledError:
                 if future.cancelled() and self._closed:
                     raise PrefillQueueError(f"job {job_id}: prefill queue closed while waiting") from None
-                await self._withdraw(ack.seq)
+                await self._withdraw(self._seqs.get(job_id, ack.seq))
                 raise
         finally:
             self._pending.pop(job_id, None)
+            self._sent.pop(job_id, None)
+            self._seqs.pop(job_id, None)
 
     @property
     def waiting(self) -> int:
@@ -413,6 +538,8 @@ class NatsPrefillQueue:
         """
         await self.connect()
         assert self._js is not None
+        if self._stale:  # reconnected: the stream may be gone with a restarted nats-server
+            await self._restore()
         try:
             info = await self._js.consumer_info(self.layout.stream, self.layout.durable)
         except Exception as exc:
@@ -425,6 +552,9 @@ class NatsPrefillQueue:
         for future in self._pending.values():
             if not future.done():
                 future.cancel()
+        republishing, self._republishing = self._republishing, None
+        if republishing is not None:
+            await cancel_and_wait([republishing])
         nc, self._nc, self._js = self._nc, None, None
         if nc is not None:
             with contextlib.suppress(Exception):
@@ -462,7 +592,10 @@ class PrefillWorker:
     :class:`EngineUnavailableError` (``fetch_timeout_s + 0.5`` s later, so that a worker that paused on it no
     longer has a pull waiting that would take the job again). A job that cannot be valid on any worker — not a
     JSON object, or the handler raises :class:`InvalidPrefillJobError` — gets its error reply at once and is
-    terminated (AckTerm): delivered once, never redelivered.
+    terminated (AckTerm): delivered once, never redelivered. A reply over the server's ``max_payload`` is replaced
+    by an error reply naming the sizes (the router gets ``PrefillJobError`` at once, not a timeout). After each
+    reconnection the stream and the consumer are set up again before the next pull (a restarted nats-server with
+    memory storage lost them, and a pull on a missing consumer only times out).
     """
 
     def __init__(
@@ -496,6 +629,9 @@ class PrefillWorker:
         self._open.set()
         self._pull_loop_done: asyncio.Event | None = None  # set when run()'s pull loop has ended
         self._jobs: set[asyncio.Task[None]] = set()
+        self._js: JetStreamContext | None = None
+        self._stale = False  # set on reconnection: the pull loop sets the stream and the consumer up again
+        self._connect_lock = asyncio.Lock()
 
     async def connect(self) -> None:
         """Connect, create/check the stream and consumer, bind a pull subscription. Idempotent.
@@ -503,17 +639,22 @@ class PrefillWorker:
         Raises:
             PrefillQueueError: NATS unreachable or the stream cannot be set up.
         """
-        if self._nc is not None:
-            return
-        nc = await _connect(self._servers, f"fulcrum-prefill-worker-{self.worker_id}", self._connect_timeout_s)
-        try:
-            js = nc.jetstream()
-            await _ensure_stream_and_consumer(js, self.layout)
-            self._sub = await js.pull_subscribe_bind(durable=self.layout.durable, stream=self.layout.stream)
-        except BaseException:
-            await nc.close()
-            raise
-        self._nc = nc
+        async with self._connect_lock:  # concurrent callers share one connection
+            if self._nc is not None:
+                return
+            nc = await _connect(self._servers, f"fulcrum-prefill-worker-{self.worker_id}",
+                                self._connect_timeout_s, self._mark_stale)
+            try:
+                js = nc.jetstream()
+                await _ensure_stream_and_consumer(js, self.layout)
+                self._sub = await js.pull_subscribe_bind(durable=self.layout.durable, stream=self.layout.stream)
+            except BaseException:
+                await nc.close()
+                raise
+            self._nc, self._js = nc, js
+
+    def _mark_stale(self) -> None:
+        self._stale = True
 
     async def run(self, handler: Handler) -> None:
         """Pull and handle jobs until ``close()`` is called; cancelling it naks the jobs in hand (redelivered now).
@@ -534,6 +675,15 @@ class PrefillWorker:
                     continue
                 await slots.acquire()
                 try:
+                    if self._stale and self._js is not None:
+                        # reconnected: a restarted nats-server (memory storage) lost the stream and the consumer,
+                        # and a pull on a missing consumer only times out; set them up again first
+                        self._stale = False
+                        try:
+                            await _ensure_stream_and_consumer(self._js, self.layout)
+                        except BaseException:
+                            self._stale = True
+                            raise
                     msgs = await self._sub.fetch(1, timeout=self._fetch_timeout_s)
                     failures = 0
                 except nats.errors.TimeoutError:
@@ -590,9 +740,20 @@ class PrefillWorker:
         reply_to = (msg.headers or {}).get(REPLY_TO_HEADER)
         if not reply_to or self._nc is None:
             return
-        body = {**body, "worker": self.worker_id, "job_id": (msg.headers or {}).get(JOB_ID_HEADER, "")}
+        job_id = (msg.headers or {}).get(JOB_ID_HEADER, "")
+        body = {**body, "worker": self.worker_id, "job_id": job_id}
+        data = json.dumps(body).encode()
+        limit = self._nc.max_payload
+        if limit and len(data) > limit:  # the router would wait for its timeout: tell it why instead
+            log.error("prefill worker %s: reply to job %s is %d bytes, over the NATS server's max_payload of %d",
+                      self.worker_id, job_id, len(data), limit)
+            data = json.dumps({
+                "ok": False, "worker": self.worker_id, "job_id": job_id,
+                "error": f"the worker's reply is {len(data)} bytes, over the NATS server's max_payload of {limit} "
+                         "bytes: raise max_payload in the nats-server configuration",
+            }).encode()
         try:
-            await self._nc.publish(reply_to, json.dumps(body).encode())
+            await self._nc.publish(reply_to, data)
         except Exception as exc:
             log.warning("prefill worker %s: reply to %s failed: %s", self.worker_id, reply_to, exc)
 
@@ -661,7 +822,7 @@ class PrefillWorker:
             await self._pull_loop_done.wait()
         if self._jobs:
             await asyncio.gather(*list(self._jobs), return_exceptions=True)
-        nc, self._nc, self._sub = self._nc, None, None
+        nc, self._nc, self._sub, self._js = self._nc, None, None, None
         if nc is not None:
             with contextlib.suppress(Exception):
                 await nc.close()

@@ -121,10 +121,54 @@ async def _close_quietly(client: Any) -> None:
         await client.close()
 
 
+_STR_FIELDS = ("id", "url", "pool", "gpu_type", "nixl_host", "model")
+_COUNT_FIELDS = ("nixl_port", "max_concurrency", "max_num_batched_tokens", "kv_capacity_tokens")
+_ROLES = ("prefill", "decode", "both")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", int: "an integer", float: "a number", list: "an array", dict: "an object"}.get(
+        type(value), type(value).__name__)
+
+
+def _check_record(record: InstanceRecord) -> None:
+    """Check the types and ranges of a record decoded from JSON (which ``from_json`` takes as they come).
+
+    Raises:
+        ValueError: a field of the wrong JSON type (``id``: 5), an empty ``id``/``url``, a ``role`` other than
+            prefill/decode/both, a ``tp`` below 1 or a negative count; the message names the field.
+    """
+    for name in _STR_FIELDS:
+        value = getattr(record, name)
+        if not isinstance(value, str):
+            raise ValueError(f"field {name!r} is {_json_type(value)}, not a string")
+    if not record.id or not record.url:
+        raise ValueError("fields 'id' and 'url' must not be empty")
+    if record.role not in _ROLES:
+        raise ValueError(f"field 'role' is {record.role!r}, not one of {', '.join(_ROLES)}")
+    for name in ("tp", *_COUNT_FIELDS):
+        value = getattr(record, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"field {name!r} is {_json_type(value)}, not an integer")
+        if value < (1 if name == "tp" else 0):
+            raise ValueError(f"field {name!r} is {value}, must be >= {1 if name == 'tp' else 0}")
+    if not isinstance(record.labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in record.labels.items()):
+        raise ValueError("field 'labels' must be an object of strings")
+
+
 def _parse_value(key: bytes, value: bytes) -> InstanceRecord | None:
-    """The record in one etcd value, or None (logged) when the value is malformed."""
+    """The record in one etcd value, or None (logged) when the value is malformed: not JSON, not an object, no
+    ``id``/``url``, or a field of the wrong type or range (:func:`_check_record`). Unknown fields are ignored."""
     try:
-        return InstanceRecord.from_json(value)
+        record = InstanceRecord.from_json(value)
+        _check_record(record)
+        return record
     except (ValueError, TypeError) as exc:
         log.warning("registry: skipping malformed value under %s: %s", key.decode(errors="replace"), exc)
         return None

@@ -13,8 +13,11 @@ Service's labels onto its EndpointSlices (plus ``kubernetes.io/service-name``), 
 - A malformed slice (no port named ``port_name``, a role that is not prefill/decode/both, a TP that is not a
   positive integer, a non-object) is skipped with a warning; it never fails the list.
 - ``watch()`` lists, then watches from the list's ``resourceVersion``; a watch that the server ends (its
-  ``timeoutSeconds``) is resumed, a ``410 Gone`` relists, any other error is logged and retried with capped
-  exponential backoff while the last list yielded stays in force (nothing is yielded while the API is away).
+  ``timeoutSeconds``) is resumed (after the backoff delay when it brought no event, so a server that closes
+  every watch at once is not asked again in a tight loop), a ``410 Gone`` relists (at once after watch events,
+  else after a backoff delay: a 410 right after each list does not become a tight list/watch loop), any other
+  error is logged and retried with capped exponential backoff while the last list yielded stays in force
+  (nothing is yielded while the API is away).
 
 Client: the official ``kubernetes`` client (sync, urllib3) run in threads with :func:`asyncio.to_thread`; objects
 are read as raw JSON (``_preload_content=False``), so a malformed object is skipped rather than failing the
@@ -310,10 +313,13 @@ class KubernetesRegistry:
         ``CancelledError``; closing the generator shuts its watch connection down.
         """
         backoff = Backoff(self._backoff_initial_s, self._backoff_max_s)
+        gone_backoff = Backoff(self._backoff_initial_s, self._backoff_max_s)  # 410s with no event between them
         last: list[InstanceRecord] | None = None
         failures = 0
+        progress = True  # whether a watch event was applied since the last list
         while True:
             try:
+                progress = False
                 slices, version = await asyncio.to_thread(self._list_blocking)
                 if failures:
                     log.info("registry: EndpointSlices in %s listed again after %d failure(s)", self.namespace,
@@ -327,10 +333,14 @@ class KubernetesRegistry:
                 while True:  # successive watches, each resumed from the last resourceVersion seen
                     resp = await asyncio.to_thread(self._open_watch, version)
                     self._open.add(resp)
+                    events = 0
                     try:
                         lines = _iter_lines(resp)
                         while (line := await asyncio.to_thread(next, lines, None)) is not None:
                             version = self._apply(slices, line, version)
+                            events += 1
+                            progress = True
+                            gone_backoff.reset()
                             current = self._flatten(slices)
                             if current != last:
                                 last = current
@@ -338,9 +348,19 @@ class KubernetesRegistry:
                     finally:
                         self._open.discard(resp)
                         _close_response(resp)
+                    if events:
+                        backoff.reset()
+                    else:  # ended without an event (a quiet timeoutSeconds, or a server closing watches at
+                        # once): wait before the next, so a server that ends every watch is not hammered
+                        await self._sleep(backoff.next())
             except _Gone:
-                log.info("registry: watch of %s expired (410); listing again", self.namespace)
-                continue
+                if progress:
+                    log.info("registry: watch of %s expired (410); listing again", self.namespace)
+                    continue
+                # 410 again with no event since the last list: list again after a backoff, not in a tight loop
+                delay = gone_backoff.next()
+                log.warning("registry: watch of %s expired (410) right after a list; listing again in %.1f s",
+                            self.namespace, delay)
             except Exception as exc:  # never raise into the router: log, back off, list again
                 failures += 1
                 delay = backoff.next()

@@ -54,6 +54,8 @@ class FakeKubeAPI:
         self.items: dict[str, dict[str, Any]] = {}
         self.rv = 1
         self.down = False
+        self.watch_ends_at_once = False
+        self.watch_always_gone = False
         self.lists = 0
         self.watches = 0
         self.selectors: list[str] = []
@@ -117,6 +119,11 @@ class FakeKubeAPI:
                                       "metadata": {"resourceVersion": str(self.rv)},
                                       "items": list(self.items.values())})
         self.watches += 1
+        if self.watch_ends_at_once:  # an API server (or a proxy before it) that closes each watch at once
+            return web.Response(body=b"", content_type="application/json")
+        if self.watch_always_gone:  # every watch answered 410 at once, even from a fresh list's version
+            gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}
+            return web.Response(body=json.dumps(gone).encode() + b"\n", content_type="application/json")
         q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._subscribers.append(q)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -269,6 +276,41 @@ async def test_an_expired_resource_version_relists(api):
         api.send_raw({"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}})
         await until(lambda: [r.id for r in f.last] == ["d-5"])
         assert api.lists == 2
+    finally:
+        await f.stop()
+
+
+async def test_watches_that_end_at_once_are_reopened_with_backoff_not_in_a_tight_loop(api):
+    api.put(endpoint_slice("decode", {"d-0": True}))
+    api.watch_ends_at_once = True
+    f = Follower(make_registry(api))  # backoff 0.02 s doubling to 0.05 s
+    try:
+        await until(lambda: len(f.seen) == 1 and api.watches >= 1)
+        start = api.watches
+        await asyncio.sleep(0.5)
+        assert api.watches - start <= 25, api.watches - start  # at most one per initial backoff delay
+        api.watch_ends_at_once = False
+        api.cut_watches()
+        await until(lambda: len(api._subscribers) == 1, timeout=2.0)
+        api.put(endpoint_slice("decode", {"d-0": True, "d-1": True}))  # a working watch again: events flow
+        await until(lambda: [r.id for r in f.last] == ["d-0", "d-1"])
+    finally:
+        await f.stop()
+
+
+async def test_a_410_on_every_watch_relists_with_backoff_not_in_a_tight_loop(api):
+    api.put(endpoint_slice("decode", {"d-0": True}))
+    api.watch_always_gone = True
+    f = Follower(make_registry(api))  # backoff 0.02 s doubling to 0.05 s
+    try:
+        await until(lambda: len(f.seen) == 1 and api.lists >= 1)
+        start = api.lists
+        await asyncio.sleep(0.5)
+        assert api.lists - start <= 25, api.lists - start  # at most one relist per initial backoff delay
+        api.watch_always_gone = False
+        await until(lambda: len(api._subscribers) == 1, timeout=2.0)
+        api.put(endpoint_slice("decode", {"d-0": True, "d-1": True}))
+        await until(lambda: [r.id for r in f.last] == ["d-0", "d-1"])
     finally:
         await f.stop()
 
