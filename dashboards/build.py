@@ -71,6 +71,15 @@ def _ts(title: str, unit: str, desc: str, targets: list[tuple[str, str]], *, w: 
     return p
 
 
+def _own_axis(unit: str) -> list[Any]:
+    """Override properties of a series whose unit differs from its panel's: ``unit`` (a Grafana unit id) on the
+    right-hand axis."""
+    from grafana_foundation_sdk.models.dashboard import DynamicConfigValue
+
+    return [DynamicConfigValue(id_val="unit", value=unit),
+            DynamicConfigValue(id_val="custom.axisPlacement", value="right")]
+
+
 def _quantiles(metric: str, sel: str) -> list[tuple[str, str]]:
     return [
         (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{sel}}}[{RI}])))", f"p{int(q * 100)}")
@@ -354,6 +363,8 @@ def build_dashboard() -> dict[str, Any]:
                 (f"max by (pod) (vllm:kv_cache_usage_perc{{{SEL}}})", "KV {{pod}}"),
             ],
         )
+        # KV usage is a 0..1 share, not a count: a percentage on its own axis
+        .override_by_regexp("KV .*", _own_axis("percentunit"))
     )
 
     # ---- scheduler
@@ -381,6 +392,9 @@ def build_dashboard() -> dict[str, Any]:
                 (f"fulcrum_scheduler_table_entries{{{SEL}}}", "table entries {{pod}}"),
             ],
         )
+        # the panel's unit is seconds; violations are a rate and table entries a count: each on its own axis
+        .override_by_regexp("violations/s .*", _own_axis("ops"))
+        .override_by_regexp("table entries .*", _own_axis("short"))
     )
 
     out: dict[str, Any] = json.loads(json.dumps(d.build(), cls=JSONEncoder))

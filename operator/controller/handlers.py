@@ -509,7 +509,7 @@ class Controller:
         if drain_msgs:
             degraded = "; ".join(([degraded] if degraded else []) + drain_msgs)
         rt.degraded = degraded
-        self.metrics.record_interval(key, outcome, ready)
+        self.metrics.record_interval(key, outcome, ready, count_plan_changes=False)  # resizes: record_scale
         log.info("%s: %s", key, outcome.reason)
         return await self._write_status(body, self._status(rt, body, ready, degraded=degraded, outcome=outcome))
 
@@ -529,6 +529,7 @@ class Controller:
             if pool in rt.grown:
                 old, new = rt.grown[pool]
                 await self.event(body, "Normal", "ScaledOut", f"{pool}: {old}→{new} instances: {outcome.reason}")
+                self.metrics.record_scale(_key(body), pool, old, new)
         for pool in Pool:
             was, now = rt.loop_previous.pool(pool), outcome.target.pool(pool)
             if was.tp != now.tp and (was.replicas or now.replicas):
@@ -629,6 +630,7 @@ class Controller:
                 await self.event(body, "Normal", "ScaledIn",
                                  f"{pool}: {have}→{now} instances (the drain's replicas write was already sent when "
                                  f"the plan changed to {want}): {why}")
+                self.metrics.record_scale(_key(body), pool, have, now)
             elif want >= have:
                 await self.event(body, "Normal", "DrainCancelled",
                                  f"{pool}: the plan wants {want} instances again; drain stopped: {reason}")
@@ -665,6 +667,7 @@ class Controller:
         self.metrics.drain_seconds.observe(max(self.monotonic() - t0, 0.0))
         drained = ", ".join(result.victims) or "none"
         await self.event(body, "Normal", "ScaledIn", f"{pool}: {old}→{new} instances after draining {drained}: {reason}")
+        self.metrics.record_scale(key, pool, old, new)
         if result.timed_out:
             rt.drain_notes.append(f"{pool}: drain timed out with requests left on {', '.join(sorted(result.busy))}")
         await self._status_now(key)

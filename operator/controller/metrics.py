@@ -18,6 +18,9 @@ from fulcrum.target import ClusterTarget, Pool
 
 __all__ = ["OperatorMetrics"]
 
+#: Values of the ``pool`` label.
+_POOLS = tuple(p.value for p in Pool)
+
 _DRAIN_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
@@ -57,8 +60,16 @@ class OperatorMetrics:
                                             "Intervals without an observation (Prometheus down or empty)", ["llmserve"], registry=r)
         self._last_forecast: dict[str, dict[str, float]] = {}
 
-    def record_interval(self, key: str, outcome: LoopOutcome, ready: ReadyCounts) -> None:
-        """Export one interval's numbers for LLMServe ``key`` (``namespace/name``)."""
+    def record_interval(self, key: str, outcome: LoopOutcome, ready: ReadyCounts, *,
+                        count_plan_changes: bool = True) -> None:
+        """Export one interval's numbers for LLMServe ``key`` (``namespace/name``).
+
+        Args:
+            count_plan_changes: count the plan's pool changes (``outcome.changes``) in
+                ``fulcrum_operator_scale_events_total``. The plan's changes are not always what the cluster did
+                (a plan that only shortens a drain in flight grows nothing; a scale-in happens when its drain ends):
+                a caller that reports each resize as it happens with :meth:`record_scale` passes False.
+        """
         self.record_target(key, outcome.target, ready)
         if not outcome.observed:
             self.observation_failures.labels(key).inc()
@@ -68,6 +79,8 @@ class OperatorMetrics:
             self._record_errors(key, obs)
             if math.isfinite(obs.slo_attainment):
                 self.slo_attainment.labels(key).set(obs.slo_attainment)
+            else:  # no request finished: no attainment, rather than the last one held (FulcrumSLOAttainmentLow)
+                self._drop(self.slo_attainment, key)
         fc = outcome.forecast
         rate = fc.get("rate", {})
         for q, src in (("mean", "mean"), ("lower", "lower"), ("upper", "upper")):
@@ -82,18 +95,39 @@ class OperatorMetrics:
         if math.isfinite(ratio):
             self.planned_ratio.labels(key).set(ratio)
         self._last_forecast[key] = {s: float(fc[s]["mean"]) for s in ("rate", "isl", "osl") if s in fc}
-        for pool, (old, new) in outcome.changes.items():
+        if count_plan_changes:
+            for pool, (old, new) in outcome.changes.items():
+                self.record_scale(key, pool, old, new)
+
+    def record_scale(self, key: str, pool: Pool, old: int, new: int) -> None:
+        """Count one resize of ``pool`` of LLMServe ``key`` that happened: ``old`` → ``new`` replicas (instances),
+        direction ``out`` when it grew, ``in`` when it shrank; nothing when equal. Call it with what the ScaledOut
+        and ScaledIn Events report, so that ``fulcrum_operator_scale_events_total`` and the Events agree."""
+        if new != old:
             self.scale_events.labels(key, pool.value, "out" if new > old else "in").inc()
 
     def _record_errors(self, key: str, obs: Observation) -> None:
+        """``fulcrum_operator_forecast_error`` of the last interval's forecast against ``obs``, per series. A series
+        whose error is undefined (nothing observed: 0 requests/s or tokens; no finite forecast) loses its sample
+        rather than holding the last one, on which FulcrumForecastErrorHigh would fire through a quiet period."""
         last = self._last_forecast.get(key)
         if not last:
             return
         actual = {"rate": obs.rate_rps, "isl": obs.mean_isl, "osl": obs.mean_osl}
-        for series, predicted in last.items():
-            a = actual[series]
+        for series, a in actual.items():
+            predicted = last.get(series, math.nan)
             if a > 0 and math.isfinite(predicted):
                 self.forecast_error.labels(key, series).set(abs(predicted - a) / a)
+            else:
+                self._drop(self.forecast_error, key, series)
+
+    @staticmethod
+    def _drop(gauge: Gauge, *labels: str) -> None:
+        """Remove one labelled sample of ``gauge``; nothing when it has none."""
+        try:
+            gauge.remove(*labels)
+        except KeyError:
+            pass
 
     def record_target(self, key: str, target: ClusterTarget, ready: ReadyCounts) -> None:
         """Planned and ready instances per pool."""
@@ -104,16 +138,19 @@ class OperatorMetrics:
             self.ready_gpus.labels(key, pool.value).set(ready.of(pool) * size.tp)
 
     def forget(self, key: str) -> None:
-        """Drop the per-LLMServe series of a deleted LLMServe."""
+        """Drop the per-LLMServe gauges of a deleted LLMServe ``key`` (``namespace/name``).
+
+        Every gauge labelled by it goes, including the forecast quantiles, the forecast errors and the drain start
+        times: a gauge left behind keeps its last value, so FulcrumForecastErrorHigh (dashboards/alerts.py) would
+        go on firing for an LLMServe that is gone, and its forecast would stay on the dashboard. Its counters stay
+        (Prometheus' ``rate``/``increase`` handle a counter that stops).
+        """
         self._last_forecast.pop(key, None)
         for g in (self.forecast_isl, self.forecast_osl, self.planned_ratio, self.slo_attainment):
-            try:
-                g.remove(key)
-            except KeyError:
-                pass
-        for pool in Pool:
-            for g in (self.planned_instances, self.ready_instances, self.planned_gpus, self.ready_gpus):
-                try:
-                    g.remove(key, pool.value)
-                except KeyError:
-                    pass
+            self._drop(g, key)
+        for g, values in ((self.forecast_rate, ("mean", "lower", "upper")),
+                          (self.forecast_error, ("rate", "isl", "osl")),
+                          (self.planned_instances, _POOLS), (self.ready_instances, _POOLS),
+                          (self.planned_gpus, _POOLS), (self.ready_gpus, _POOLS), (self.drain_started, _POOLS)):
+            for value in values:
+                self._drop(g, key, value)

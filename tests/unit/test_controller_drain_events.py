@@ -235,3 +235,23 @@ async def test_observation_unavailable_gets_its_event_after_a_drain_failure_made
     clock.t += 10
     await c.interval(live(objs))  # blind again after a seen interval: a new occurrence, a new Event
     assert len(objs.by_reason("ObservationUnavailable")) == 2
+
+
+# fulcrum_operator_scale_events_total counts the resizes the ScaledOut/ScaledIn Events report (record_scale), not
+# the plan's changes: a drain 4→2 retargeted to 3 grew nothing (one ScaledOut 1→4, one ScaledIn 4→3), where the
+# plan's 2→3 looked like a scale-out.
+async def test_the_scale_events_metric_counts_the_resizes_the_events_report() -> None:
+    objs = InMemoryObjects()
+    c, planner, clock, pods = await _drain_4_to_2(objs)
+    planner.target = prefill(3)
+    clock.t += 10
+    await c.interval(live(objs))
+    pods.idle()
+    await c.settle(KEY)
+    outs = [e for e in objs.by_reason("ScaledOut") if e["message"].startswith("prefill")]
+    ins = [e for e in objs.by_reason("ScaledIn") if e["message"].startswith("prefill")]
+    assert (len(outs), len(ins)) == (1, 1)
+    get = c.metrics.registry.get_sample_value
+    counted = {d: get("fulcrum_operator_scale_events_total", {"llmserve": KEY, "pool": "prefill", "direction": d})
+               for d in ("out", "in")}
+    assert counted == {"out": 1.0, "in": 1.0}

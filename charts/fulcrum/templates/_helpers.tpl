@@ -18,6 +18,17 @@ Names and labels shared by every template. Kubernetes names are at most 63 chara
 {{- end -}}
 {{- end -}}
 
+{{/*
+The name of one of the chart's objects: the full name, shortened so that "<full name>-<suffix>" keeps within
+max characters (pass a dict: ctx, suffix, max; max defaults to 63, a DNS-1035 label). StatefulSets pass 52:
+their pods' controller-revision-hash label is the name, "-" and a 10-character hash.
+*/}}
+{{- define "fulcrum.componentName" -}}
+{{- $max := .max | default 63 -}}
+{{- $room := sub $max (add 1 (len .suffix)) | int -}}
+{{- printf "%s-%s" (include "fulcrum.fullname" .ctx | trunc $room | trimSuffix "-") .suffix -}}
+{{- end -}}
+
 {{- define "fulcrum.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -54,7 +65,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* etcd endpoint handed to the operator: the bundled one, else etcd.endpoint (may be empty). */}}
 {{- define "fulcrum.etcdEndpoint" -}}
 {{- if .Values.etcd.enabled -}}
-{{- printf "http://%s-etcd.%s.svc:2379" (include "fulcrum.fullname" .) .Release.Namespace -}}
+{{- printf "http://%s.%s.svc:2379" (include "fulcrum.componentName" (dict "ctx" . "suffix" "etcd" "max" 52)) .Release.Namespace -}}
 {{- else -}}
 {{- .Values.etcd.endpoint -}}
 {{- end -}}
@@ -63,7 +74,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* NATS URL handed to the operator: the bundled one, else nats.url (may be empty). */}}
 {{- define "fulcrum.natsUrl" -}}
 {{- if .Values.nats.enabled -}}
-{{- printf "nats://%s-nats.%s.svc:4222" (include "fulcrum.fullname" .) .Release.Namespace -}}
+{{- printf "nats://%s.%s.svc:4222" (include "fulcrum.componentName" (dict "ctx" . "suffix" "nats" "max" 52)) .Release.Namespace -}}
 {{- else -}}
 {{- .Values.nats.url -}}
 {{- end -}}
@@ -149,3 +160,22 @@ router's series by job="<llmserve>-router".
 - sourceLabels: [__meta_kubernetes_pod_name]
   targetLabel: pod
 {{- end }}
+
+
+{{/*
+Operator values that render but cannot work: helm install/upgrade stops with a message naming the value and the fix.
+*/}}
+{{- define "fulcrum.validateOperator" -}}
+{{- $op := .Values.operator -}}
+{{- if and (gt (int $op.replicas) 1) (not $op.peering.enabled) -}}
+{{- fail (printf "operator.replicas is %d but operator.peering.enabled is false: without peering every operator pod is active and each one scales and drains every LLMServe. Set operator.peering.enabled=true or operator.replicas=1." (int $op.replicas)) -}}
+{{- end -}}
+{{- if eq (int $op.metricsPort) (int $op.livenessPort) -}}
+{{- fail (printf "operator.metricsPort and operator.livenessPort are both %d: the metrics server and kopf's /healthz cannot share a port. Give them different ports." (int $op.metricsPort)) -}}
+{{- end -}}
+{{- range $k := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" -}}
+{{- if hasKey $op.podLabels $k -}}
+{{- fail (printf "operator.podLabels sets %s, a label the chart selects the operator pods by: the Deployment's selector would not match its pods. Remove %s from operator.podLabels." $k $k) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
