@@ -51,8 +51,9 @@ class ClusterSnapshot:
 def percentile(values: Sequence[float] | FloatArray, q: float) -> float:
     """The ``q``-th percentile (0..100, linear interpolation) of ``values``; ``inf`` entries allowed.
 
-    numpy interpolates ``inf − inf`` to NaN; here a percentile that falls among infinite values is ``inf``.
-    NaN when ``values`` is empty.
+    numpy interpolates ``inf − inf`` to NaN; here a percentile that falls among infinite values (that gives any
+    weight to one) is ``inf``, and one between two finite values is ``numpy.percentile``'s, to the last bit (what
+    a user computes from ``fulcrum replay --records``). NaN when ``values`` is empty.
     """
     arr = np.sort(np.asarray(values, dtype=float))
     n = arr.size
@@ -60,15 +61,14 @@ def percentile(values: Sequence[float] | FloatArray, q: float) -> float:
         return math.nan
     if np.isfinite(arr[-1]):
         return float(np.percentile(arr, q))
-    rank = q / 100.0 * (n - 1)
-    lo = int(math.floor(rank))
-    hi = min(lo + 1, n - 1)
-    frac = rank - lo
-    if frac == 0.0 or lo == hi:
-        return float(arr[lo])
-    if not np.isfinite(arr[hi]):
+    finite = np.isfinite(arr)
+    if not finite.any():
         return math.inf
-    return float(arr[lo] + (arr[hi] - arr[lo]) * frac)
+    # numpy's own interpolation, with the infinite values stood in for by the largest float: a result that leans
+    # on one at all lands beyond the largest finite value (weight ≥ 1e-16 of ~1.8e308), and is then inf
+    largest = float(arr[finite][-1])
+    value = float(np.percentile(np.where(finite, arr, np.finfo(float).max), q))
+    return value if value <= largest else math.inf
 
 
 class MetricsRecorder:

@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         from fulcrum.replay.report import write_report
 
-        paths = write_report(runs, args.report, trace_name=trace.name, slo=spec.slo)
+        paths = write_report(runs, args.report, trace_name=trace.name, slo=spec.slo, extra=extra)
         if not args.json:
             print(f"report: {len(paths)} files in {args.report}")
     if args.records is not None:
@@ -252,13 +252,14 @@ def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformancePr
                      routings: list[str], options: ReplayOptions, warmup: float) -> int:
     """Replay planner ``--policy`` once per routing policy; one table, a row per routing policy (named after it),
     and the paths its requests took."""
+    rejected = too_long(spec, requests)
     if not args.json:
-        print(f"trace {trace_name}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
+        seeded = f" (seed {args.seed})" if args.seed is not None else ""
+        print(f"trace {trace_name}{seeded}: {len(requests)} requests over {requests[-1].arrival_s / 60:.1f} min "
               f"(time scale {args.time_scale:g}); profile {profile.name}; mode {spec.mode.value}; "
               f"SLO TTFT {spec.slo.ttft_ms:g} ms, TPOT {spec.slo.tpot_ms:g} ms at P{spec.slo.percentile:g}; "
               f"planner {args.policy}; routing policies compared: {', '.join(routings)}", flush=True)
         print(f"scoring from t = {warmup:g} s (warm-up: the cold start of the initial pools, alike for every policy)")
-        rejected = too_long(spec, requests)
         if rejected:
             print(rejected_line(spec, rejected, len(requests)))
     runs: list[PolicyRun] = []
@@ -273,10 +274,14 @@ def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformancePr
             where = ", ".join(f"{k or 'never routed'} {v}" for k, v in paths[name].items())
             print(f"  {name:<14} SLO attainment {s.slo_attainment:6.1%}  GPU-hours {s.gpu_hours:7.2f}  "
                   f"({run_.wall_s:.1f} s{_rebalancing(run_)}; paths: {where})", flush=True)
+    # the keys of a one-routing --json (routing aside: every row names its own), and the routing comparison's
+    extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
+                             "seed": args.seed, "warmup_s": warmup, "rejected_requests": rejected,
+                             "planner": args.policy, "paths": paths}
     if args.report:
         from fulcrum.replay.report import write_report
 
-        written = write_report(runs, args.report, trace_name=trace_name, slo=spec.slo)
+        written = write_report(runs, args.report, trace_name=trace_name, slo=spec.slo, extra=extra)
         if not args.json:
             print(f"report: {len(written)} files in {args.report}")
     if args.records is not None:
@@ -284,8 +289,6 @@ def _compare_routing(args: argparse.Namespace, spec: Any, profile: PerformancePr
         if not args.json:
             print(f"records: {sum(len(r.records) for r in runs)} requests in {args.records}")
     if args.json:
-        extra: dict[str, Any] = {"profile": profile.name, "mode": spec.mode.value, "time_scale": args.time_scale,
-                                 "warmup_s": warmup, "planner": args.policy, "paths": paths}
         print(json.dumps(summary_json(runs, trace_name=trace_name, slo=spec.slo, extra=extra), indent=2, allow_nan=False))
     else:
         print()

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import stat
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.api import SLOSpec
-from fulcrum.outputs import check_writable_file
+from fulcrum.outputs import check_writable_file, check_writable_folder
 from fulcrum.simulator.metrics import percentile
 from fulcrum.simulator.records import RequestRecord
 
@@ -187,8 +190,9 @@ def _has_pyarrow() -> bool:
 def check_records_path(path: Path) -> str:
     """The format ``path`` will be written in (``"csv"`` or ``"parquet"``), checked before a long replay: the
     name, pyarrow for Parquet, and that the file can be written there. The probe creates the missing parent
-    folders (as :func:`write_records` would), writes and removes a scratch file beside ``path`` and opens an
-    existing ``path`` for appending (its content is left as it is).
+    folders (as :func:`write_records` would), writes and removes a scratch file beside ``path`` (or beside the
+    target of a link: :func:`write_records` writes its scratch file there) and opens an existing ``path`` for
+    appending (its content is left as it is).
 
     Raises:
         ValueError: an unknown suffix, ``.parquet`` without pyarrow installed (the message names the extra),
@@ -202,6 +206,8 @@ def check_records_path(path: Path) -> str:
         raise ValueError(f"--records {path}: writing Parquet needs pyarrow, which is not installed: "
                          "pip install 'fulcrum[parquet]' (or pyarrow), or write a .csv file")
     check_writable_file(path, "--records", create_parent=True)
+    # write_records replaces the file by a scratch file written beside it: the folder must take new files too
+    check_writable_folder(Path(os.path.realpath(path)).parent, "--records")
     return fmt
 
 
@@ -219,22 +225,43 @@ def write_records(runs: Sequence["PolicyRun"], path: Path, slo: SLOSpec) -> Path
 
     Rows: the runs in order, each run's requests in arrival order (:func:`record_rows`).
 
+    The file is written whole or not at all: into a scratch file beside ``path`` (``.NAME.*.tmp``), then renamed
+    over it (:func:`os.replace`), so a write that fails half-way (a full disk, an interrupted replay) leaves an
+    existing ``path`` as it was and no scratch file behind. A new file gets the mode the umask allows, an
+    existing one keeps its mode; a symbolic link is followed (its target is replaced, the link stays).
+
     Raises:
         ValueError: unknown suffix, or Parquet without pyarrow (:func:`check_records_path`).
         OSError: the file cannot be written.
     """
     path = Path(path)
     fmt = check_records_path(path)
-    if path.parent != Path(""):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "csv":
-        with path.open("w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(RECORD_COLUMNS)
-            for run in runs:
-                for row in record_rows(run, slo):
-                    writer.writerow([_csv_cell(row[c]) for c in RECORD_COLUMNS])
-        return path
+    target = Path(os.path.realpath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    # O_EXCL: never write through a file or link of that name; mode 0o666 less the umask, as open() gives
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with open(fd, "w", newline="", encoding="utf-8") as fh:
+            if fmt == "csv":
+                writer = csv.writer(fh)
+                writer.writerow(RECORD_COLUMNS)
+                for run in runs:
+                    for row in record_rows(run, slo):
+                        writer.writerow([_csv_cell(row[c]) for c in RECORD_COLUMNS])
+        if fmt == "parquet":
+            _write_parquet(runs, slo, scratch)
+        if target.exists():
+            os.chmod(scratch, stat.S_IMODE(target.stat().st_mode))
+        os.replace(scratch, target)
+    except BaseException:
+        scratch.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _write_parquet(runs: Sequence["PolicyRun"], slo: SLOSpec, path: Path) -> None:
+    """The rows of :func:`record_rows` as one Parquet table at ``path`` (pyarrow; overwrites ``path``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -244,4 +271,3 @@ def write_records(runs: Sequence["PolicyRun"], path: Path, slo: SLOSpec) -> Path
             for c in RECORD_COLUMNS:
                 columns[c].append(row[c])
     pq.write_table(pa.table(columns), path)
-    return path

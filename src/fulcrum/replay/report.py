@@ -25,6 +25,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -312,7 +313,7 @@ def _plot_cdf_panel(
     if drawn:
         _plain_log_x(ax)
     else:
-        _note(ax, "no finite latencies")
+        _note(ax, "no finite positive values")  # zeros (one-token outputs' TPOT) are finite but off a log axis
     ax.set_ylim(0.0, 1.02)
     ax.set_xlabel(f"{name} ({unit}, log scale)" if drawn else f"{name} ({unit})")
     ax.set_ylabel("fraction of scored requests")
@@ -375,7 +376,8 @@ def _plot_metric(runs: Sequence[PolicyRun], colours: dict[str, str], trace_name:
     ax.set_xlabel(f"{label} ({unit}{', log scale' if drawn else ''})")
     ax.set_ylabel("fraction of scored requests")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small", framealpha=0.85)
+    if ax.get_legend_handles_labels()[0]:  # nothing to name when no policy has a scored request and no SLO applies
+        ax.legend(loc="lower right", fontsize="small", framealpha=0.85)
     ax.set_title(f"{label}: {METRIC_NAMES[metric]}, per policy — trace {trace_name}\n"
                  "dots: p50 / p90 / p99; requests never served lie beyond the axis", fontsize="medium")
     return _save(figure, path)
@@ -418,14 +420,16 @@ def _plot_pools(runs: Sequence[PolicyRun], trace_name: str, path: Path) -> Path:
     return _save(figure, path)
 
 
-def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, trace_name: str, slo: SLOSpec) -> list[Path]:
+def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, trace_name: str, slo: SLOSpec,
+                 extra: dict[str, Any] | None = None) -> list[Path]:
     """Write the replay report of ``runs`` into ``out_dir`` (created if missing) and return the paths.
 
     Files, in this order: ``gpus_over_time.png``, ``forecast_vs_actual.png`` (only when at least one run
     has forecasts; runs without forecasts are left out of it), ``latency_cdf.png``,
     ``pools_over_time.png``, ``latency_ttft.png``, ``latency_tpot.png``, ``latency_e2e.png``,
-    ``latency_queue.png`` (:data:`METRIC_PNGS`), ``summary.json`` (:func:`fulcrum.replay.table.summary_json`,
-    non-finite numbers as ``null``) and ``comparison.txt`` (:func:`fulcrum.replay.table.comparison_table`, a
+    ``latency_queue.png`` (:data:`METRIC_PNGS`), ``summary.json`` (:func:`fulcrum.replay.table.summary_json` with
+    ``extra``'s top-level entries — ``fulcrum replay`` passes those it prints with ``--json``, so the file is
+    that output; non-finite numbers as ``null``) and ``comparison.txt`` (:func:`fulcrum.replay.table.comparison_table`, a
     blank line, then :func:`fulcrum.replay.table.percentiles_table`).
     Existing files of those names are overwritten; nothing else in ``out_dir`` is touched.
 
@@ -436,7 +440,8 @@ def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, trace_name: str, s
     denominator (their curves end below 1 and the legend says how many are beyond the axis).
 
     Raises:
-        ValueError: ``runs`` is empty or two runs share a policy name.
+        ValueError: ``runs`` is empty, two runs share a policy name, or ``extra`` uses a key of
+            :func:`fulcrum.replay.table.summary_json`'s own (``trace``, ``slo``, ``policies``).
         OSError: ``out_dir`` cannot be created or written.
     """
     check_runs(runs)
@@ -452,7 +457,7 @@ def write_report(runs: Sequence[PolicyRun], out_dir: Path, *, trace_name: str, s
     for metric, name in METRIC_PNGS.items():
         written.append(_plot_metric(runs, colours, trace_name, slo, metric, out_dir / name))
     summary_path = out_dir / SUMMARY_JSON
-    summary = summary_json(runs, trace_name=trace_name, slo=slo)
+    summary = summary_json(runs, trace_name=trace_name, slo=slo, extra=extra)
     summary_path.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     written.append(summary_path)
     table_path = out_dir / COMPARISON_TXT

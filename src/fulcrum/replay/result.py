@@ -43,12 +43,15 @@ class PolicySummary:
     """Headline figures of one policy on one trace.
 
     Attributes:
-        slo_attainment: share of requests meeting both TTFT and TPOT SLOs, 0..1.
-        goodput_tokens_per_s: output tokens/s of requests meeting both SLOs, over the trace span.
-        throughput_tokens_per_s: output tokens/s of all requests.
-        gpu_hours: GPU-hours provisioned (pods counted from scale-out until removed, start-up included).
-        ttft_p_s / tpot_p_s: TTFT / TPOT at the SLO percentile, seconds.
-        requests: requests in the trace.
+        slo_attainment: share of the scored requests (arrivals after the warm-up, rejected prompts and requests
+            unfinished at the end included) meeting both TTFT and TPOT SLOs, 0..1; NaN when none is scored.
+        goodput_tokens_per_s: output tokens/s of the scored requests meeting both SLOs, over the span of their
+            arrivals (first → last; :func:`fulcrum.simulator.metrics.summarize`).
+        throughput_tokens_per_s: output tokens/s of the scored requests that finished, over the same span.
+        gpu_hours: GPU-hours provisioned from the end of the warm-up to the end of the run (pods counted from
+            scale-out until removed, start-up included).
+        ttft_p_s / tpot_p_s: TTFT / TPOT at the SLO percentile over the scored requests, seconds.
+        requests: the scored requests.
         scale_events: changes of target.
         latency: p50/p90/p99 of TTFT, TPOT, end-to-end latency and queueing time over the scored requests
             (arrivals after the warm-up), seconds (:mod:`fulcrum.replay.distribution`).
