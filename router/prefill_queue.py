@@ -271,7 +271,32 @@ async def _ensure_stream_and_consumer(js: JetStreamContext, layout: QueueLayout)
         raise PrefillQueueError(f"JetStream stream {layout.stream} could not be set up: {exc}") from exc
 
 
-class NatsPrefillQueue:
+class _StreamRestore:
+    """What the router's queue and the worker share after a reconnection: ``_stale`` (set on reconnection) and
+    :meth:`_restore`, which sets the stream and the consumer up again (a restarted nats-server with memory storage
+    lost them)."""
+
+    _js: Any
+    _stale: bool
+    layout: QueueLayout
+
+    async def _restore(self) -> None:
+        """Set the stream and the consumer up again; ``_stale`` stays set when that fails, so the next call tries
+        again.
+
+        Raises:
+            PrefillQueueError: JetStream is unavailable or the stream cannot be set up.
+        """
+        assert self._js is not None
+        self._stale = False
+        try:
+            await _ensure_stream_and_consumer(self._js, self.layout)
+        except BaseException:
+            self._stale = True
+            raise
+
+
+class NatsPrefillQueue(_StreamRestore):
     """Router side of the prefill queue: submit jobs and await their replies; report the queue depth.
 
     Args:
@@ -388,19 +413,6 @@ class NatsPrefillQueue:
             return False
         return bool((msg.headers or {}).get(MSG_ID_HEADER) == job_id)
 
-    async def _restore(self) -> None:
-        """Set the stream and the consumer up again (after a nats-server restart lost them).
-
-        Raises:
-            PrefillQueueError: JetStream is unavailable or the stream cannot be set up.
-        """
-        assert self._js is not None
-        self._stale = False
-        try:
-            await _ensure_stream_and_consumer(self._js, self.layout)
-        except BaseException:
-            self._stale = True
-            raise
 
     async def _publish(self, job_id: str, payload: bytes, headers: dict[str, str], deadline: float) -> Any:
         """Publish one job to the stream by ``deadline`` (``time.monotonic()`` seconds); the JetStream ack.
@@ -574,7 +586,7 @@ def _json_type(value: Any) -> str:
     return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else type(value).__name__
 
 
-class PrefillWorker:
+class PrefillWorker(_StreamRestore):
     """Worker side (a P-instance): pull jobs from the shared consumer, run the handler, reply, acknowledge.
 
     Args:
@@ -678,12 +690,7 @@ class PrefillWorker:
                     if self._stale and self._js is not None:
                         # reconnected: a restarted nats-server (memory storage) lost the stream and the consumer,
                         # and a pull on a missing consumer only times out; set them up again first
-                        self._stale = False
-                        try:
-                            await _ensure_stream_and_consumer(self._js, self.layout)
-                        except BaseException:
-                            self._stale = True
-                            raise
+                        await self._restore()
                     msgs = await self._sub.fetch(1, timeout=self._fetch_timeout_s)
                     failures = 0
                 except nats.errors.TimeoutError:
