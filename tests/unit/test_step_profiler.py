@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -276,7 +277,13 @@ async def _step_cli(engine: FakeEngine, out: Path, *extra: str) -> int:
 
 def _interrupt_on_composition(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """Ctrl-C in the step profiler: its ``n``-th composition try raises KeyboardInterrupt (as a SIGINT does where
-    Python delivers it; the CLI runs in a worker thread here, where no signal arrives)."""
+    Python delivers it; the CLI runs in a worker thread here, where no signal arrives).
+
+    asyncio lets a KeyboardInterrupt raised in a task leave the event loop at once and also stores it on the task,
+    where nothing reads it; such a task logs "Task exception was never retrieved" with its traceback when the cyclic
+    GC frees it, at any later moment, and on Python 3.11.7 that inside another ``ast.parse`` crashed pytest (see
+    test_a_simulated_ctrl_c_leaves_no_task_that_logs_a_traceback_when_the_gc_frees_it). So the exception is read
+    once the task is done: asyncio.run's shutdown (cancelling the run's main task) runs the callback."""
     from fulcrum.worker import step_profiler
 
     real = step_profiler._profile_composition
@@ -285,6 +292,9 @@ def _interrupt_on_composition(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     async def composition(*args: Any, **kwargs: Any) -> bool:
         calls["n"] += 1
         if calls["n"] >= n:
+            task = asyncio.current_task()
+            assert task is not None
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise KeyboardInterrupt
         return await real(*args, **kwargs)
 
@@ -381,6 +391,24 @@ async def test_ctrl_c_before_any_composition_was_sent_says_nothing_was_kept_and_
     assert rc == 130
     assert err == ["fulcrum profile: interrupted: interrupted (Ctrl-C); nothing kept: no composition was sent"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_simulated_ctrl_c_leaves_no_task_that_logs_a_traceback_when_the_gc_frees_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The KeyboardInterrupt that ``_interrupt_on_composition`` raises in a task leaves the event loop at once and
+    stays stored on the task, unread: freed later by the cyclic GC, the task logged "Task exception was never
+    retrieved" with its traceback, whose formatting calls ``ast.parse`` on Python 3.11. When that collection ran
+    inside another ``ast.parse`` (pytest's assertion rewriter importing hypothesis at the terminal summary), the
+    outer one failed with "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905, 3.11.7)."""
+    import gc
+
+    gc.collect()  # what earlier tests left is not this test's
+    _interrupt_on_composition(monkeypatch, 2)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        assert await _step_cli(FakeEngine(), tmp_path / "t.json", "--step-contexts", "64,128") == 130
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 @pytest.mark.asyncio
