@@ -62,6 +62,7 @@ __all__ = [
     "signal_process_group",
     "process_group_alive",
     "reap_orphans",
+    "group_members",
     "EngineLoad",
     "Registration",
     "Supervisor",
@@ -516,7 +517,7 @@ def process_group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    members = _group_members(pgid)
+    members = group_members(pgid)
     if not members:
         return True
     return any(state not in ("Z", "X") for _, state, _ in members)
@@ -528,7 +529,7 @@ def reap_orphans(pgid: int, *, keep: int) -> list[int]:
     supervisor as PID 1 (or a subreaper). Linux ``/proc``; elsewhere nothing is reaped."""
     me = os.getpid()
     reaped: list[int] = []
-    for pid, state, ppid in _group_members(pgid) or []:
+    for pid, state, ppid in group_members(pgid) or []:
         if state == "Z" and ppid == me and pid != keep:
             with contextlib.suppress(ChildProcessError):
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
@@ -536,9 +537,9 @@ def reap_orphans(pgid: int, *, keep: int) -> list[int]:
     return reaped
 
 
-def _group_members(pgid: int) -> list[tuple[int, str, int]] | None:
-    """``(pid, state, parent pid)`` of every process of group ``pgid``, from ``/proc/<pid>/stat``; None where
-    ``/proc`` cannot be listed."""
+def group_members(pgid: int) -> list[tuple[int, str, int]] | None:
+    """``(pid, state, parent pid)`` of every process of group ``pgid``, from ``/proc/<pid>/stat`` (state as
+    ``ps`` writes it: ``Z`` a zombie, ``R``/``S``/``D`` alive); None where ``/proc`` cannot be listed (not Linux)."""
     try:
         names = os.listdir("/proc")
     except OSError:
